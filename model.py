@@ -1,0 +1,407 @@
+"""
+A Qwen2 / Qwen2.5 decoder in plain PyTorch: the same numbers as transformers' Qwen2ForCausalLM, in one file.
+
+Per layer: RMSNorm -> attention (q/k/v with bias, grouped-query, RoPE) -> residual -> RMSNorm -> SwiGLU MLP -> residual.
+Weights load from and save to the Hugging Face safetensors layout, so a checkpoint moves freely between this file,
+transformers and vLLM. Parameter names mirror the HF keys (model.layers.N.self_attn.q_proj.weight, ...), so no key
+mapping is needed anywhere.
+"""
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 151936
+    hidden_size: int = 896
+    intermediate_size: int = 4864
+    num_hidden_layers: int = 24
+    num_attention_heads: int = 14
+    num_key_value_heads: int = 2
+    head_dim: int = 0  # 0 = hidden_size // num_attention_heads (Qwen2's rule)
+    max_position_embeddings: int = 32768
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    tie_word_embeddings: bool = True
+    torch_dtype: str = "bfloat16"  # the dtype the weights are stored in
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self):
+        if self.head_dim == 0:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+
+    @classmethod
+    def from_hf(cls, hf: dict, source: str = "config.json") -> "ModelConfig":
+        """Build from a Hugging Face config.json dict (old top-level rope_theta or newer rope_parameters)."""
+        if hf.get("model_type", "qwen2") != "qwen2":
+            raise ValueError(f"{source}: model_type is {hf['model_type']!r}; this project implements 'qwen2' only")
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ValueError(f"{source}: rope type {rope.get('rope_type', rope.get('type'))!r} is not supported "
+                             "(only the default RoPE of Qwen2/Qwen2.5)")
+        if hf.get("use_sliding_window", False):
+            raise ValueError(f"{source}: use_sliding_window=true is not supported (Qwen2.5 ships with it off)")
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in hf.items() if k in known and v is not None}
+        if "rope_theta" in rope:
+            kw["rope_theta"] = rope["rope_theta"]
+        kw["torch_dtype"] = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if k not in kw:
+                raise ValueError(f"{source}: missing required field {k!r}")
+        kw.setdefault("num_key_value_heads", kw["num_attention_heads"])
+        return cls(**kw)
+
+    @classmethod
+    def from_json(cls, path: str) -> "ModelConfig":
+        with open(path) as f:
+            try:
+                hf = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_hf(hf, source=path)
+
+    def to_hf(self) -> dict:
+        """The config.json that transformers (and vLLM) read for a Qwen2ForCausalLM."""
+        hf = asdict(self)
+        hf.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_act="silu",
+                  use_sliding_window=False, attention_dropout=0.0, initializer_range=0.02, use_cache=True)
+        return {k: v for k, v in hf.items() if v is not None}
+
+
+# Small named shapes. The vocab of the toy ones is set by whoever builds them (the tokenizer decides it).
+PRESETS = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=1024, torch_dtype="float32"),
+    "demo": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=1024, torch_dtype="float32"),
+    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    return ModelConfig(**{**PRESETS[name], **overrides})
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The network
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # in fp32: the mean of squares of bf16 activations loses too much precision; cast back before the weight,
+        # exactly as transformers does (the order of the cast changes the bits)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_cos_sin(positions, inv_freq, dtype):
+    """positions (B, T) -> cos, sin (B, 1, T, head_dim), in fp32 then cast like transformers."""
+    freqs = positions[..., None].float() * inv_freq  # (B, T, head_dim/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, head_dim): the "rotate half" layout pairs i with i + head_dim/2
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def apply_rope(x, cos, sin):
+    """x (B, H, T, D). Rotate-half RoPE: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), x1/x2 the two halves of D."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head, self.n_kv_head, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_head * self.head_dim, bias=True)  # Qwen2: bias on q, k, v ...
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=True)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=True)
+        self.o_proj = nn.Linear(self.n_head * self.head_dim, cfg.hidden_size, bias=False)  # ... and none on o
+
+    def forward(self, x, cos, sin, mask, kv_cache, cache_start):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_cache is not None:  # write this step's keys/values, attend over everything cached so far
+            k, v = kv_cache.update(self.layer_idx, cache_start, k, v)  # (B, Hkv, S, D)
+        # GQA: each group of n_head / n_kv_head query heads shares one k/v head; enable_gqa does the sharing
+        # without materialising repeated copies of k and v
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and kv_cache is None,
+                                           enable_gqa=self.n_kv_head != self.n_head)  # (B, H, T, D)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask, kv_cache=None, cache_start=0):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, cache_start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class KVCache:
+    """Preallocated keys and values for every layer: (layers, B, Hkv, max_len, D) each. Slot s of the cache holds
+    the s-th token fed to the model; with left padding, slots and RoPE positions differ, which is why forward()
+    takes both `cache_start` (a slot) and `positions`."""
+
+    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, dtype, device):
+        shape = (cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def update(self, layer, start, k, v):  # k, v (B, Hkv, T, D) -> all keys/values so far (B, Hkv, start+T, D)
+        end = start + k.shape[2]
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+def attention_mask_4d(key_mask, T, start):
+    """key_mask (B, S) bool, True on real tokens, S = start + T -> (B, 1, T, S) bool: query slot i sees key slot j
+    iff j <= i and j is real. A padding query also sees itself, so no row is empty (an all-False row gives NaN on some SDPA backends,
+    which would then leak through 0 * NaN into any masked loss)."""
+    S = start + T
+    q_slot = torch.arange(start, S, device=key_mask.device)[:, None]  # (T, 1)
+    k_slot = torch.arange(S, device=key_mask.device)[None, :]  # (1, S)
+    mask = (k_slot <= q_slot) & key_mask[:, None, :].bool()  # (B, T, S)
+    return (mask | (k_slot == q_slot))[:, None]
+
+
+class Qwen2(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = nn.ModuleDict(dict(
+            embed_tokens=nn.Embedding(cfg.vocab_size, cfg.hidden_size),
+            layers=nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers)),
+            norm=RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+        ))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        self.register_buffer("inv_freq", self._rope_inv_freq(), persistent=False)
+        if self.inv_freq.device.type != "meta":
+            self.apply(self._init_weights)
+
+    def _rope_inv_freq(self, device=None):
+        d = self.config.head_dim
+        return 1.0 / (self.config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float, device=device) / d))
+
+    def tie_weights(self):
+        if self.config.tie_word_embeddings:  # Qwen2.5-0.5B/1.5B/3B share the input and output embeddings
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def _init_weights(m):  # transformers' init: N(0, 0.02) for matrices, zero biases (RMSNorm weights start at 1)
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def new_kv_cache(self, batch_size: int, max_len: int) -> KVCache:
+        w = self.model.embed_tokens.weight
+        return KVCache(self.config, batch_size, max_len, w.dtype, w.device)
+
+    def forward(self, input_ids, positions=None, attention_mask=None, kv_cache=None, cache_start=0,
+                return_hidden=False, head=None):
+        """
+        input_ids (B, T). positions (B, T): RoPE positions, default cache_start + arange(T); pass them for left-padded
+        batches so each sequence's first real token sits at position 0. attention_mask (B, S) bool, True on real
+        tokens, over every key the step sees (S = cache_start + T with a cache, T without). kv_cache: write this
+        step's k/v at slots [cache_start, cache_start + T) and attend to slots [0, cache_start + T).
+        Returns logits (B, T, V) in fp32... or the final hidden states (B, T, C) with return_hidden=True, or
+        head(hidden, lm_head_weight) when a head function is given: a loss that applies the output layer in chunks
+        (and, under FSDP, while the root's weights are gathered) instead of holding all (B*T, V) logits.
+        """
+        B, T = input_ids.shape
+        if positions is None:
+            positions = torch.arange(cache_start, cache_start + T, device=input_ids.device).expand(B, T)
+        if attention_mask is not None:
+            mask = attention_mask_4d(attention_mask, T, cache_start)
+        elif kv_cache is not None and T > 1:  # a cached prefill without padding still needs causality in slot space
+            mask = attention_mask_4d(torch.ones(B, cache_start + T, dtype=torch.bool, device=input_ids.device),
+                                     T, cache_start)
+        else:
+            mask = None  # full causal (is_causal) without a cache; a single decode token sees every cached slot
+        x = self.model.embed_tokens(input_ids)  # (B, T, C)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)  # computed once, shared by all layers
+        for block in self.model.layers:
+            x = block(x, cos, sin, mask, kv_cache, cache_start)
+        x = self.model.norm(x)  # (B, T, C)
+        if head is not None:
+            return head(x, self.lm_head.weight)
+        if return_hidden:
+            return x
+        return self.lm_head(x).float()  # (B, T, V)
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # Hugging Face checkpoints
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype=None, device="cpu") -> "Qwen2":
+        """Load a Hugging Face Qwen2 directory (model.safetensors, or sharded files + model.safetensors.index.json).
+        The model is built on the meta device and the loaded tensors are assigned in place: no second copy, so a 32B
+        checkpoint needs its own size in memory, not twice that. dtype defaults to the config's torch_dtype."""
+        cfg = ModelConfig.from_json(_need(path, "config.json"))
+        dtype = dtype or getattr(torch, cfg.torch_dtype)
+        with torch.device("meta"):
+            model = cls(cfg)
+        expected = {k: v.shape for k, v in model.state_dict().items()}
+        if cfg.tie_word_embeddings:
+            expected.pop("lm_head.weight")  # stored once, as the embedding
+        state = {}
+        for file, keys in _checkpoint_files(path).items():
+            with safe_open(file, framework="pt", device=str(device)) as f:
+                for key in keys or f.keys():
+                    if key.endswith("rotary_emb.inv_freq") or (key == "lm_head.weight" and cfg.tie_word_embeddings):
+                        continue  # derived buffers some old checkpoints carry; a tied head some carry anyway
+                    if key not in expected:
+                        raise ValueError(f"{file}: unexpected key {key!r} (not part of a Qwen2 with this config)")
+                    t = f.get_tensor(key)
+                    if tuple(t.shape) != tuple(expected[key]):
+                        raise ValueError(f"{file}: key {key!r} has shape {tuple(t.shape)}, the config implies "
+                                         f"{tuple(expected[key])}")
+                    state[key] = t.to(dtype)
+        missing = sorted(set(expected) - set(state))
+        if missing:
+            raise ValueError(f"{path}: checkpoint lacks {len(missing)} key(s), first {missing[0]!r}")
+        if cfg.tie_word_embeddings:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        model.load_state_dict(state, strict=True, assign=True)
+        model.tie_weights()  # assign=True replaced the Parameter objects: tie them again
+        model.inv_freq = model._rope_inv_freq(device)
+        return model
+
+    def save_pretrained(self, path: str, max_shard_bytes: int = 5 * 2**30):
+        save_hf_checkpoint(self.state_dict(), self.config, path, max_shard_bytes)
+
+
+def _need(path, name):
+    file = os.path.join(path, name)
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"{file}: not found (is {path!r} a Hugging Face model directory?)")
+    return file
+
+
+def _checkpoint_files(path) -> dict:
+    """{safetensors file: [keys in it] (or None = all)} from the index of a sharded checkpoint or the single file."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = {}
+        for key, name in weight_map.items():
+            files.setdefault(name, []).append(key)
+        for name in files:
+            _need(path, name)
+        return {os.path.join(path, name): keys for name, keys in files.items()}
+    return {_need(path, "model.safetensors"): None}
+
+
+def save_hf_checkpoint(state_dict: dict, cfg: ModelConfig, path: str, max_shard_bytes: int = 5 * 2**30):
+    """Write config.json + safetensors (sharded with an index above max_shard_bytes), the layout transformers writes.
+    Everything goes to a temporary directory first and is renamed into place, so a crash never leaves half a
+    checkpoint under `path`."""
+    state = {k: v.detach().contiguous().cpu() for k, v in state_dict.items() if k in _hf_keys(cfg, state_dict)}
+    shards, size = [{}], 0
+    for k, v in state.items():
+        nbytes = v.numel() * v.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += nbytes
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-ckpt-", dir=parent)
+    try:
+        dtypes = {v.dtype for v in state.values()}
+        hf = cfg.to_hf()
+        hf["torch_dtype"] = str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else cfg.torch_dtype
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf, f, indent=2)
+        if len(shards) == 1:
+            save_file(shards[0], os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, os.path.join(tmp, name), metadata={"format": "pt"})
+                weight_map.update({k: name for k in shard})
+            total = sum(v.numel() * v.element_size() for v in state.values())
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        _replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _hf_keys(cfg, state_dict):
+    keys = set(state_dict)
+    if cfg.tie_word_embeddings:
+        keys.discard("lm_head.weight")  # transformers stores a tied head once, as the embedding
+    return keys
+
+
+def _replace_dir(src, dst):
+    """Move directory src to dst atomically enough: dst is either the old or the new checkpoint, never a mix."""
+    if os.path.exists(dst):
+        old = dst.rstrip("/") + f".old-{os.getpid()}"
+        os.replace(dst, old)
+        os.replace(src, dst)
+        shutil.rmtree(old)
+    else:
+        os.replace(src, dst)
+
+
+def num_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # parameters() counts a tied weight once
+
+
+if __name__ == "__main__":  # a smoke run: python model.py
+    torch.manual_seed(0)
+    m = Qwen2(preset("tiny", vocab_size=1000))
+    x = torch.randint(0, 1000, (2, 16))
+    print(f"tiny Qwen2: {num_params(m):,} parameters, logits {tuple(m(x).shape)}, "
+          f"loss at init {F.cross_entropy(m(x)[:, :-1].flatten(0, 1), x[:, 1:].flatten()):.3f} "
+          f"(ln V = {math.log(1000):.3f})")

@@ -1,0 +1,202 @@
+"""model.py against transformers' Qwen2ForCausalLM on the same random weights (no downloads)."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from model import ModelConfig, Qwen2, preset
+
+transformers = pytest.importorskip("transformers")
+
+TOL = 1e-5  # fp32: the same arithmetic in (nearly) the same order
+
+
+def hf_model(vocab=257, kv_heads=2, heads=4, hidden=64, tied=True, layers=2, seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden + 8,
+                                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                   rope_theta=1e6, tie_word_embeddings=tied, max_position_embeddings=512)
+    m = transformers.Qwen2ForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # transformers inits biases and norms to constants; randomise so the test sees them
+        for name, p in m.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return m
+
+
+def ours_from(hf, tmp_path):
+    hf.save_pretrained(tmp_path / "hf")
+    return Qwen2.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+
+
+CONFIGS = [  # (vocab, kv_heads, heads, hidden, tied): kv-head ratios 1, 2 and 7, odd vocabs, tied and untied
+    (257, 4, 4, 64, True),
+    (1001, 2, 4, 64, False),
+    (331, 1, 7, 56, True),
+    (500, 2, 14, 112, False),
+]
+
+
+@pytest.mark.parametrize("vocab,kv,heads,hidden,tied", CONFIGS)
+def test_logits_match_transformers(tmp_path, vocab, kv, heads, hidden, tied):
+    hf = hf_model(vocab, kv, heads, hidden, tied)
+    ours = ours_from(hf, tmp_path)
+    assert ours.config.num_key_value_heads == kv and ours.config.tie_word_embeddings == tied
+    x = torch.randint(0, vocab, (3, 37))
+    with torch.no_grad():
+        ref = hf(x).logits
+        got = ours(x)
+    assert got.shape == ref.shape == (3, 37, vocab)
+    assert (got - ref).abs().max() < TOL
+
+
+def test_left_padded_batch_matches_each_sequence_alone(tmp_path):
+    hf = hf_model(vocab=300, kv_heads=2)
+    ours = ours_from(hf, tmp_path)
+    seqs = [torch.randint(0, 300, (n,)) for n in (5, 12, 9)]
+    T = max(len(s) for s in seqs)
+    ids = torch.zeros(3, T, dtype=torch.long)
+    mask = torch.zeros(3, T, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        ids[i, T - len(s):], mask[i, T - len(s):] = s, True
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # each sequence's first real token at position 0
+    with torch.no_grad():
+        batch = ours(ids, positions=positions, attention_mask=mask)
+        hf_batch = hf(ids, attention_mask=mask.long(), position_ids=positions).logits
+        assert torch.isfinite(batch).all()  # padding rows too: NaN there would poison a masked loss
+        for i, s in enumerate(seqs):
+            alone = ours(s[None])[0]
+            assert (batch[i, T - len(s):] - alone).abs().max() < TOL
+            assert (hf_batch[i, T - len(s):] - alone).abs().max() < TOL
+
+
+def test_cached_decode_matches_full_forward(tmp_path):
+    ours = ours_from(hf_model(vocab=300), tmp_path)
+    x = torch.randint(0, 300, (2, 20))
+    with torch.no_grad():
+        full = ours(x)
+        cache = ours.new_kv_cache(2, 32)
+        steps = [ours(x[:, :8], kv_cache=cache, cache_start=0)]  # prefill 8, then one token at a time
+        for t in range(8, 20):
+            steps.append(ours(x[:, t:t + 1], kv_cache=cache, cache_start=t))
+    assert (torch.cat(steps, 1) - full).abs().max() < TOL
+
+
+def test_hidden_and_head_paths_give_the_logits(tmp_path):
+    ours = ours_from(hf_model(vocab=300, tied=False), tmp_path)
+    x = torch.randint(0, 300, (2, 10))
+    with torch.no_grad():
+        logits = ours(x)
+        hidden = ours(x, return_hidden=True)
+        via_head = ours(x, head=lambda h, w: h @ w.T)
+    assert hidden.shape == (2, 10, 64)
+    assert (ours.lm_head(hidden) - logits).abs().max() < TOL
+    assert (via_head - logits).abs().max() < TOL
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_our_checkpoint_loads_in_transformers(tmp_path, tied):
+    torch.manual_seed(1)
+    ours = Qwen2(preset("tiny", vocab_size=211, tie_word_embeddings=tied)).eval()
+    ours.save_pretrained(str(tmp_path / "ours"))
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(str(tmp_path / "ours"), dtype=torch.float32).eval()
+    x = torch.randint(0, 211, (2, 15))
+    with torch.no_grad():
+        assert (hf(x).logits - ours(x)).abs().max() < TOL
+    again = Qwen2.from_pretrained(str(tmp_path / "ours"))
+    assert again.config == ours.config
+    with torch.no_grad():
+        assert torch.equal(again(x), ours(x))  # our round trip is bit-exact
+    if tied:
+        assert again.lm_head.weight is again.model.embed_tokens.weight
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    torch.manual_seed(2)
+    ours = Qwen2(preset("tiny", vocab_size=211, tie_word_embeddings=False))
+    ours.save_pretrained(str(tmp_path / "sharded"), max_shard_bytes=60_000)
+    files = sorted(os.listdir(tmp_path / "sharded"))
+    assert "model.safetensors.index.json" in files and "model-00001-of-" in files[1]
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(str(tmp_path / "sharded"), dtype=torch.float32)
+    again = Qwen2.from_pretrained(str(tmp_path / "sharded"))
+    x = torch.randint(0, 211, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(again(x), ours(x))
+        assert (hf(x).logits - ours(x)).abs().max() < TOL
+
+
+def test_config_reads_old_top_level_rope_theta_and_new_rope_parameters():
+    base = dict(model_type="qwen2", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=1)
+    old = ModelConfig.from_hf({**base, "rope_theta": 12345.0, "torch_dtype": "bfloat16"})
+    new = ModelConfig.from_hf({**base, "rope_parameters": {"rope_theta": 54321.0, "rope_type": "default"}})
+    assert old.rope_theta == 12345.0 and old.torch_dtype == "bfloat16"
+    assert new.rope_theta == 54321.0
+    with pytest.raises(ValueError, match="yarn"):
+        ModelConfig.from_hf({**base, "rope_parameters": {"rope_theta": 1.0, "rope_type": "yarn"}})
+
+
+@pytest.fixture
+def saved(tmp_path):
+    torch.manual_seed(3)
+    m = Qwen2(preset("tiny", vocab_size=50, tie_word_embeddings=False))
+    m.save_pretrained(str(tmp_path / "ckpt"))
+    return tmp_path / "ckpt"
+
+
+def test_missing_file_names_the_file(tmp_path, saved):
+    os.remove(saved / "model.safetensors")
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        Qwen2.from_pretrained(str(saved))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        Qwen2.from_pretrained(str(tmp_path / "nowhere"))
+
+
+def _rewrite(saved, edit):
+    from safetensors.torch import load_file
+    sd = load_file(saved / "model.safetensors")
+    edit(sd)
+    save_file(sd, saved / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_missing_key_is_named(saved):
+    _rewrite(saved, lambda sd: sd.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        Qwen2.from_pretrained(str(saved))
+
+
+def test_unexpected_key_is_named_with_its_file(saved):
+    _rewrite(saved, lambda sd: sd.update({"model.layers.9.extra.weight": torch.zeros(2)}))
+    with pytest.raises(ValueError, match=r"model\.safetensors: unexpected key 'model\.layers\.9\.extra\.weight'"):
+        Qwen2.from_pretrained(str(saved))
+
+
+def test_shape_mismatch_is_named(saved):
+    _rewrite(saved, lambda sd: sd.update({"model.norm.weight": torch.ones(3)}))
+    with pytest.raises(ValueError, match=r"'model\.norm\.weight' has shape \(3,\)"):
+        Qwen2.from_pretrained(str(saved))
+
+
+def test_bad_config_json_is_named(saved):
+    (saved / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json: not valid JSON"):
+        Qwen2.from_pretrained(str(saved))
+
+
+def test_save_replaces_an_existing_checkpoint_whole(saved):
+    torch.manual_seed(4)
+    m = Qwen2(preset("tiny", vocab_size=50, tie_word_embeddings=True))
+    m.save_pretrained(str(saved))
+    assert json.loads((saved / "config.json").read_text())["tie_word_embeddings"] is True
+    assert not [p for p in os.listdir(saved.parent) if p.startswith((".tmp-ckpt-", "ckpt.old"))]
+    with torch.no_grad():
+        x = torch.randint(0, 50, (1, 5))
+        assert torch.equal(Qwen2.from_pretrained(str(saved))(x), m(x))
+
+
+def test_from_pretrained_does_not_copy_weights(saved):
+    m = Qwen2.from_pretrained(str(saved), dtype=torch.float32)
+    assert all(p.device.type == "cpu" for p in m.parameters())  # nothing left on the meta device
+    assert m.inv_freq.device.type == "cpu"
