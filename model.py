@@ -198,8 +198,8 @@ class KVCache:
 
 def attention_mask_4d(key_mask, T, start):
     """key_mask (B, S) bool, True on real tokens, S = start + T -> (B, 1, T, S) bool: query slot i sees key slot j
-    iff j <= i and j is real. A padding query also sees itself, so no row is empty (an all-False row gives NaN on some SDPA backends,
-    which would then leak through 0 * NaN into any masked loss)."""
+    iff j <= i and j is real. A padding query also sees itself, so no row is empty (an all-False row gives NaN on
+    some SDPA backends, which would then leak through 0 * NaN into any masked loss)."""
     S = start + T
     q_slot = torch.arange(start, S, device=key_mask.device)[:, None]  # (T, 1)
     k_slot = torch.arange(S, device=key_mask.device)[None, :]  # (1, S)
