@@ -1,0 +1,64 @@
+"""Forward+backward tokens/s of model.py's Qwen2 against transformers' Qwen2ForCausalLM, same weights, same batch, CPU.
+
+    .venv/bin/python benchmarks/bench_model.py [--hidden 256 --layers 4 --batch 8 --seq 256 --iters 5]
+"""
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from model import Qwen2, preset  # noqa: E402
+
+
+def tokens_per_s(step, n_tokens, iters):
+    step()  # warm-up: allocator, first-call dispatch
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    return n_tokens * iters / (time.perf_counter() - t0)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--iters", type=int, default=5)
+    args = p.parse_args()
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = preset("tiny", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+                 num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64, num_key_value_heads=2)
+    ours = Qwen2(cfg)
+    with tempfile.TemporaryDirectory() as d:
+        ours.save_pretrained(d)
+        theirs = transformers.Qwen2ForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="sdpa")
+    x = torch.randint(0, args.vocab, (args.batch, args.seq))
+
+    def step_ours():
+        ours.zero_grad(set_to_none=True)
+        ours(x).logsumexp(-1).mean().backward()
+
+    def step_theirs():
+        theirs.zero_grad(set_to_none=True)
+        theirs(x).logits.logsumexp(-1).mean().backward()
+
+    with torch.no_grad():
+        err = (ours(x) - theirs(x).logits).abs().max().item()
+    n = args.batch * args.seq
+    r_ours = tokens_per_s(step_ours, n, args.iters)
+    r_theirs = tokens_per_s(step_theirs, n, args.iters)
+    print(f"model fwd+bwd  hidden={args.hidden} layers={args.layers} vocab={args.vocab} batch={args.batch}x{args.seq} "
+          f"threads={torch.get_num_threads()}  max|logit diff|={err:.1e}")
+    print(f"  ours {r_ours:9.0f} tok/s   transformers {r_theirs:9.0f} tok/s   ratio {r_ours / r_theirs:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
