@@ -150,8 +150,14 @@ class Attention(nn.Module):
             k, v = kv_cache.update(self.layer_idx, cache_start, k, v)  # (B, Hkv, S, D)
         # GQA: each group of n_head / n_kv_head query heads shares one k/v head; enable_gqa does the sharing
         # without materialising repeated copies of k and v
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and kv_cache is None,
-                                           enable_gqa=self.n_kv_head != self.n_head)  # (B, H, T, D)
+        if T == 1 and kv_cache is not None:
+            # one decode token: fold each group's query heads into the query-length dim, so every cached k/v head
+            # is read once per step, not once per query head (the mask is over keys only, the same for every row)
+            q = q.view(B, self.n_kv_head, self.n_head // self.n_kv_head, self.head_dim)  # (B, Hkv, H/Hkv, D)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).view(B, self.n_head, 1, self.head_dim)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and kv_cache is None,
+                                               enable_gqa=self.n_kv_head != self.n_head)  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
 
