@@ -1,0 +1,217 @@
+"""dapo.py: each DAPO technique on hand-computed cases, the update's invariance to micro-batching, and the loop."""
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import dapo
+from dapo import Config, group_advantages, keep_groups, policy_loss, update_policy
+from data import make_toy_tokenizer
+from model import Qwen2, preset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def torch_kernel_path(monkeypatch):
+    """The loop on CPU takes the kernel's PyTorch path (what `make run` does); conftest.py turns on Triton's
+    interpreter for the kernel's own tests, which would make these end-to-end runs needlessly slow."""
+    from kernels import logprobs_and_entropy
+    monkeypatch.setattr(dapo, "logprobs_and_entropy",
+                        lambda *a, **k: logprobs_and_entropy(*a, **k, backend="torch"))
+
+
+# --- group advantages (Eq. 9) ---
+
+def test_group_advantages_normalise_each_group_with_unbiased_std():
+    adv = group_advantages(torch.tensor([1.0, -1.0, 1.0, -1.0, 2.0, 0.0, 0.0, 0.0]), group_size=4)
+    s1 = math.sqrt(4 / 3)  # unbiased std of (1, -1, 1, -1)
+    assert torch.allclose(adv[:4], torch.tensor([1, -1, 1, -1]) / (s1 + 1e-6))
+    s2 = math.sqrt((1.5 ** 2 + 3 * 0.5 ** 2) / 3)  # (2, 0, 0, 0): mean 0.5
+    assert torch.allclose(adv[4:], torch.tensor([1.5, -0.5, -0.5, -0.5]) / (s2 + 1e-6))
+
+
+def test_all_equal_group_has_zero_advantage():
+    assert torch.equal(group_advantages(torch.tensor([-1.0, -1.0, -1.0]), 3), torch.zeros(3))
+
+
+def test_group_of_one_keeps_its_reward():  # mean 0, std 1 (verl's convention)
+    assert torch.allclose(group_advantages(torch.tensor([1.0, -1.0, 0.5]), 1), torch.tensor([1.0, -1.0, 0.5]))
+
+
+# --- dynamic sampling filter (Eq. 11) ---
+
+def test_keep_groups_drops_all_right_and_all_wrong():
+    acc = torch.tensor([1, 1, 1, 0, 0, 0, 1, 0, 1, 1, 1, 1], dtype=torch.bool)  # groups of 3
+    assert keep_groups(acc, 3).tolist() == [False, False, True, False]
+
+
+def test_keep_groups_keeps_groups_of_one():
+    assert keep_groups(torch.tensor([True, False]), 1).tolist() == [True, True]
+
+
+# --- clip-higher surrogate and token-level loss (Eq. 10, 12) ---
+
+def _loss(ratio, adv, eps_high=0.28, dual_clip=0.0):
+    logp = torch.log(torch.tensor([[ratio]]))
+    return policy_loss(logp, torch.zeros(1, 1), torch.tensor([adv]), torch.ones(1, 1, dtype=torch.bool),
+                       0.2, eps_high, 1.0, dual_clip)[0].item()
+
+
+@pytest.mark.parametrize("ratio,adv,eps_high,expected", [
+    (1.5, 1.0, 0.28, -1.28),   # positive advantage: the gain is capped at 1 + eps_high ...
+    (1.5, 1.0, 0.20, -1.20),   # ... which clip-higher raises above the symmetric 1.2
+    (1.1, 1.0, 0.28, -1.10),   # inside the trust region: no clipping
+    (0.5, 1.0, 0.28, -0.50),   # a positive advantage below 1 - eps_low is not clipped (pessimism)
+    (0.5, -1.0, 0.28, 0.80),   # negative advantage: clipped at 1 - eps_low
+    (1.5, -1.0, 0.28, 1.50),   # a negative advantage with a large ratio is not clipped (pessimism)
+])
+def test_clip_higher_surrogate_on_hand_cases(ratio, adv, eps_high, expected):
+    assert _loss(ratio, adv, eps_high) == pytest.approx(expected, abs=1e-6)
+
+
+def test_dual_clip_caps_negative_advantage_loss():
+    assert _loss(5.0, -1.0) == pytest.approx(5.0, abs=1e-5)
+    assert _loss(5.0, -1.0, dual_clip=3.0) == pytest.approx(3.0, abs=1e-6)
+
+
+def test_clipped_tokens_get_no_gradient():
+    logp = torch.log(torch.tensor([[1.5, 1.1]])).requires_grad_()
+    loss, stats = policy_loss(logp, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2, dtype=torch.bool),
+                              0.2, 0.28, 2.0)
+    loss.backward()
+    assert logp.grad[0, 0] == 0 and logp.grad[0, 1] == pytest.approx(-1.1 / 2)
+    assert stats["actor/pg_clipfrac_high"] == 1 and stats["actor/pg_clipfrac_low"] == 0
+
+
+def test_token_level_loss_weighs_every_token_equally():
+    # two responses, 1 and 3 tokens, per-token loss = -A * ratio = -A at ratio 1
+    logp = torch.zeros(2, 3)
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    adv = torch.tensor([2.0, 1.0])
+    token_level, _ = policy_loss(logp, logp, adv, mask, 0.2, 0.28, denom=4)
+    assert token_level.item() == pytest.approx(-(2 + 1 + 1 + 1) / 4)
+    per_sequence, _ = policy_loss(logp, logp, adv, mask, 0.2, 0.28, denom=mask.sum(-1, keepdim=True) * 2)
+    assert per_sequence.item() == pytest.approx(-(2 / 1 + 3 / 3) / 2)
+
+
+# --- the update: gradient independent of the micro-batch split ---
+
+def _samples(vocab, n=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p = torch.randint(1, vocab, (int(torch.randint(3, 7, (1,), generator=g)),), generator=g).tolist()
+        r = torch.randint(1, vocab, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+        out.append(dict(prompt=p, response=r, adv=float(torch.randn(1, generator=g)), truncated=i == 3,
+                        old_logp=torch.randn(len(r), generator=g) * 0.1 - 4.0))
+    return out
+
+
+@pytest.mark.parametrize("token_level", [True, False])
+def test_update_is_the_same_for_micro_batch_sizes_1_2_4(token_level):
+    tok = SimpleNamespace(pad_token_id=0)
+    results = []
+    for micro in (1, 2, 4):
+        torch.manual_seed(0)
+        model = Qwen2(preset("tiny", vocab_size=50))
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        cfg = Config(group_size=4, mini_batch_prompts=2, micro_batch_size=micro, grad_clip=1e9,
+                     token_level_loss=token_level, overlong_filtering=True)
+        m = update_policy(model, opt, _samples(50), tok, cfg, eps_high=0.28)
+        results.append((torch.cat([p.detach().flatten() for p in model.parameters()]), m))
+    for params, m in results[1:]:
+        assert (params - results[0][0]).abs().max() < 1e-6
+        assert m["actor/pg_loss"] == pytest.approx(results[0][1]["actor/pg_loss"], rel=1e-5)
+    assert (results[0][0] - torch.cat([p.detach().flatten() for p in Qwen2(preset("tiny", vocab_size=50))
+                                       .parameters()])).abs().max() > 0  # the update did something
+
+
+def test_non_finite_gradient_skips_the_update(monkeypatch):
+    torch.manual_seed(0)
+    model = Qwen2(preset("tiny", vocab_size=50))
+    before = [p.detach().clone() for p in model.parameters()]
+    real = dapo.policy_loss
+    monkeypatch.setattr(dapo, "policy_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), real(*a, **k)[1]))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    m = update_policy(model, opt, _samples(50), SimpleNamespace(pad_token_id=0), Config(group_size=4), 0.28)
+    assert m["train/skipped_updates"] == 1 and m["train/updates"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+# --- the loop, end to end on a tiny random model ---
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("tiny"))
+    tok = make_toy_tokenizer(d)
+    torch.manual_seed(0)
+    Qwen2(preset("tiny", vocab_size=tok.vocab_size)).save_pretrained(d)
+    make_toy_tokenizer(d)  # save_pretrained replaced the directory: put the tokenizer back
+    return d
+
+
+def _cfg(model_dir, out_dir, **kw):
+    return Config(**{**dict(model=model_dir, out_dir=str(out_dir), steps=3, train_prompts=4, gen_prompts=4,
+                            group_size=4, max_gen_batches=2, max_response_len=12, overlong_buffer=4,
+                            mini_batch_prompts=2, micro_batch_size=8, eval_every=2, eval_prompts=4,
+                            eval_samples=2, lr=1e-3), **kw})
+
+
+def test_three_steps_write_metrics_and_a_transformers_loadable_checkpoint(tiny_model_dir, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    dapo.main(_cfg(tiny_model_dir, tmp_path))
+    lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    train = [l for l in lines if "acc" in l]
+    assert [l["step"] for l in train] == [1, 2, 3]
+    assert {"critic/score/mean", "response_length/mean", "train/num_gen_batches", "timing/gen_s"} <= set(train[0])
+    assert [l["step"] for l in lines if "val/acc" in l] == [0, 2, 3]
+    ckpt = tmp_path / "checkpoints" / "step_000003" / "model"
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
+    ours = Qwen2.from_pretrained(str(ckpt))
+    x = torch.randint(0, ours.config.vocab_size, (1, 7))
+    with torch.no_grad():
+        assert (hf(x).logits - ours(x)).abs().max() < 1e-5
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000003"
+
+
+def test_resume_continues_exactly(tiny_model_dir, tmp_path):
+    dapo.main(_cfg(tiny_model_dir, tmp_path / "straight", steps=4, eval_every=0))
+    dapo.main(_cfg(tiny_model_dir, tmp_path / "resumed", steps=2, eval_every=0))
+    dapo.main(_cfg(tiny_model_dir, tmp_path / "resumed", steps=4, eval_every=0, resume=True))
+    a = Qwen2.from_pretrained(str(tmp_path / "straight" / "checkpoints" / "step_000004" / "model"))
+    b = Qwen2.from_pretrained(str(tmp_path / "resumed" / "checkpoints" / "step_000004" / "model"))
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_dynamic_sampling_cap_trains_on_what_was_kept(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    def rollout(model, rows, tok, cfg, n, *args):  # every other prompt all-correct: half the groups are useless
+        return [[dict(prompt=[5, 6], response=[7, 8, 9], score=1.0 if g % 2 == 0 or i == 0 else -1.0,
+                      acc=g % 2 == 0 or i == 0, truncated=False) for i in range(n)] for g in range(len(rows))]
+    monkeypatch.setattr(dapo, "rollout", rollout)
+    dapo.main(_cfg(tiny_model_dir, tmp_path, steps=1, eval_every=0, train_prompts=4, gen_prompts=2,
+                   max_gen_batches=3))
+    m = json.loads(open(tmp_path / "metrics.jsonl").readline())
+    assert m["train/num_gen_batches"] == 3 and m["train/groups_kept"] == 3 and m["train/groups_filtered"] == 3
+    assert m["train/frac_all_correct"] == pytest.approx(0.5) and m["train/updates"] == 2
+    assert "max_gen_batches=3 with 3/4 informative groups" in "".join(capsys.readouterr())
+
+
+def test_eval_only_prints_avg_and_pass_at_k(tiny_model_dir, tmp_path, capsys):
+    dapo.main(_cfg(tiny_model_dir, tmp_path, eval_only=True))
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(out) == {"val/acc", "val/pass@2"} and 0 <= out["val/acc"] <= out["val/pass@2"] <= 1
+
+
+def test_help_lists_the_flags():
+    out = subprocess.run([sys.executable, "dapo.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0
+    for flag in ("--eps-high", "--no-dynamic-sampling", "--token-level-loss", "--overlong-buffer", "--resume"):
+        assert flag in out.stdout
