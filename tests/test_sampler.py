@@ -1,0 +1,278 @@
+"""sampler.py on a tiny random Qwen2: cached decoding against full forwards, log-probs, EOS, truncation, lockstep."""
+import math
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from model import Qwen2, preset
+from sampler import filter_logits, generate
+
+TOL = 1e-5  # fp32: cached decoding and a full forward add the same numbers in a slightly different order
+VOCAB = 97
+PROMPTS = [[5, 17, 3], [8, 2, 44, 61, 9, 23, 30, 71, 1], [60], [12, 12, 40, 88, 7]]  # ragged: 3, 9, 1, 5 tokens
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny matmuls gain nothing from a second thread, and on a busy 2-core machine OpenMP threads waiting on each
+    # other slow these tests down 50-fold
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_model(vocab=VOCAB, seed=0, head_scale=20.0):
+    """head_scale > 1 sharpens the next-token distributions (greedy argmaxes far from ties); 1 keeps them flat."""
+    torch.manual_seed(seed)
+    model = Qwen2(preset("tiny", vocab_size=vocab, tie_word_embeddings=False))
+    with torch.no_grad():  # random biases and norm weights, so that a mis-placed pad or position changes the output
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+        model.lm_head.weight.mul_(head_scale)
+    return model.eval()
+
+
+def count_forwards(model):
+    calls = []
+    model.register_forward_pre_hook(lambda m, args: calls.append(1))
+    return calls
+
+
+def full_forward(model, input_ids, attention_mask):
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        return model(input_ids, positions=positions, attention_mask=attention_mask)  # (B, S, V)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# filter_logits on known logits
+
+def kept(logits):
+    return (logits > float("-inf")).nonzero().flatten().tolist()
+
+
+def test_top_k_keeps_the_k_largest():
+    logits = torch.tensor([1.0, 3.0, -2.0, 2.5, 0.0])
+    assert kept(filter_logits(logits, top_k=1)) == [1]
+    assert kept(filter_logits(logits, top_k=3)) == [0, 1, 3]
+    assert torch.equal(filter_logits(logits, top_k=3)[[0, 1, 3]], logits[[0, 1, 3]])  # survivors are untouched
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth():
+    logits = torch.tensor([5.0, 4.0, 1.0, 4.0, 4.0])
+    assert kept(filter_logits(logits, top_k=2)) == [0, 1, 3, 4]
+
+
+def test_top_p_keeps_the_smallest_nucleus_holding_top_p():
+    logits = torch.tensor([0.1, 0.5, 0.2, 0.2]).log()  # token 1 holds 0.5, tokens 2 and 3 are tied at 0.2
+    assert kept(filter_logits(logits, top_p=0.45)) == [1]
+    assert kept(filter_logits(logits, top_p=0.55)) == [1, 2, 3]  # 0.5 < 0.55: one 0.2 is needed, so its twin too
+    assert kept(filter_logits(logits, top_p=0.85)) == [1, 2, 3]  # 0.9 >= 0.85: the 0.1 token is not needed
+    assert kept(filter_logits(logits, top_p=0.95)) == [0, 1, 2, 3]
+
+
+def test_top_p_nucleus_stops_as_soon_as_it_holds_top_p():
+    logits = torch.tensor([0.25, 0.5, 0.125, 0.125]).log()  # powers of two: the float softmax and cumsum are exact
+    assert kept(filter_logits(logits, top_p=0.5)) == [1]  # 0.5 already holds 0.5: nothing more is needed
+    assert kept(filter_logits(logits, top_p=0.75)) == [0, 1]
+
+
+def test_top_p_always_keeps_the_argmax():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 2.0, -1.0]])
+    out = filter_logits(logits, top_p=1e-9)
+    assert kept(out[0]) == [1]
+    assert kept(out[1]) == [0, 1]  # a tie for the maximum keeps both
+
+
+def test_top_p_applies_to_the_top_k_renormalised_distribution():
+    logits = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+    assert kept(filter_logits(logits, top_p=0.5)) == [0, 1]  # 0.4 < 0.5 over the whole vocabulary
+    assert kept(filter_logits(logits, top_k=2, top_p=0.5)) == [0]  # 4/7 >= 0.5 after top-k
+
+
+def test_top_k_0_and_top_p_1_are_no_ops():
+    logits = torch.randn(3, 50) * 10
+    logits[0, :5] = -30.0  # tiny probabilities that a float cumsum would round away at top_p = 1.0
+    assert torch.equal(filter_logits(logits, top_k=0, top_p=1.0), logits)
+    assert torch.equal(filter_logits(logits, top_k=50), logits)
+
+
+def test_rows_are_filtered_independently():
+    logits = torch.randn(4, 30)
+    out = filter_logits(logits, top_k=7, top_p=0.6)
+    for i in range(4):
+        assert torch.equal(out[i], filter_logits(logits[i], top_k=7, top_p=0.6))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# generate
+
+def test_greedy_cached_decoding_matches_a_full_forward_at_every_step():
+    model = tiny_model()
+    r = generate(model, PROMPTS, max_new_tokens=12, temperature=0, eos_token_ids=[])
+    # the reference: the whole left-padded batch re-run from scratch, without a cache, for every new token
+    ids, mask = r.prompt_ids, r.prompt_mask
+    for t in range(12):
+        next_token = full_forward(model, ids, mask)[:, -1].argmax(-1)  # (B,)
+        ids = torch.cat([ids, next_token[:, None]], 1)
+        mask = torch.cat([mask, torch.ones(len(PROMPTS), 1, dtype=torch.bool)], 1)
+    assert torch.equal(r.response_ids, ids[:, -12:])
+    assert len(set(r.response_ids[:, 0].tolist())) > 1  # the prompts really lead to different continuations
+
+
+def test_greedy_batch_matches_each_prompt_decoded_alone_while_rows_finish_early():
+    model = tiny_model()
+    free = generate(model, PROMPTS, max_new_tokens=10, temperature=0, eos_token_ids=[])
+    eos = free.response_ids[0, 2].item()  # row 0 stops at its 3rd token at the latest, some other rows go on
+    r = generate(model, PROMPTS, max_new_tokens=10, temperature=0, eos_token_ids=[eos])
+    assert r.lengths.min() <= 3 and r.lengths.max() == 10
+    for i, p in enumerate(PROMPTS):
+        alone = generate(model, [p], max_new_tokens=10, temperature=0, eos_token_ids=[eos])
+        n = alone.lengths.item()
+        assert r.lengths[i] == n
+        assert torch.equal(r.response_ids[i, :n], alone.response_ids[0, :n])
+        assert (r.logprobs[i, :n] - alone.logprobs[0, :n]).abs().max() < TOL
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_are_those_of_a_full_forward_at_the_temperature_before_truncation(temperature):
+    model = tiny_model()
+    r = generate(model, PROMPTS * 2, max_new_tokens=16, temperature=temperature, top_k=20, top_p=0.9,
+                 eos_token_ids=[3], generator=torch.Generator().manual_seed(0))
+    input_ids, attention_mask, _ = r.sequences()
+    P, T = r.prompt_ids.shape[1], r.response_ids.shape[1]
+    logits = full_forward(model, input_ids, attention_mask)[:, P - 1:P - 1 + T]  # the columns predicting responses
+    ref = torch.log_softmax(logits / temperature, -1).gather(-1, r.response_ids[..., None]).squeeze(-1)  # (B, T)
+    m = r.response_mask
+    assert (r.logprobs[m] - ref[m]).abs().max() < TOL
+    assert (r.logprobs[~m] == 0).all()
+
+
+def test_greedy_logprobs_are_log_softmax_of_the_raw_logits():
+    model = tiny_model()
+    r = generate(model, PROMPTS, max_new_tokens=6, temperature=0, eos_token_ids=[])
+    input_ids, attention_mask, _ = r.sequences()
+    P = r.prompt_ids.shape[1]
+    logits = full_forward(model, input_ids, attention_mask)[:, P - 1:P - 1 + 6]
+    ref = torch.log_softmax(logits, -1).gather(-1, r.response_ids[..., None]).squeeze(-1)
+    assert (r.logprobs - ref).abs().max() < TOL
+
+
+@pytest.mark.parametrize("pad", [0, 5])  # 5: the pad id is itself an EOS id, as <|endoftext|> is for Qwen
+def test_eos_ends_a_response_and_sets_mask_lengths_and_truncated(pad):
+    model = tiny_model(vocab=32, head_scale=1.0)  # near-uniform: each EOS id about 1/32 per token
+    eos_ids, max_new = [5, 9], 24
+    r = generate(model, [[1, 2, 3]] * 12 + [[4] * 7] * 12, max_new_tokens=max_new, eos_token_ids=eos_ids,
+                 pad_token_id=pad, generator=torch.Generator().manual_seed(0))
+    B, T = r.response_ids.shape
+    assert T == r.lengths.max() <= max_new
+    assert r.truncated.any() and not r.truncated.all()  # this seed exercises both ends of a response
+    is_eos = torch.isin(r.response_ids, torch.tensor(eos_ids))
+    for i in range(B):
+        n = r.lengths[i].item()
+        assert torch.equal(r.response_mask[i], torch.arange(T) < n)
+        assert not is_eos[i, :n - 1].any()  # nothing before the end is an EOS
+        assert bool(is_eos[i, n - 1]) != bool(r.truncated[i])  # the last token is an EOS iff not truncated
+        assert not r.truncated[i] or n == max_new
+        assert (r.response_ids[i, n:] == pad).all() and (r.logprobs[i, n:] == 0).all()
+        assert (r.logprobs[i, :n] < 0).all()
+    assert {r.response_ids[i, r.lengths[i] - 1].item() for i in range(B) if not r.truncated[i]} == set(eos_ids)
+
+
+def test_max_new_tokens_is_respected():
+    model = tiny_model()
+    calls = count_forwards(model)
+    r = generate(model, PROMPTS, max_new_tokens=7, eos_token_ids=[], generator=torch.Generator().manual_seed(0))
+    assert r.response_ids.shape == (len(PROMPTS), 7)
+    assert (r.lengths == 7).all() and r.truncated.all() and r.response_mask.all()
+    assert len(calls) == 7  # one prefill and 6 decode steps: the last token needs no forward after it
+
+
+def test_loop_stops_once_every_row_has_finished():
+    model = tiny_model(vocab=32, head_scale=1.0)
+    calls = count_forwards(model)
+    r = generate(model, [[1, 2]] * 8, max_new_tokens=300, eos_token_ids=[5, 9],
+                 generator=torch.Generator().manual_seed(0))
+    assert not r.truncated.any()
+    assert len(calls) == r.lengths.max() < 300  # the step that produced the last EOS was the last forward
+
+
+def test_same_seed_same_samples_and_different_seeds_differ():
+    model = tiny_model()
+
+    def run(seed):
+        return generate(model, PROMPTS, max_new_tokens=12, top_p=0.95, eos_token_ids=[],
+                        generator=torch.Generator().manual_seed(seed))
+    a, b, c = run(1), run(1), run(2)
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logprobs, b.logprobs)
+    assert not torch.equal(a.response_ids, c.response_ids)
+
+
+def test_sampling_follows_the_truncated_distribution():
+    model = tiny_model()
+    r = generate(model, [[7, 8]] * 400, max_new_tokens=1, temperature=1.0, top_k=2, eos_token_ids=[],
+                 generator=torch.Generator().manual_seed(0))
+    logits = full_forward(model, torch.tensor([[7, 8]]), torch.ones(1, 2, dtype=torch.bool))[0, -1]
+    p2, top2 = torch.topk(logits, 2).values.softmax(-1), torch.topk(logits, 2).indices
+    assert set(r.response_ids[:, 0].tolist()) <= set(top2.tolist())
+    freq = (r.response_ids[:, 0] == top2[0]).float().mean().item()
+    assert abs(freq - p2[0].item()) < 4 * math.sqrt(p2[0] * p2[1] / 400)  # 4 binomial standard deviations
+
+
+def test_progress_bar_changes_nothing_and_training_mode_is_restored(capsys):
+    model = tiny_model().train()
+    kw = dict(max_new_tokens=5, eos_token_ids=[])
+    quiet = generate(model, PROMPTS, generator=torch.Generator().manual_seed(3), **kw)
+    loud = generate(model, PROMPTS, generator=torch.Generator().manual_seed(3), progress=True, **kw)
+    assert torch.equal(quiet.response_ids, loud.response_ids)
+    assert "generate" in capsys.readouterr().err
+    assert model.training
+
+
+def test_empty_prompt_is_refused():
+    with pytest.raises(ValueError, match="empty prompt"):
+        generate(tiny_model(), [[1, 2], []], max_new_tokens=3)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# distributed lockstep: two gloo ranks, one done after its first token, the other never
+
+def _lockstep_worker(rank, world_size, init_method, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    try:
+        model = tiny_model()
+        calls = count_forwards(model)
+        eos = list(range(VOCAB)) if rank == 0 else []  # rank 0: every token ends a response
+        r = generate(model, PROMPTS, max_new_tokens=6, eos_token_ids=eos, generator=torch.Generator().manual_seed(0))
+        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(f"{len(calls)} {r.response_ids.shape[1]} {int(r.truncated.sum())}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_run_the_same_number_of_forwards(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.spawn(_lockstep_worker, args=(2, f"tcp://127.0.0.1:{port}", str(tmp_path)), nprocs=2, join=False)
+    deadline = time.monotonic() + 120  # a rank that stops early leaves the other blocked in a collective
+    try:
+        finished = False  # join() returns each time one process exits: True once all have
+        while not finished and time.monotonic() < deadline:
+            finished = ctx.join(timeout=max(0.0, deadline - time.monotonic()))
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    assert finished, "a rank hung: the ranks fell out of lockstep"
+    rank0, rank1 = ((tmp_path / f"rank{r}.txt").read_text().split() for r in range(2))
+    assert rank0 == ["6", "1", "0"]  # 6 forwards although its rows ended at token 1; nothing truncated
+    assert rank1 == ["6", "6", str(len(PROMPTS))]
