@@ -15,6 +15,7 @@ No KL term and no reference model. Entropy is measured and logged, never added t
     python dapo.py --eval-only --model PATH --val-data aime-2024.parquet --eval-samples 32 --eval-top-p 0.7
 """
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -24,9 +25,11 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 from tqdm import tqdm
 
+import checkpoint
+import distributed
 from data import PromptIterator, encode_prompts, load_rows, load_tokenizer, make_toy_tokenizer, toy_rows
 from kernels import logprobs_and_entropy
-from model import Qwen2, preset, save_hf_checkpoint
+from model import Qwen2
 from reward import overlong_penalty, score_response
 from sampler import generate
 
@@ -78,17 +81,16 @@ class Config:
     eval_top_p: float = field(default=1.0, metadata={"help": "evaluation top-p (AIME: 0.7)"})
     eval_prompts: int = field(default=128, metadata={"help": "held-out problems to evaluate (0 = all)"})
     save_every: int = field(default=0, metadata={"help": "checkpoint every N steps (and at the end); 0 = end only"})
+    activation_checkpointing: bool = field(default=False, metadata={"help": "recompute block activations in the "
+                                                                              "backward: less memory, ~30% more time"})
 
 
 def parse_args(argv=None) -> Config:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        help_ = f"{f.metadata['help']} (default: {f.default!r})"
-        if f.type is bool or f.type == "bool":
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
-        else:
-            p.add_argument(flag, type=type(f.default), default=f.default, help=help_)
+        flag, help_ = "--" + f.name.replace("_", "-"), f.metadata["help"].replace("%", "%%")
+        kind = dict(action=argparse.BooleanOptionalAction) if isinstance(f.default, bool) else dict(type=type(f.default))
+        p.add_argument(flag, **kind, default=f.default, help=help_ + " (default: %(default)r)")  # bool: --x / --no-x
     return Config(**vars(p.parse_args(argv)))
 
 
@@ -195,70 +197,21 @@ def rollout(model, rows, tok, cfg, n_samples, temperature, top_p, top_k, generat
 
 
 def evaluate(model, rows, tok, cfg, generator):
-    """avg@k (mean accuracy over k samples per problem: the paper's avg@32 on AIME) and pass@k (any of the k right)."""
-    acc = []
-    for i in range(0, len(rows), max(1, 256 // cfg.eval_samples)):
-        for group in rollout(model, rows[i:i + max(1, 256 // cfg.eval_samples)], tok, cfg, cfg.eval_samples,
-                             cfg.eval_temperature, cfg.eval_top_p, 0, generator):
-            acc.append([s["acc"] for s in group])
-    acc = torch.tensor(acc, dtype=torch.float)  # (problems, k)
-    return {"val/acc": acc.mean().item(), f"val/pass@{cfg.eval_samples}": acc.amax(1).mean().item()}
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Checkpoints: data, not code. Weights in safetensors (a Hugging Face directory any Qwen2 loader reads), the trainer's
-# tensors through torch.load(weights_only=True), everything else JSON. Written to a temporary directory and renamed.
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "vocab.json", "merges.txt",
-                   "special_tokens_map.json")
-
-
-def save_checkpoint(cfg, step, model, tok_dir, opt, prompt_iter, generator):
-    final = os.path.join(cfg.out_dir, "checkpoints", f"step_{step:06d}")
-    tmp = final + ".tmp"
-    os.makedirs(tmp, exist_ok=True)
-    save_hf_checkpoint(model.state_dict(), model.config, os.path.join(tmp, "model"))
-    for name in TOKENIZER_FILES:  # the model directory is self-contained: --eval-only --model can point at it
-        if os.path.isfile(os.path.join(tok_dir, name)):
-            with open(os.path.join(tok_dir, name), "rb") as src, open(os.path.join(tmp, "model", name), "wb") as dst:
-                dst.write(src.read())
-    torch.save({"optimizer": opt.state_dict(), "generator": generator.get_state(),
-                "torch_rng": torch.get_rng_state()}, os.path.join(tmp, "trainer.pt"))
-    with open(os.path.join(tmp, "trainer.json"), "w") as f:
-        json.dump({"step": step, "data": prompt_iter.state_dict(), "config": asdict(cfg)}, f, indent=1)
-    if os.path.isdir(final):
-        os.rename(final, final + ".old")
-    os.replace(tmp, final)
-    _write_atomic(os.path.join(cfg.out_dir, "checkpoints", "latest"), os.path.basename(final))
-    if os.path.isdir(final + ".old"):
-        import shutil
-        shutil.rmtree(final + ".old")
-    return final
-
-
-def _write_atomic(path, text):
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
-
-
-def latest_checkpoint(out_dir):
-    pointer = os.path.join(out_dir, "checkpoints", "latest")
-    if not os.path.isfile(pointer):
-        raise FileNotFoundError(f"--resume: no checkpoint under {out_dir} ({pointer} does not exist)")
-    with open(pointer) as f:
-        return os.path.join(out_dir, "checkpoints", f.read().strip())
-
-
-def load_trainer_state(ckpt, opt, prompt_iter, generator):
-    state = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=True)  # tensors and numbers only: no code runs
-    opt.load_state_dict(state["optimizer"])
-    generator.set_state(state["generator"])
-    torch.set_rng_state(state["torch_rng"])
-    with open(os.path.join(ckpt, "trainer.json")) as f:
-        meta = json.load(f)
-    prompt_iter.load_state_dict(meta["data"])
-    return meta["step"]
+    """avg@k (mean accuracy over k samples per problem: the paper's avg@32 on AIME) and pass@k (any of the k right).
+    Under torch.distributed each rank takes every world_size-th problem and the counts are summed."""
+    mine, chunk = rows[distributed.rank()::distributed.world_size()], max(1, 512 // cfg.eval_samples)
+    right = any_right = 0.0
+    calls = math.ceil(math.ceil(len(rows) / distributed.world_size()) / chunk)  # the same on every rank (lockstep)
+    for c in range(calls):
+        part = mine[c * chunk:(c + 1) * chunk]
+        with distributed.gathered(model):  # a rank with no problems left decodes one anyway and ignores it
+            groups = rollout(model, part or rows[:1], tok, cfg, cfg.eval_samples, cfg.eval_temperature,
+                             cfg.eval_top_p, 0, generator)
+        if part:
+            right += sum(s["acc"] for g in groups for s in g)
+            any_right += sum(any(s["acc"] for s in g) for g in groups)
+    right, any_right = distributed.all_reduce([right, any_right], device=cfg.device)
+    return {"val/acc": right / (len(rows) * cfg.eval_samples), f"val/pass@{cfg.eval_samples}": any_right / len(rows)}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -268,43 +221,62 @@ def setup(cfg):
     """The model and tokenizer (a Qwen2 directory, a checkpoint to resume, or the demo's base model) and the data."""
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out_dir, exist_ok=True)
-    resume_dir = latest_checkpoint(cfg.out_dir) if cfg.resume else None
+    resume_dir = checkpoint.latest(cfg.out_dir) if cfg.resume else None
     if cfg.model or resume_dir:
-        model_dir = os.path.join(resume_dir, "model") if resume_dir else cfg.model
-        tok_dir = model_dir
-        model = Qwen2.from_pretrained(model_dir, dtype=torch.float32, device=cfg.device)
+        tok_dir = os.path.join(resume_dir, "model") if resume_dir else cfg.model
+        model = Qwen2.from_pretrained(tok_dir, dtype=torch.float32, device=cfg.device)  # fp32 master weights
     else:  # the embedded demo: a toy tokenizer and a tiny model given a brief supervised warm-up (see warmup.py)
         from warmup import demo_base_model
         tok_dir = os.path.join(cfg.out_dir, "tokenizer")
-        make_toy_tokenizer(tok_dir)
+        if distributed.rank() == 0:
+            make_toy_tokenizer(tok_dir)
+            demo_base_model(load_tokenizer(tok_dir), cfg.device, seed=cfg.seed)  # trains once, then cached
+        distributed.barrier()
         model = demo_base_model(load_tokenizer(tok_dir), cfg.device, seed=cfg.seed)
+    model.activation_checkpointing = cfg.activation_checkpointing
+    if distributed.world_size() > 1:  # FSDP2; on GPUs bf16 compute with fp32 master weights and reductions
+        distributed.shard(model, mixed_precision=cfg.device.startswith("cuda"))
     tok = load_tokenizer(tok_dir)
     train_rows = load_rows(cfg.train_data) if cfg.train_data else toy_rows(20000, seed=cfg.seed, split="train")
     val_rows = load_rows(cfg.val_data) if cfg.val_data else toy_rows(1000, seed=cfg.seed, split="test")
-    if cfg.eval_prompts:
-        val_rows = val_rows[:cfg.eval_prompts]
-    return model, tok, tok_dir, train_rows, val_rows, resume_dir
+    return model, tok, tok_dir, train_rows, val_rows[:cfg.eval_prompts or None], resume_dir
 
 
 def main(cfg: Config):
+    rank, world, cfg.device = distributed.init(cfg.device)
+    if cfg.train_prompts % world or cfg.mini_batch_prompts % world or cfg.gen_prompts % world:
+        raise ValueError(f"--train-prompts, --mini-batch-prompts and --gen-prompts must be multiples of the "
+                         f"{world} processes (each rank trains whole groups)")
+    # one GPU: fp32 weights, bf16 compute by autocast (under FSDP the mixed-precision policy does this instead)
+    autocast = torch.autocast("cuda", torch.bfloat16) if cfg.device.startswith("cuda") and world == 1 \
+        else contextlib.nullcontext()
+    with autocast:
+        return train(cfg, rank, world)
+
+
+def train(cfg, rank, world):
     model, tok, tok_dir, train_rows, val_rows, resume_dir = setup(cfg)
-    G = cfg.group_size
+    G, quota = cfg.group_size, cfg.train_prompts // world  # groups this rank trains per step
     eps_high = cfg.eps_high if cfg.clip_higher else cfg.eps_low  # technique 1 off: the symmetric clip of PPO/GRPO
-    new_eval_generator = lambda: torch.Generator(cfg.device).manual_seed(cfg.seed + 1)  # same eval draws every time
+    new_eval_generator = lambda: torch.Generator(cfg.device).manual_seed(cfg.seed + 1 + rank)  # same draws each time
     if cfg.eval_only:
-        print(json.dumps(evaluate(model, val_rows, tok, cfg, new_eval_generator())))
-        return
+        result = evaluate(model, val_rows, tok, cfg, new_eval_generator())
+        if rank == 0:
+            print(json.dumps(result))
+        distributed.shutdown()
+        return result
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), weight_decay=cfg.weight_decay)
     prompt_iter = PromptIterator(train_rows, cfg.gen_prompts if cfg.dynamic_sampling else cfg.train_prompts, cfg.seed)
-    generator = torch.Generator(cfg.device).manual_seed(cfg.seed)
-    start = load_trainer_state(resume_dir, opt, prompt_iter, generator) if resume_dir else 0
-    metrics_file = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a")
-    log = lambda m: (metrics_file.write(json.dumps(m) + "\n"), metrics_file.flush())
+    generator = torch.Generator(cfg.device).manual_seed(cfg.seed + rank)
+    start = checkpoint.load_trainer_state(resume_dir, opt, prompt_iter, generator) if resume_dir else 0
+    metrics_file = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") if rank == 0 else None
+    log = lambda m: metrics_file and (metrics_file.write(json.dumps(m) + "\n"), metrics_file.flush())
+    say = lambda text: rank == 0 and tqdm.write(text)
     first_val = last_val = None
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="dapo", dynamic_ncols=True)
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="dapo", dynamic_ncols=True,
+               disable=rank != 0)
     for step in bar:
         if cfg.eval_every and step % cfg.eval_every == 0:
-            model.eval()
             last_val = evaluate(model, val_rows, tok, cfg, new_eval_generator())
             first_val = first_val or last_val
             log({"step": step, **last_val})
@@ -314,15 +286,15 @@ def main(cfg: Config):
 
         # --- Rollout (Algorithm 1, lines 3-7): pi_old = the current policy samples G responses per prompt ---
         kept, seen, n_gen = [], [], 0
-        while len(kept) < cfg.train_prompts:
+        while distributed.all_reduce(len(kept), "min", cfg.device) < quota:  # every rank fills its share
             if cfg.max_gen_batches and n_gen == cfg.max_gen_batches:
                 # verl raises here; small models hit this wall, so train on what was kept, and say so
-                tqdm.write(f"step {step + 1}: dynamic sampling stopped at max_gen_batches={cfg.max_gen_batches} with "
-                           f"{len(kept)}/{cfg.train_prompts} informative groups; training on those")
+                say(f"step {step + 1}: dynamic sampling stopped at max_gen_batches={cfg.max_gen_batches} with "
+                    f"{len(kept) * world}/{cfg.train_prompts} informative groups; training on those")
                 break
-            model.eval()
-            groups = rollout(model, prompt_iter.next_batch(), tok, cfg, G, cfg.temperature, cfg.top_p, cfg.top_k,
-                             generator)
+            with distributed.gathered(model):  # under FSDP: gather the weights once for the whole generation
+                groups = rollout(model, prompt_iter.next_batch()[rank::world], tok, cfg, G, cfg.temperature,
+                                 cfg.top_p, cfg.top_k, generator)
             n_gen += 1
             # --- DAPO technique 4: overlong reward shaping (paper Sec. 3.4, Eq. 13) ---
             for s in (s for g in groups for s in g):
@@ -334,7 +306,8 @@ def main(cfg: Config):
             acc = torch.tensor([[s["acc"] for s in g] for g in groups])  # (prompts, G)
             keep = keep_groups(acc.flatten(), G) if cfg.dynamic_sampling else torch.ones(len(groups), dtype=bool)
             kept += [g for g, k in zip(groups, keep) if k]
-        kept = kept[:cfg.train_prompts]  # exactly the training batch, in whole groups; the surplus is discarded
+        # exactly the training batch, in whole groups, the same number on every rank; the surplus is discarded
+        kept = kept[:int(distributed.all_reduce(min(len(kept), quota), "min", cfg.device))]
         samples = [s for g in kept for s in g]
         t_gen = time.time() - t0
 
@@ -345,54 +318,58 @@ def main(cfg: Config):
             for s, a in zip(samples, adv.tolist()):
                 s["adv"] = a
             m.update(update_policy(model, opt, samples, tok, cfg, eps_high))
-        m.update({"actor/lr": opt.param_groups[0]["lr"], "timing/gen_s": t_gen, "timing/train_s": time.time() - t0 - t_gen})
-        m["perf/tokens_per_s"] = m.pop("train/tokens", 0) / max(time.time() - t0, 1e-9)
+        t_train = time.time() - t0 - t_gen
+        m.update({"actor/lr": opt.param_groups[0]["lr"], "timing/gen_s": t_gen, "timing/train_s": t_train,
+                  "perf/tokens_per_s": m.pop("train/tokens", 0) / max(t_gen + t_train, 1e-9)})
         log(m)
         bar.set_postfix({"reward": f"{m['critic/rewards/mean']:.2f}", "acc": f"{m['acc']:.2f}",
                          "entropy": f"{m.get('actor/entropy', float('nan')):.2f}",
                          "len": f"{m['response_length/mean']:.1f}"})
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
-            save_checkpoint(cfg, step + 1, model, tok_dir, opt, prompt_iter, generator)
+            checkpoint.save(cfg.out_dir, step + 1, model, tok_dir, opt, prompt_iter, generator, asdict(cfg))
     if cfg.eval_every and start < cfg.steps:
-        model.eval()
         last_val = evaluate(model, val_rows, tok, cfg, new_eval_generator())
         log({"step": cfg.steps, **last_val})
         if first_val:
-            print(f"val/acc (avg@{cfg.eval_samples}): {first_val['val/acc']:.3f} at step {start} -> "
-                  f"{last_val['val/acc']:.3f} at step {cfg.steps}; "
-                  f"pass@{cfg.eval_samples}: {first_val[f'val/pass@{cfg.eval_samples}']:.3f} -> "
-                  f"{last_val[f'val/pass@{cfg.eval_samples}']:.3f}")
-    metrics_file.close()
+            k = cfg.eval_samples
+            say(f"val/acc (avg@{k}): {first_val['val/acc']:.3f} at step {start} -> {last_val['val/acc']:.3f} at "
+                f"step {cfg.steps}; pass@{k}: {first_val[f'val/pass@{k}']:.3f} -> {last_val[f'val/pass@{k}']:.3f}")
+    if metrics_file:
+        metrics_file.close()
+    distributed.shutdown()
     return last_val
 
 
 def rollout_metrics(seen, kept, n_gen, cfg):
-    """What the policy did this step, over every response generated (before the dynamic-sampling filter)."""
+    """What the policy did this step, over every response generated (before the dynamic-sampling filter), summed
+    over ranks."""
     flat = [s for g in seen for s in g]
-    acc = torch.tensor([[s["acc"] for s in g] for g in seen], dtype=torch.float)  # (prompts, G)
-    lengths = torch.tensor([len(s["response"]) for s in flat], dtype=torch.float)
+    acc = torch.tensor([[s["acc"] for s in g] for g in seen], dtype=torch.float).view(-1, cfg.group_size)
+    n, score, reward, right, length, truncated, kept_n, all_right, all_wrong = distributed.all_reduce([
+        float(len(flat)), sum(s["score"] for s in flat), sum(s["reward"] for s in flat), acc.sum().item(),
+        float(sum(len(s["response"]) for s in flat)), float(sum(s["truncated"] for s in flat)), float(len(kept)),
+        (acc.min(1).values == 1).sum().item(), (acc.max(1).values == 0).sum().item()], device=cfg.device)
+    longest = distributed.all_reduce(float(max(len(s["response"]) for s in flat)), "max", cfg.device)
     return {
-        "critic/score/mean": sum(s["score"] for s in flat) / len(flat),
-        "critic/rewards/mean": sum(s["reward"] for s in flat) / len(flat),
-        "acc": acc.mean().item(),
-        "response_length/mean": lengths.mean().item(),
-        "response_length/max": lengths.max().item(),
-        "response_length/clip_ratio": sum(s["truncated"] for s in flat) / len(flat),
-        "train/num_gen_batches": n_gen,
-        "train/groups_kept": len(kept),
-        "train/groups_filtered": len(seen) - len(kept),
-        "train/frac_all_correct": (acc.min(1).values == 1).float().mean().item(),
-        "train/frac_all_wrong": (acc.max(1).values == 0).float().mean().item(),
+        "critic/score/mean": score / n, "critic/rewards/mean": reward / n, "acc": right / n,
+        "response_length/mean": length / n, "response_length/max": longest,
+        "response_length/clip_ratio": truncated / n,
+        "train/num_gen_batches": n_gen, "train/groups_kept": int(kept_n),
+        "train/groups_filtered": int(n / cfg.group_size - kept_n),
+        "train/frac_all_correct": all_right * cfg.group_size / n,
+        "train/frac_all_wrong": all_wrong * cfg.group_size / n,
     }
 
 
 def update_policy(model, opt, samples, tok, cfg, eps_high):
     """Algorithm 1, lines 10-11: one epoch over the batch in mini-batches (one optimizer step each) of micro-batches
-    (gradient accumulation). Returns the step's training metrics."""
+    (gradient accumulation). Under torch.distributed each rank holds its share of every mini-batch. Returns the step's
+    training metrics, summed over ranks."""
     model.train()
-    T, pad = cfg.temperature, tok.pad_token_id
-    mini = cfg.mini_batch_prompts * cfg.group_size  # sequences per optimizer step
-    micro_batches = lambda batch: [batch[i:i + cfg.micro_batch_size] for i in range(0, len(batch), cfg.micro_batch_size)]
+    T, pad, world = cfg.temperature, tok.pad_token_id, distributed.world_size()
+    mini = cfg.mini_batch_prompts // world * cfg.group_size  # this rank's sequences per optimizer step
+    micro = cfg.micro_batch_size
+    micro_batches = lambda batch: [batch[i:i + micro] for i in range(0, len(batch), micro)]
     # pi_old (Algorithm 1, line 4): with several optimizer steps per rollout the policy moves between them, so the
     # log-probs of the policy that sampled the batch are recomputed now, by the training model (the sampler's own
     # differ in the last bits: its cached path sums in another order). With one step, pi_old = pi_theta.detach().
@@ -401,15 +378,16 @@ def update_policy(model, opt, samples, tok, cfg, eps_high):
             for mb in micro_batches(samples):
                 logp, _, _ = response_logprobs(model, [s["prompt"] for s in mb], [s["response"] for s in mb], pad, T)
                 for s, lp in zip(mb, logp):
-                    s["old_logp"] = lp[:len(s["response"])]
+                    s["old_logp"] = lp[:len(s["response"])].float()
     sums, n_tokens_total, n_updates, n_skipped, grad_norms, trained = {}, 0, 0, 0, [], 0
     for i in range(0, len(samples), mini):
         batch = samples[i:i + mini]
         in_loss = [not (cfg.overlong_filtering and s["truncated"]) for s in batch]  # overlong filtering (ablation)
-        # --- DAPO technique 3: the token-level loss's denominator, counted over the whole mini-batch up front, so
-        # the gradient does not depend on how the mini-batch is split into micro-batches (or ranks) ---
-        n_tokens = sum(len(s["response"]) for s, keep in zip(batch, in_loss) if keep)
-        n_seqs = sum(in_loss)
+        # --- DAPO technique 3: the token-level loss's denominator, counted over the whole mini-batch on every rank
+        # before it is split into micro-batches, so the gradient does not depend on the split (SPEC 1, the trap) ---
+        n_tokens, n_seqs = distributed.all_reduce(
+            [float(sum(len(s["response"]) for s, keep in zip(batch, in_loss) if keep)), float(sum(in_loss))],
+            device=cfg.device)
         if n_tokens == 0:
             continue
         for mb in micro_batches(batch):
@@ -425,26 +403,29 @@ def update_policy(model, opt, samples, tok, cfg, eps_high):
             denom = n_tokens if cfg.token_level_loss else mask.sum(-1, keepdim=True).clamp(min=1) * n_seqs
             # --- DAPO technique 1: clip-higher, inside the clipped surrogate (paper Sec. 3.1, Eq. 10) ---
             loss, stats = policy_loss(logp, old_logp.detach(), adv, mask, cfg.eps_low, eps_high, denom, cfg.dual_clip)
-            loss.backward()
+            (loss * world).backward()  # FSDP averages gradients over ranks; the loss is already a global mean
             stats["actor/entropy"] = (entropy.detach() * mask).sum()
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v.item()
             trained += sum(len(s["prompt"]) + len(s["response"]) for s in mb)
         n_tokens_total += n_tokens
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        grad_norm = distributed.as_local(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
         if torch.isfinite(grad_norm):
             opt.step()
             n_updates += 1
         else:  # a NaN/inf anywhere in the gradient: skip this update (it never reaches the weights or a checkpoint)
             n_skipped += 1
-            tqdm.write(f"non-finite gradient norm ({grad_norm.item()}): update skipped")
+            if distributed.rank() == 0:
+                tqdm.write(f"non-finite gradient norm ({grad_norm.item()}): update skipped")
         opt.zero_grad(set_to_none=True)
         grad_norms.append(grad_norm.item())
-    out = {k: v / max(n_tokens_total, 1) for k, v in sums.items()}
+    keys = sorted(sums)
+    totals = distributed.all_reduce([sums[k] for k in keys] + [float(trained)], device=cfg.device)
+    out = {k: v / max(n_tokens_total, 1) for k, v in zip(keys, totals)}
     out["actor/pg_clipfrac"] = out.get("actor/pg_clipfrac_high", 0.0) + out.get("actor/pg_clipfrac_low", 0.0)
     finite = [g for g in grad_norms if math.isfinite(g)]
     out.update({"actor/grad_norm": sum(finite) / len(finite) if finite else float("nan"),
-                "train/updates": n_updates, "train/skipped_updates": n_skipped, "train/tokens": trained})
+                "train/updates": n_updates, "train/skipped_updates": n_skipped, "train/tokens": totals[-1]})
     return out
 
 

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -217,6 +218,7 @@ class Qwen2(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
+        self.activation_checkpointing = False
         self.model = nn.ModuleDict(dict(
             embed_tokens=nn.Embedding(cfg.vocab_size, cfg.hidden_size),
             layers=nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers)),
@@ -244,8 +246,10 @@ class Qwen2(nn.Module):
             nn.init.zeros_(m.bias)
 
     def new_kv_cache(self, batch_size: int, max_len: int) -> KVCache:
-        w = self.model.embed_tokens.weight
-        return KVCache(self.config, batch_size, max_len, w.dtype, w.device)
+        w = self.model.embed_tokens.weight  # under autocast, keys and values come out in the autocast dtype
+        on = w.device.type
+        dtype = torch.get_autocast_dtype(on) if torch.is_autocast_enabled(on) else w.dtype
+        return KVCache(self.config, batch_size, max_len, dtype, w.device)
 
     def forward(self, input_ids, positions=None, attention_mask=None, kv_cache=None, cache_start=0,
                 return_hidden=False, head=None):
@@ -271,7 +275,11 @@ class Qwen2(nn.Module):
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)  # computed once, shared by all layers
         for block in self.model.layers:
-            x = block(x, cos, sin, mask, kv_cache, cache_start)
+            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+                # keep only each block's input; recompute its activations in the backward (memory for compute)
+                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, mask, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, mask, kv_cache, cache_start)
         x = self.model.norm(x)  # (B, T, C)
         if head is not None:
             return head(x, self.lm_head.weight)

@@ -1,0 +1,122 @@
+"""
+Several processes, with nothing but PyTorch's own distributed stack. torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and the
+rendezvous address; this file turns them into a process group (nccl on GPUs, gloo on CPU) and shards the model with
+FSDP2. Every helper is a no-op in a single process, so dapo.py has one code path:
+
+    python dapo.py ...                                   # one process
+    torchrun --nproc_per_node=8 dapo.py ...              # one node, 8 GPUs
+    torchrun --nnodes=4 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 dapo.py ...
+"""
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def init(device: str) -> tuple[int, int, str]:
+    """-> (rank, world_size, this process's device)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, device
+    if device.startswith("cuda"):
+        device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return dist.get_rank(), world, device
+
+
+def shutdown():
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def all_reduce(values, op="sum", device="cpu"):
+    """Sum (or min, max) a number or a list of numbers over ranks; returns the same kind. Identity in one process."""
+    if not dist.is_initialized():
+        return values
+    t = torch.tensor(values if isinstance(values, (list, tuple)) else [values], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op])
+    out = t.tolist()
+    return out if isinstance(values, (list, tuple)) else type(values)(out[0])
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def shard(model, mixed_precision: bool):
+    """FSDP2: each decoder block is one unit (its weights are gathered just before it runs and freed after), the
+    root holds the embedding, the final norm and the head. With mixed precision (GPU), the gathered weights and the
+    compute are bf16 while the sharded master weights, the optimizer and the gradient reduction stay fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision \
+        else MixedPrecisionPolicy()
+    for block in model.model.layers:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def _fsdp_modules(model):
+    from torch.distributed.fsdp import FSDPModule
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def gathered(model):
+    """Full weights for the whole rollout: one all-gather per unit for all the tokens generated, instead of one per
+    unit per token (which is what FSDP would otherwise do in every decode step's forward)."""
+    units = _fsdp_modules(model)
+    for m in units:
+        m.set_reshard_after_forward(False, recurse=False)
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in units:
+            m.reshard()
+            m.set_reshard_after_forward(True, recurse=False)
+
+
+def full_state_dict(model) -> dict:
+    """The model's full (unsharded) weights on CPU: on rank 0 only under FSDP (empty elsewhere), as is otherwise."""
+    if not _fsdp_modules(model):
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def local_optimizer_state(opt) -> dict:
+    """The optimizer state with each sharded tensor replaced by this rank's shard: plain tensors, so the file loads
+    with torch.load(weights_only=True). Restored by load_local_optimizer_state on the same world size."""
+    from torch.distributed.tensor import DTensor
+    sd = opt.state_dict()
+    sd["state"] = {i: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in s.items()}
+                   for i, s in sd["state"].items()}
+    return sd
+
+
+def load_local_optimizer_state(opt, sd):
+    from torch.distributed.tensor import DTensor
+    opt.load_state_dict(sd)
+    for p, s in opt.state.items():  # wrap this rank's shards back into sharded tensors like their parameters
+        if isinstance(p, DTensor):
+            for k, v in s.items():
+                if torch.is_tensor(v) and not isinstance(v, DTensor) and v.dim() > 0:
+                    s[k] = DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+
+
+def as_local(t):
+    """A DTensor (a sharded parameter's norm, say) as a plain tensor; a plain tensor as is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t

@@ -1,0 +1,77 @@
+"""
+Turn a run's metrics.jsonl into one PNG of the curves a person watches during DAPO training.
+
+    python plot.py runs/demo/metrics.jsonl            # writes runs/demo/metrics.png
+    python plot.py a/metrics.jsonl b/metrics.jsonl -o compare.png --labels naive dapo
+
+Needs matplotlib (pip install -r requirements-extra.txt).
+"""
+import argparse
+import json
+import os
+
+PANELS = [  # (title, [(metric, line style)])
+    ("reward", [("critic/rewards/mean", "-"), ("critic/score/mean", ":")]),
+    ("accuracy", [("val/acc", "-o"), ("acc", ":")]),
+    ("entropy (nats/token)", [("actor/entropy", "-")]),
+    ("response length (tokens)", [("response_length/mean", "-"), ("response_length/max", ":")]),
+    ("clip fraction", [("actor/pg_clipfrac_high", "-"), ("actor/pg_clipfrac_low", ":")]),
+    ("dynamic sampling", [("train/groups_kept", "-"), ("train/groups_filtered", ":")]),
+]
+
+
+def read_metrics(path):
+    try:
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"{path}: line {e.lineno if hasattr(e, 'lineno') else '?'} is not JSON ({e})")
+
+
+def series(rows, key):
+    points = [(r["step"], r[key]) for r in rows if key in r and r[key] is not None]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def plot(paths, out, labels=None, panels=PANELS):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("plot.py needs matplotlib: pip install -r requirements-extra.txt") from None
+    runs = [read_metrics(p) for p in paths]
+    labels = labels or [os.path.basename(os.path.dirname(os.path.abspath(p))) for p in paths]
+    cols = 3
+    fig, axes = plt.subplots((len(panels) + cols - 1) // cols, cols, figsize=(5 * cols, 3.4 * ((len(panels) + 2) // 3)))
+    for ax, (title, keys) in zip(axes.flat, panels):
+        for i, (rows, label) in enumerate(zip(runs, labels)):
+            for key, style in keys:
+                x, y = series(rows, key)
+                if x:
+                    ax.plot(x, y, style, color=f"C{i}", markersize=3, label=f"{label} {key}" if len(runs) > 1
+                            else key)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("metrics", nargs="+", help="metrics.jsonl files (one per run)")
+    p.add_argument("-o", "--out", help="PNG to write (default: metrics.png beside the first file)")
+    p.add_argument("--labels", nargs="*", help="one label per run (default: the run directory's name)")
+    args = p.parse_args()
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.metrics[0])), "metrics.png")
+    print(plot(args.metrics, out, args.labels))
+
+
+if __name__ == "__main__":
+    main()
