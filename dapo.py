@@ -171,7 +171,8 @@ def response_logprobs(model, prompts, responses, pad_id, temperature):
 
     def head(hidden, weight):  # hidden (B, P + R, C)
         logits = hidden[:, P - 1:-1] @ weight.T  # (B, R, V)
-        return logprobs_and_entropy(logits, targets, temperature)
+        logp, entropy = logprobs_and_entropy(logits, targets, temperature)
+        return logp.clone(), entropy.clone()  # not views: FSDP2 warns that in-place ops on a view lose its hooks
 
     logp, entropy = model(ids, positions=positions, attention_mask=mask, head=head)
     return logp, entropy, mask[:, P:]  # (B, R) x 3

@@ -367,6 +367,7 @@ def save_hf_checkpoint(state_dict: dict, cfg: ModelConfig, path: str, max_shard_
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-ckpt-", dir=parent)
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private (0700); a model directory is normally readable by all
     try:
         dtypes = {v.dtype for v in state.values()}
         hf = cfg.to_hf()

@@ -1,0 +1,61 @@
+"""Run by tests/test_distributed.py under `torchrun --nproc_per_node=2`: one DAPO update on FSDP2-sharded ranks.
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/dist_worker.py MODEL_DIR OUT_DIR sgd|adamw
+"""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import checkpoint  # noqa: E402
+import distributed  # noqa: E402
+from dapo import Config, update_policy  # noqa: E402
+from data import PromptIterator, load_tokenizer  # noqa: E402
+from model import Qwen2  # noqa: E402
+
+GROUP = 4
+CFG = Config(group_size=GROUP, mini_batch_prompts=2, micro_batch_size=3, grad_clip=1e9, device="cpu")
+PROBE = torch.arange(2 * 9).view(2, 9) % 50 + 3  # a fixed input whose logits the tests compare
+
+
+def make_samples(vocab, n_groups=4, seed=0):
+    """The same global batch on every process: n_groups groups of GROUP responses of varied lengths."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(n_groups * GROUP):
+        p = torch.randint(3, vocab, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
+        r = torch.randint(3, vocab, (int(torch.randint(1, 10, (1,), generator=g)),), generator=g).tolist()
+        samples.append(dict(prompt=p, response=r, adv=float(torch.randn(1, generator=g)), truncated=False))
+    return samples
+
+
+def my_share(samples, rank, world):
+    """Whole groups, every world-th one: rank r's i-th group is the global group i * world + r, so each local
+    mini-batch holds this rank's part of the same global mini-batch."""
+    groups = [samples[i:i + GROUP] for i in range(0, len(samples), GROUP)]
+    return [s for g in groups[rank::world] for s in g]
+
+
+def make_optimizer(name, params):
+    return torch.optim.SGD(params, lr=1.0) if name == "sgd" else torch.optim.AdamW(params, lr=1e-3)
+
+
+def main(model_dir, out_dir, opt_name):
+    rank, world, _ = distributed.init("cpu")
+    torch.set_num_threads(1)
+    model = distributed.shard(Qwen2.from_pretrained(model_dir), mixed_precision=False)
+    tok = load_tokenizer(model_dir)
+    opt = make_optimizer(opt_name, model.parameters())
+    metrics = update_policy(model, opt, my_share(make_samples(tok.vocab_size), rank, world), tok, CFG, 0.28)
+    with torch.no_grad():
+        logits = model(PROBE)
+    weights = distributed.full_state_dict(model)
+    if rank == 0:
+        torch.save({"weights": weights, "metrics": metrics, "logits": logits}, os.path.join(out_dir, "result.pt"))
+    checkpoint.save(out_dir, 1, model, model_dir, opt, PromptIterator([{"x": 1}], 1, 0), torch.Generator(), {})
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,100 @@
+"""Two processes (gloo, FSDP2, `torchrun --nproc_per_node=2`) against one: the same update, checkpoint and resume."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dapo import update_policy
+from data import load_tokenizer, make_toy_tokenizer
+from dist_worker import CFG, PROBE, make_optimizer, make_samples
+from model import Qwen2, preset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def torchrun(*args, timeout=300):
+    """Run under torchrun with 2 processes; a hang (ranks out of lockstep) fails at the timeout instead of blocking."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+    try:
+        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"torchrun {' '.join(args)} hung for {timeout}s")
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("tiny"))
+    tok = make_toy_tokenizer(d)
+    torch.manual_seed(0)
+    Qwen2(preset("tiny", vocab_size=tok.vocab_size)).save_pretrained(d)
+    make_toy_tokenizer(d)  # save_pretrained replaced the directory: put the tokenizer back
+    return d
+
+
+def one_process_update(model_dir, opt_name):
+    model = Qwen2.from_pretrained(model_dir)
+    tok = load_tokenizer(model_dir)
+    metrics = update_policy(model, make_optimizer(opt_name, model.parameters()), make_samples(tok.vocab_size), tok,
+                            CFG, 0.28)
+    return model, metrics
+
+
+@pytest.fixture(scope="module")
+def two_rank_step(tiny_dir, tmp_path_factory):
+    """One update on 2 FSDP ranks, per optimizer: its weights, metrics, logits and checkpoint directory."""
+    def run(opt_name):
+        out = tmp_path_factory.mktemp(f"two-{opt_name}")
+        torchrun("tests/dist_worker.py", tiny_dir, str(out), opt_name)
+        return out, torch.load(out / "result.pt", weights_only=True)
+    return {name: run(name) for name in ("sgd", "adamw")}
+
+
+@pytest.mark.parametrize("opt_name,tol", [
+    ("sgd", 1e-6),
+    # AdamW divides each gradient coordinate by sqrt(v) + eps: for coordinates with |g| near eps (1e-8) it magnifies
+    # the float32 round-off of summing the same terms in another order on two ranks. Each coordinate moves by at
+    # most ~lr per step, so agreement is asked to 1% of lr (lr = 1e-3)
+    ("adamw", 1e-5),
+])
+def test_two_ranks_take_the_same_step_as_one(tiny_dir, two_rank_step, opt_name, tol):
+    _, two = two_rank_step[opt_name]
+    one, metrics = one_process_update(tiny_dir, opt_name)
+    worst = max((one.state_dict()[k] - v).abs().max().item() for k, v in two["weights"].items())
+    moved = max((one.state_dict()[k] - v).abs().max().item()
+                for k, v in Qwen2.from_pretrained(tiny_dir).state_dict().items())
+    print(f"{opt_name}: max |2-rank - 1-rank| = {worst:.2e} (the step moved weights by up to {moved:.2e})")
+    assert worst < tol and moved > 50 * tol
+    assert two["metrics"]["train/updates"] == metrics["train/updates"] == 2
+    assert two["metrics"]["actor/pg_loss"] == pytest.approx(metrics["actor/pg_loss"], rel=1e-5)
+
+
+def test_two_rank_checkpoint_loads_in_one_process_with_identical_logits(two_rank_step):
+    out, two = two_rank_step["adamw"]
+    ckpt = out / "checkpoints" / "step_000001"
+    assert sorted(p for p in os.listdir(ckpt) if p.endswith(".pt")) == ["trainer_rank0.pt", "trainer_rank1.pt"]
+    model = Qwen2.from_pretrained(str(ckpt / "model"))
+    with torch.no_grad():
+        assert torch.equal(model(PROBE), two["logits"])
+
+
+def test_two_rank_run_resumes_exactly(tiny_dir, tmp_path):
+    args = ["dapo.py", "--model", tiny_dir, "--train-prompts", "4", "--gen-prompts", "4", "--group-size", "4",
+            "--max-gen-batches", "2", "--max-response-len", "10", "--overlong-buffer", "4", "--mini-batch-prompts", "2",
+            "--micro-batch-size", "3", "--eval-every", "2", "--eval-prompts", "6", "--eval-samples", "2",
+            "--lr", "1e-3", "--no-dynamic-sampling"]
+    torchrun(*args, "--out-dir", str(tmp_path / "straight"), "--steps", "3")
+    torchrun(*args, "--out-dir", str(tmp_path / "resumed"), "--steps", "2")
+    torchrun(*args, "--out-dir", str(tmp_path / "resumed"), "--steps", "3", "--resume")
+    a = Qwen2.from_pretrained(str(tmp_path / "straight" / "checkpoints" / "step_000003" / "model"))
+    b = Qwen2.from_pretrained(str(tmp_path / "resumed" / "checkpoints" / "step_000003" / "model"))
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+    lines = [json.loads(l) for l in open(tmp_path / "resumed" / "metrics.jsonl")]
+    assert [l["step"] for l in lines if "acc" in l] == [1, 2, 3]
+    assert all(l["train/updates"] == 2 for l in lines if "acc" in l)  # both ranks trained every step
