@@ -312,31 +312,35 @@ class PromptIterator:
 # ----------------------------------------------------------------------------------------------------------------------
 # The toy task of the CPU demo
 #
-# Problems are sums of 2-4 digits ("3+5+2"), answered with the sum. The demo's "base model" is a tiny Qwen2 given a
+# Problems are sums of 2-3 digits ("3+5+2"), answered with the sum. The demo's "base model" is a tiny Qwen2 given a
 # short supervised warm-up on toy_warmup_pairs(): responses in the format the verifier reads, with a running-sum
 # working ("3+5=8, 8+2=10.\nAnswer: 10"). That warm-up data is deliberately noisy:
-# - each step of the working is off by one with probability TOY_STEP_ERROR, and the slip carries into the next
-#   steps, so only ~34% of the warm-up answers are right (~30% within TOY_MAX_RESPONSE_LEN). A model that imitates
+# - each step of the working slips by 1 or 2 with probability TOY_STEP_ERROR, and the slip carries into the next
+#   step, so only ~29% of the warm-up answers are right (~23% within TOY_MAX_RESPONSE_LEN). A model that imitates
 #   it samples the right answer sometimes but not reliably, like a real base model on competition maths. The right
-#   sum is still the likeliest result of every step (40% against 30% for each neighbour), so it is within reach,
-#   and RL with a correctness reward is what turns "sometimes" into "almost always"; more warm-up cannot, since it
-#   teaches the noise too.
+#   sum is still by far the likeliest result of every step (35%, against ~16% for each slip), so it is within
+#   reach, and RL with a correctness reward is what turns "sometimes" into "almost always"; more warm-up cannot,
+#   since it teaches the noise too.
 # - a fraction TOY_RAMBLE of the responses pad the working with repeated filler before the answer, so lengths vary
-#   widely: a plain response is 12-32 tokens with its EOS, ~15% land in the overlong buffer and ~13% run past
+#   widely: a plain response is 12-23 tokens with its EOS, ~15% land in the overlong buffer and ~19% run past
 #   TOY_MAX_RESPONSE_LEN, where truncation also cuts off the Answer line. Overlong shaping and the token-level loss
 #   then have something to act on (paper Sec. 3.3-3.4).
+# Measured with the "demo" preset and these settings (300 warm-up steps of 64 pairs, AdamW lr 5e-3 with cosine
+# decay): loss 0.18, held-out accuracy 0.26 sampled at T=1 (256 problems; 15% cut at 40 tokens). With 4 terms the
+# same warm-up reaches only 8%: the model has not yet learnt which term each step adds.
 # The reward is the real math_dapo verifier (reward.py routes "toy_sum" to it). Held-out problems come from a
 # disjoint part of the problem space (a hash of the problem text), never seen in warm-up or RL.
 
 TOY_DATA_SOURCE = "toy_sum"
-TOY_MIN_TERMS, TOY_MAX_TERMS = 2, 4  # digits per problem
-TOY_STEP_ERROR = 0.6  # chance that a warm-up working step is off by one, either way
-TOY_RAMBLE = 0.35  # chance that a warm-up response repeats filler before its answer...
+TOY_MIN_TERMS, TOY_MAX_TERMS = 2, 3  # digits per problem
+TOY_STEP_ERROR = 0.65  # chance that a warm-up working step slips...
+TOY_SLIPS = (-2, -1, 1, 2)  # ...by one of these, equally likely: the right result stays the likeliest by far
+TOY_RAMBLE = 0.4  # chance that a warm-up response repeats filler before its answer...
 TOY_RAMBLE_REPEATS = (1, 8)  # ...this many times (inclusive range)
 TOY_FILLER = "Let me check."
-TOY_TEST_BUCKETS = 10  # 1 problem in 10 (by a hash of its text) is held out for evaluation
+TOY_TEST_BUCKETS = 5  # 1 problem in 5 (by a hash of its text) is held out for evaluation: ~220 of 1100
 TOY_WORDS = ["user", "assistant", "Answer", "Let", " Let", " me", " check"]  # one token each; digits stay single
-TOY_MAX_RESPONSE_LEN, TOY_OVERLONG_BUFFER = 48, 16  # suggested demo limits: no plain response is penalised
+TOY_MAX_RESPONSE_LEN, TOY_OVERLONG_BUFFER = 40, 16  # suggested demo limits: no plain response is penalised
 TOY_CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
                      "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 # Qwen2's pre-tokenizer regex: letters group into words, every digit is its own piece
@@ -415,12 +419,12 @@ def toy_rows(n: int, seed: int, split: str = "train") -> list[dict]:
 
 
 def toy_response(terms: list[int], rng: random.Random) -> str:
-    """One "base model" response: running-sum working with off-by-one slips, maybe filler, then the Answer line."""
+    """One "base model" response: running-sum working with slips, maybe filler, then the Answer line."""
     total, steps = terms[0], []
     for t in terms[1:]:
         s = total + t
         if rng.random() < TOY_STEP_ERROR:
-            s += rng.choice((-1, 1))  # "0+0=-1" too: the right result stays the likeliest of the three
+            s += rng.choice(TOY_SLIPS)  # "0+0=-1" too, so no result is favoured
         steps.append(f"{total}+{t}={s}")
         total = s  # a slip carries forward, as a real mistake would
     text = ", ".join(steps) + "."
@@ -431,7 +435,7 @@ def toy_response(terms: list[int], rng: random.Random) -> str:
 
 def toy_warmup_pairs(n: int, seed: int) -> list[tuple[list[dict], str]]:
     """n (prompt messages, response text) pairs from the train split: the supervised warm-up that makes the demo's
-    base model. About a third of the answers are right (see the comment above the TOY_ constants)."""
+    base model. Fewer than a third of the answers are right (see the comment above the TOY_ constants)."""
     problems, rng = _toy_problems(n, seed, "train", "warmup")
     return [([{"role": "user", "content": "+".join(map(str, terms))}], toy_response(terms, rng))
             for terms in problems]

@@ -448,26 +448,26 @@ def test_toy_train_and_test_problems_are_disjoint():
     test = {r["prompt"][0]["content"] for r in toy_rows(500, 0, "test")}
     warmup = {p[0]["content"] for p, _ in toy_warmup_pairs(5000, 0)}
     assert not train & test and not warmup & test
-    assert len(test) > 200  # and the held-out set is not a handful of problems
+    assert len(test) > 150  # and the held-out set is not a handful of problems
 
 
 def test_toy_warmup_is_right_only_some_of_the_time():
     pairs = toy_warmup_pairs(4000, 0)
     acc = [reward.score_response("toy_sum", resp, str(sum(map(int, p[0]["content"].split("+")))))["acc"]
            for p, resp in pairs]
-    assert 0.25 <= sum(acc) / len(acc) <= 0.42  # a base model that can, but mostly does not, get it right
+    assert 0.2 <= sum(acc) / len(acc) <= 0.4  # a base model that can, but mostly does not, get it right
     assert all(resp.rsplit("\n", 1)[1].startswith("Answer: ") for _, resp in pairs)
 
 
 def test_toy_warmup_step_results_are_most_often_right():
     # RL can only sharpen what the base model already samples: the right sum must be the likeliest result of a step
-    results = {-1: 0, 0: 0, 1: 0}
+    results = {slip: 0 for slip in (0,) + data.TOY_SLIPS}
     for _, resp in toy_warmup_pairs(2000, 1):
         for step in resp.split("\n")[0].rstrip(".").split(", "):
             lhs, result = step.split("=")
             a, b = map(int, lhs.split("+"))
-            results[int(result) - (a + b)] += 1  # a KeyError here would be a slip other than off-by-one
-    assert results[0] > results[1] > 0 and results[0] > results[-1] > 0
+            results[int(result) - (a + b)] += 1  # a KeyError here would be a slip not in TOY_SLIPS
+    assert all(results[0] > 2 * results[slip] > 0 for slip in data.TOY_SLIPS)
 
 
 def test_toy_warmup_lengths_vary_past_the_demo_limit(toy_tok):
