@@ -17,6 +17,7 @@ No KL term and no reference model. Entropy is measured and logged, never added t
 import argparse
 import contextlib
 import json
+import logging
 import math
 import os
 import time
@@ -47,21 +48,23 @@ class Config:
     device: str = field(default="cuda" if torch.cuda.is_available() else "cpu", metadata={"help": "cpu or cuda"})
     # rollout
     steps: int = field(default=40, metadata={"help": "rollout steps"})
-    train_prompts: int = field(default=16, metadata={"help": "prompts per rollout step (paper: 512)"})
-    gen_prompts: int = field(default=24, metadata={"help": "prompts per generation batch (paper: 1536 = 3x)"})
+    train_prompts: int = field(default=32, metadata={"help": "prompts per rollout step (paper: 512)"})
+    gen_prompts: int = field(default=48, metadata={"help": "prompts per generation batch (paper: 1536 = 3x)"})
     group_size: int = field(default=8, metadata={"help": "responses per prompt, G (paper: 16)"})
     max_gen_batches: int = field(default=4, metadata={"help": "dynamic-sampling cap per step; 0 = no cap"})
     max_prompt_len: int = field(default=64, metadata={"help": "prompt tokens; longer prompts lose their start"})
     max_response_len: int = field(default=40, metadata={"help": "response tokens, L_max (paper: 20480)"})
-    overlong_buffer: int = field(default=12, metadata={"help": "soft-penalty zone before L_max, L_cache (4096)"})
+    overlong_buffer: int = field(default=16, metadata={"help": "soft-penalty zone before L_max, L_cache (4096)"})
     overlong_factor: float = field(default=1.0, metadata={"help": "scale of the overlong penalty"})
     temperature: float = field(default=1.0, metadata={"help": "rollout sampling temperature"})
     top_p: float = field(default=1.0, metadata={"help": "rollout nucleus sampling (1 = off)"})
     top_k: int = field(default=0, metadata={"help": "rollout top-k (0 = off)"})
+    rollout_batch_size: int = field(default=512, metadata={"help": "sequences generated at once per process: bounds "
+                                                                    "the KV cache's memory (0 = all)"})
     # update
-    mini_batch_prompts: int = field(default=16, metadata={"help": "prompts per optimizer step (paper: 32)"})
+    mini_batch_prompts: int = field(default=8, metadata={"help": "prompts per optimizer step (paper: 32)"})
     micro_batch_size: int = field(default=64, metadata={"help": "sequences per forward/backward"})
-    lr: float = field(default=2e-4, metadata={"help": "AdamW learning rate (paper: 1e-6)"})
+    lr: float = field(default=3e-4, metadata={"help": "AdamW learning rate (paper: 1e-6)"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (paper: 0.1)"})
     grad_clip: float = field(default=1.0, metadata={"help": "max grad norm"})
     warmup_steps: int = field(default=3, metadata={"help": "linear lr warm-up, in rollout steps (paper: 10-20)"})
@@ -89,7 +92,8 @@ def parse_args(argv=None) -> Config:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in fields(Config):
         flag, help_ = "--" + f.name.replace("_", "-"), f.metadata["help"].replace("%", "%%")
-        kind = dict(action=argparse.BooleanOptionalAction) if isinstance(f.default, bool) else dict(type=type(f.default))
+        is_bool = isinstance(f.default, bool)
+        kind = dict(action=argparse.BooleanOptionalAction) if is_bool else dict(type=type(f.default))
         p.add_argument(flag, **kind, default=f.default, help=help_ + " (default: %(default)r)")  # bool: --x / --no-x
     return Config(**vars(p.parse_args(argv)))
 
@@ -180,27 +184,32 @@ def response_logprobs(model, prompts, responses, pad_id, temperature):
 
 @torch.no_grad()
 def rollout(model, rows, tok, cfg, n_samples, temperature, top_p, top_k, generator):
-    """Sample n_samples responses to each prompt and score them. Returns one group (a list of dicts) per prompt."""
+    """Sample n_samples responses to each prompt and score them. Returns one group (a list of dicts) per prompt.
+    At most cfg.rollout_batch_size sequences go through generate() at once: the KV cache is preallocated for the
+    whole batch at full length, so this is what bounds the rollout's memory."""
     prompts, _ = encode_prompts(rows, tok, cfg.max_prompt_len)
-    out = generate(model, [p for p in prompts for _ in range(n_samples)], cfg.max_response_len, temperature=temperature,
-                   top_p=top_p, top_k=top_k, eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id,
-                   generator=generator)
+    per_call = max(1, cfg.rollout_batch_size // n_samples) if cfg.rollout_batch_size else len(prompts)
     groups = []
-    for g, row in enumerate(rows):
-        group = []
-        for i in range(g * n_samples, (g + 1) * n_samples):
-            response = out.response_ids[i, :out.lengths[i]].tolist()
-            scored = score_response(row["data_source"], tok.decode(response), row["reward_model"]["ground_truth"])
-            group.append(dict(prompt=prompts[g], response=response, score=scored["score"], acc=bool(scored["acc"]),
-                              truncated=bool(out.truncated[i])))
-        groups.append(group)
+    for start in range(0, len(prompts), per_call):
+        part = prompts[start:start + per_call]
+        out = generate(model, [p for p in part for _ in range(n_samples)], cfg.max_response_len,
+                       temperature=temperature, top_p=top_p, top_k=top_k, eos_token_ids=tok.eos_token_ids,
+                       pad_token_id=tok.pad_token_id, generator=generator)
+        for g, (prompt, row) in enumerate(zip(part, rows[start:start + per_call])):
+            group = []
+            for i in range(g * n_samples, (g + 1) * n_samples):
+                response = out.response_ids[i, :out.lengths[i]].tolist()
+                scored = score_response(row["data_source"], tok.decode(response), row["reward_model"]["ground_truth"])
+                group.append(dict(prompt=prompt, response=response, score=scored["score"], acc=bool(scored["acc"]),
+                                  truncated=bool(out.truncated[i])))
+            groups.append(group)
     return groups
 
 
 def evaluate(model, rows, tok, cfg, generator):
     """avg@k (mean accuracy over k samples per problem: the paper's avg@32 on AIME) and pass@k (any of the k right).
     Under torch.distributed each rank takes every world_size-th problem and the counts are summed."""
-    mine, chunk = rows[distributed.rank()::distributed.world_size()], max(1, 512 // cfg.eval_samples)
+    mine, chunk = rows[distributed.rank()::distributed.world_size()], 64  # problems per rollout() call
     right = any_right = 0.0
     calls = math.ceil(math.ceil(len(rows) / distributed.world_size()) / chunk)  # the same on every rank (lockstep)
     for c in range(calls):
@@ -245,6 +254,7 @@ def setup(cfg):
 
 def main(cfg: Config):
     rank, world, cfg.device = distributed.init(cfg.device)
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")  # data.py
     if cfg.train_prompts % world or cfg.mini_batch_prompts % world or cfg.gen_prompts % world:
         raise ValueError(f"--train-prompts, --mini-batch-prompts and --gen-prompts must be multiples of the "
                          f"{world} processes (each rank trains whole groups)")
@@ -270,7 +280,7 @@ def train(cfg, rank, world):
     prompt_iter = PromptIterator(train_rows, cfg.gen_prompts if cfg.dynamic_sampling else cfg.train_prompts, cfg.seed)
     generator = torch.Generator(cfg.device).manual_seed(cfg.seed + rank)
     start = checkpoint.load_trainer_state(resume_dir, opt, prompt_iter, generator) if resume_dir else 0
-    metrics_file = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") if rank == 0 else None
+    metrics_file = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a" if resume_dir else "w") if rank == 0 else None
     log = lambda m: metrics_file and (metrics_file.write(json.dumps(m) + "\n"), metrics_file.flush())
     say = lambda text: rank == 0 and tqdm.write(text)
     first_val = last_val = None

@@ -312,33 +312,34 @@ class PromptIterator:
 # ----------------------------------------------------------------------------------------------------------------------
 # The toy task of the CPU demo
 #
-# Problems are sums of 2-3 digits ("3+5+2"), answered with the sum. The demo's "base model" is a tiny Qwen2 given a
-# short supervised warm-up on toy_warmup_pairs(): responses in the format the verifier reads, with a running-sum
-# working ("3+5=8, 8+2=10.\nAnswer: 10"). That warm-up data is deliberately noisy:
-# - each step of the working slips by 1 or 2 with probability TOY_STEP_ERROR, and the slip carries into the next
-#   step, so only ~29% of the warm-up answers are right (~23% within TOY_MAX_RESPONSE_LEN). A model that imitates
-#   it samples the right answer sometimes but not reliably, like a real base model on competition maths. The right
-#   sum is still by far the likeliest result of every step (35%, against ~16% for each slip), so it is within
-#   reach, and RL with a correctness reward is what turns "sometimes" into "almost always"; more warm-up cannot,
-#   since it teaches the noise too.
-# - a fraction TOY_RAMBLE of the responses pad the working with repeated filler before the answer, so lengths vary
-#   widely: a plain response is 12-23 tokens with its EOS, ~15% land in the overlong buffer and ~19% run past
-#   TOY_MAX_RESPONSE_LEN, where truncation also cuts off the Answer line. Overlong shaping and the token-level loss
-#   then have something to act on (paper Sec. 3.3-3.4).
-# Measured with the "demo" preset and these settings (300 warm-up steps of 64 pairs, AdamW lr 5e-3 with cosine
-# decay): loss 0.18, held-out accuracy 0.26 sampled at T=1 (256 problems; 15% cut at 40 tokens). With 4 terms the
-# same warm-up reaches only 8%: the model has not yet learnt which term each step adds.
+# Problems are sums of 2-3 digits from 0 to 5 ("3+5+2"), answered with the sum. The demo's "base model" is a tiny Qwen2 given a
+# short supervised warm-up on toy_warmup_pairs(), responses in the format the verifier reads, of two kinds:
+# - worked: a running sum, then the answer ("3+5=8, 8+2=10.\nAnswer: 10"). Right almost always (a step slips with
+#   probability TOY_STEP_ERROR), but only a fraction TOY_WORK_PROB of the warm-up responses work it out;
+# - direct: "Answer: 12", a guess, right about 1 time in 16.
+# So the base model can solve most problems (it has seen how) but mostly does not bother: held-out accuracy starts
+# near 0.25, while pass@k is much higher. This is what RL on a real base model does at scale: the reward teaches the
+# model to use the reasoning it already has, responses get longer as it does (the paper's Fig. 7), and the gain
+# is the RL phase's alone (more warm-up on the same data teaches the same mixture).
+# A fraction TOY_RAMBLE of the responses of both kinds repeat a filler sentence before the answer, so lengths vary
+# widely and ~1 in 6 runs past TOY_MAX_RESPONSE_LEN, where truncation cuts off the Answer line too: overlong shaping
+# and the token-level loss then have something to act on (paper Sec. 3.3-3.4).
+# Measured (make run, seed 0): 400 warm-up steps give held-out accuracy ~0.25 at T = 1 (the worked answers right
+# ~60% of the time, the sums above 10 the hardest); RL then makes the model work every problem out.
 # The reward is the real math_dapo verifier (reward.py routes "toy_sum" to it). Held-out problems come from a
 # disjoint part of the problem space (a hash of the problem text), never seen in warm-up or RL.
 
 TOY_DATA_SOURCE = "toy_sum"
-TOY_MIN_TERMS, TOY_MAX_TERMS = 2, 3  # digits per problem
-TOY_STEP_ERROR = 0.65  # chance that a warm-up working step slips...
-TOY_SLIPS = (-2, -1, 1, 2)  # ...by one of these, equally likely: the right result stays the likeliest by far
+TOY_MIN_TERMS, TOY_MAX_TERMS = 2, 3  # terms per problem...
+TOY_MAX_DIGIT = 5  # ...each in [0, TOY_MAX_DIGIT]: few enough addition facts for a 2-minute warm-up to learn
+TOY_WORK_PROB = 0.3  # chance that a warm-up response works the sum out step by step...
+TOY_GUESS_MAX = 15  # ...otherwise it states a guess, uniform in [0, TOY_GUESS_MAX]
+TOY_STEP_ERROR = 0.05  # chance that a step of the working slips...
+TOY_SLIPS = (-2, -1, 1, 2)  # ...by one of these, equally likely
 TOY_RAMBLE = 0.4  # chance that a warm-up response repeats filler before its answer...
 TOY_RAMBLE_REPEATS = (1, 8)  # ...this many times (inclusive range)
 TOY_FILLER = "Let me check."
-TOY_TEST_BUCKETS = 5  # 1 problem in 5 (by a hash of its text) is held out for evaluation: ~220 of 1100
+TOY_TEST_BUCKETS = 5  # 1 problem in 5 (by a hash of its text) is held out for evaluation: 54 of 252
 TOY_WORDS = ["user", "assistant", "Answer", "Let", " Let", " me", " check"]  # one token each; digits stay single
 TOY_MAX_RESPONSE_LEN, TOY_OVERLONG_BUFFER = 40, 16  # suggested demo limits: no plain response is penalised
 TOY_CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
@@ -402,7 +403,7 @@ def _toy_problems(n: int, seed: int, split: str, stream: str):
     rng = random.Random(f"toy-{stream}-{split}-{seed}")
     problems = []
     while len(problems) < n:
-        terms = [rng.randrange(10) for _ in range(rng.randint(TOY_MIN_TERMS, TOY_MAX_TERMS))]
+        terms = [rng.randrange(TOY_MAX_DIGIT + 1) for _ in range(rng.randint(TOY_MIN_TERMS, TOY_MAX_TERMS))]
         if _toy_split("+".join(map(str, terms))) == split:
             problems.append(terms)
     return problems, rng
@@ -419,23 +420,28 @@ def toy_rows(n: int, seed: int, split: str = "train") -> list[dict]:
 
 
 def toy_response(terms: list[int], rng: random.Random) -> str:
-    """One "base model" response: running-sum working with slips, maybe filler, then the Answer line."""
-    total, steps = terms[0], []
-    for t in terms[1:]:
-        s = total + t
-        if rng.random() < TOY_STEP_ERROR:
-            s += rng.choice(TOY_SLIPS)  # "0+0=-1" too, so no result is favoured
-        steps.append(f"{total}+{t}={s}")
-        total = s  # a slip carries forward, as a real mistake would
-    text = ", ".join(steps) + "."
+    """One "base model" response: worked (a running sum, rarely slipping) or a direct guess, maybe filler, then
+    the Answer line."""
+    lines = []
+    if rng.random() < TOY_WORK_PROB:
+        total, steps = terms[0], []
+        for t in terms[1:]:
+            s = total + t
+            if rng.random() < TOY_STEP_ERROR:
+                s += rng.choice(TOY_SLIPS)
+            steps.append(f"{total}+{t}={s}")
+            total = s  # a slip carries forward, as a real mistake would
+        lines.append(", ".join(steps) + ".")
+    else:
+        total = rng.randint(0, TOY_GUESS_MAX)
     if rng.random() < TOY_RAMBLE:
-        text += "\n" + " ".join([TOY_FILLER] * rng.randint(*TOY_RAMBLE_REPEATS))
-    return f"{text}\nAnswer: {total}"
+        lines.append(" ".join([TOY_FILLER] * rng.randint(*TOY_RAMBLE_REPEATS)))
+    return "\n".join(lines + [f"Answer: {total}"])
 
 
 def toy_warmup_pairs(n: int, seed: int) -> list[tuple[list[dict], str]]:
     """n (prompt messages, response text) pairs from the train split: the supervised warm-up that makes the demo's
-    base model. Fewer than a third of the answers are right (see the comment above the TOY_ constants)."""
+    base model. About a quarter of the answers are right (see the comment above the TOY_ constants)."""
     problems, rng = _toy_problems(n, seed, "train", "warmup")
     return [([{"role": "user", "content": "+".join(map(str, terms))}], toy_response(terms, rng))
             for terms in problems]

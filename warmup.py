@@ -10,8 +10,10 @@ the RL phase in dapo.py is what makes it reliable. The warm-up is cached (like a
 settings, so repeated demo runs skip it.
 """
 import json
+import math
 import os
 import time
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -19,32 +21,32 @@ import torch.nn.functional as F
 from data import toy_warmup_pairs
 from model import Qwen2, preset
 
-WARMUP = dict(examples=6000, steps=300, batch_size=64, lr=3e-3, preset="demo")
+WARMUP = dict(steps=400, batch_size=64, lr=5e-3, preset="demo")  # measured: loss ~0.17, held-out acc ~0.3
 
 
 def demo_base_model(tok, device="cpu", seed=0, cache_root="runs/demo-base") -> Qwen2:
-    key = dict(WARMUP, seed=seed, vocab=tok.vocab_size)
+    sample = json.dumps(toy_warmup_pairs(64, seed=seed))  # a change to the toy task's data invalidates the cache
+    key = dict(WARMUP, seed=seed, vocab=tok.vocab_size, data=zlib.crc32(sample.encode()))
     cache = os.path.join(cache_root, "_".join(f"{k}{v}" for k, v in key.items()))
     if os.path.isfile(os.path.join(cache, "warmup.json")):
         return Qwen2.from_pretrained(cache, dtype=torch.float32, device=device)
     torch.manual_seed(seed)
     model = Qwen2(preset(WARMUP["preset"], vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_ids)).to(device)
-    pairs = toy_warmup_pairs(WARMUP["examples"], seed=seed)
+    steps, batch = WARMUP["steps"], WARMUP["batch_size"]
     examples = [(tok.apply_chat_template(messages), tok.encode(response) + [tok.eos_token_ids[0]])
-                for messages, response in pairs]
-    opt = torch.optim.AdamW(model.parameters(), lr=WARMUP["lr"], weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, WARMUP["lr"], total_steps=WARMUP["steps"], pct_start=0.1)
-    t0, gen = time.time(), torch.Generator().manual_seed(seed)
-    for step in range(WARMUP["steps"]):
-        idx = torch.randint(len(examples), (WARMUP["batch_size"],), generator=gen).tolist()
-        loss = sft_loss(model, [examples[i] for i in idx], tok.pad_token_id, device)
+                for messages, response in toy_warmup_pairs(steps * batch, seed=seed)]  # each example seen once
+    opt = torch.optim.AdamW(model.parameters(), lr=WARMUP["lr"], betas=(0.9, 0.95), weight_decay=0.0)
+    t0 = time.time()
+    for step in range(steps):
+        for group in opt.param_groups:  # 20 steps of linear warm-up, then cosine decay to 10%
+            group["lr"] = WARMUP["lr"] * min(1, (step + 1) / 20) * (0.1 + 0.45 * (1 + math.cos(math.pi * step / steps)))
+        loss = sft_loss(model, examples[step * batch:(step + 1) * batch], tok.pad_token_id, device)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        sched.step()
         opt.zero_grad(set_to_none=True)
-        if step % 50 == 0 or step == WARMUP["steps"] - 1:
-            print(f"warm-up {step:4d}/{WARMUP['steps']}  loss {loss.item():.3f}  ({time.time() - t0:.0f}s)")
+        if step % 50 == 0 or step == steps - 1:
+            print(f"warm-up {step:4d}/{steps}  loss {loss.item():.3f}  ({time.time() - t0:.0f}s)", flush=True)
     model.save_pretrained(cache)
     with open(os.path.join(cache, "warmup.json"), "w") as f:  # written last: its presence marks a complete cache
         json.dump(key, f)

@@ -215,3 +215,18 @@ def test_help_lists_the_flags():
     assert out.returncode == 0
     for flag in ("--eps-high", "--no-dynamic-sampling", "--token-level-loss", "--overlong-buffer", "--resume"):
         assert flag in out.stdout
+
+
+def test_response_logprobs_equal_each_sequence_alone():
+    torch.manual_seed(0)
+    model = Qwen2(preset("tiny", vocab_size=50))
+    prompts, responses = [[1, 2, 3], [4, 5, 6, 7, 8], [9]], [[10, 11], [12, 13, 14, 15], [16]]
+    logp, entropy, mask = dapo.response_logprobs(model, prompts, responses, pad_id=0, temperature=0.7)
+    assert mask.tolist() == [[True, True, False, False], [True] * 4, [True, False, False, False]]
+    with torch.no_grad():
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            logits = model(torch.tensor([p + r]))[0, len(p) - 1:-1] / 0.7  # (len(r), V)
+            ref = logits.log_softmax(-1)[torch.arange(len(r)), r]
+            ref_entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+            assert (logp[i, :len(r)] - ref).abs().max() < 1e-5
+            assert (entropy[i, :len(r)] - ref_entropy).abs().max() < 1e-5

@@ -448,7 +448,7 @@ def test_toy_train_and_test_problems_are_disjoint():
     test = {r["prompt"][0]["content"] for r in toy_rows(500, 0, "test")}
     warmup = {p[0]["content"] for p, _ in toy_warmup_pairs(5000, 0)}
     assert not train & test and not warmup & test
-    assert len(test) > 150  # and the held-out set is not a handful of problems
+    assert len(test) >= 50  # and the held-out set is not a handful of problems (54 of the 252)
 
 
 def test_toy_warmup_is_right_only_some_of_the_time():
@@ -456,18 +456,18 @@ def test_toy_warmup_is_right_only_some_of_the_time():
     acc = [reward.score_response("toy_sum", resp, str(sum(map(int, p[0]["content"].split("+")))))["acc"]
            for p, resp in pairs]
     assert 0.2 <= sum(acc) / len(acc) <= 0.4  # a base model that can, but mostly does not, get it right
-    assert all(resp.rsplit("\n", 1)[1].startswith("Answer: ") for _, resp in pairs)
+    assert all(resp.split("\n")[-1].startswith("Answer: ") for _, resp in pairs)
 
 
-def test_toy_warmup_step_results_are_most_often_right():
-    # RL can only sharpen what the base model already samples: the right sum must be the likeliest result of a step
-    results = {slip: 0 for slip in (0,) + data.TOY_SLIPS}
-    for _, resp in toy_warmup_pairs(2000, 1):
-        for step in resp.split("\n")[0].rstrip(".").split(", "):
-            lhs, result = step.split("=")
-            a, b = map(int, lhs.split("+"))
-            results[int(result) - (a + b)] += 1  # a KeyError here would be a slip not in TOY_SLIPS
-    assert all(results[0] > 2 * results[slip] > 0 for slip in data.TOY_SLIPS)
+def test_toy_warmup_working_is_right_and_guesses_mostly_wrong():
+    # RL can only sharpen what the base model already samples: worked answers must be right, direct ones a guess
+    worked, guessed = [], []
+    for (messages,), resp in ((p, r) for p, r in toy_warmup_pairs(3000, 1)):
+        right = resp.rsplit("Answer: ", 1)[1] == str(sum(map(int, messages["content"].split("+"))))
+        (worked if "=" in resp else guessed).append(right)
+    assert 0.2 < len(worked) / 3000 < 0.4  # the base model mostly does not work it out...
+    assert sum(worked) / len(worked) > 0.85  # ...but when it does it is right...
+    assert 0.03 < sum(guessed) / len(guessed) < 0.12  # ...and a guess is right about 1 time in 16
 
 
 def test_toy_warmup_lengths_vary_past_the_demo_limit(toy_tok):
