@@ -13,7 +13,7 @@ $(VENV)/.runtime: requirements.txt
 	$(PIP) install -q -r requirements.txt
 	touch $@
 
-$(VENV)/.test: requirements-test.txt $(VENV)/.runtime
+$(VENV)/.test: requirements-test.txt requirements-extra.txt $(VENV)/.runtime
 	$(PIP) install -q -r requirements-test.txt
 	touch $@
 
