@@ -12,7 +12,6 @@ import torch
 
 import dapo
 from dapo import Config, group_advantages, keep_groups, policy_loss, update_policy
-from data import make_toy_tokenizer
 from model import Qwen2, preset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -146,16 +145,6 @@ def test_non_finite_gradient_skips_the_update(monkeypatch):
 
 
 # --- the loop, end to end on a tiny random model ---
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("tiny"))
-    tok = make_toy_tokenizer(d)
-    torch.manual_seed(0)
-    Qwen2(preset("tiny", vocab_size=tok.vocab_size)).save_pretrained(d)
-    make_toy_tokenizer(d)  # save_pretrained replaced the directory: put the tokenizer back
-    return d
-
 
 def _cfg(model_dir, out_dir, **kw):
     return Config(**{**dict(model=model_dir, out_dir=str(out_dir), steps=3, train_prompts=4, gen_prompts=4,

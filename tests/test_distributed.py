@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from dapo import update_policy
-from data import load_tokenizer, make_toy_tokenizer
+from data import load_tokenizer
 from dist_worker import CFG, PROBE, make_optimizer, make_samples
-from model import Qwen2, preset
+from model import Qwen2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,16 +27,6 @@ def torchrun(*args, timeout=300):
     return out
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("tiny"))
-    tok = make_toy_tokenizer(d)
-    torch.manual_seed(0)
-    Qwen2(preset("tiny", vocab_size=tok.vocab_size)).save_pretrained(d)
-    make_toy_tokenizer(d)  # save_pretrained replaced the directory: put the tokenizer back
-    return d
-
-
 def one_process_update(model_dir, opt_name):
     model = Qwen2.from_pretrained(model_dir)
     tok = load_tokenizer(model_dir)
@@ -46,11 +36,11 @@ def one_process_update(model_dir, opt_name):
 
 
 @pytest.fixture(scope="module")
-def two_rank_step(tiny_dir, tmp_path_factory):
+def two_rank_step(tiny_model_dir, tmp_path_factory):
     """One update on 2 FSDP ranks, per optimizer: its weights, metrics, logits and checkpoint directory."""
     def run(opt_name):
         out = tmp_path_factory.mktemp(f"two-{opt_name}")
-        torchrun("tests/dist_worker.py", tiny_dir, str(out), opt_name)
+        torchrun("tests/dist_worker.py", tiny_model_dir, str(out), opt_name)
         return out, torch.load(out / "result.pt", weights_only=True)
     return {name: run(name) for name in ("sgd", "adamw")}
 
@@ -62,12 +52,12 @@ def two_rank_step(tiny_dir, tmp_path_factory):
     # most ~lr per step, so agreement is asked to 1% of lr (lr = 1e-3)
     ("adamw", 1e-5),
 ])
-def test_two_ranks_take_the_same_step_as_one(tiny_dir, two_rank_step, opt_name, tol):
+def test_two_ranks_take_the_same_step_as_one(tiny_model_dir, two_rank_step, opt_name, tol):
     _, two = two_rank_step[opt_name]
-    one, metrics = one_process_update(tiny_dir, opt_name)
+    one, metrics = one_process_update(tiny_model_dir, opt_name)
     worst = max((one.state_dict()[k] - v).abs().max().item() for k, v in two["weights"].items())
     moved = max((one.state_dict()[k] - v).abs().max().item()
-                for k, v in Qwen2.from_pretrained(tiny_dir).state_dict().items())
+                for k, v in Qwen2.from_pretrained(tiny_model_dir).state_dict().items())
     print(f"{opt_name}: max |2-rank - 1-rank| = {worst:.2e} (the step moved weights by up to {moved:.2e})")
     assert worst < tol and moved > 50 * tol
     assert two["metrics"]["train/updates"] == metrics["train/updates"] == 2
@@ -83,8 +73,8 @@ def test_two_rank_checkpoint_loads_in_one_process_with_identical_logits(two_rank
         assert torch.equal(model(PROBE), two["logits"])
 
 
-def test_two_rank_run_resumes_exactly(tiny_dir, tmp_path):
-    args = ["dapo.py", "--model", tiny_dir, "--train-prompts", "4", "--gen-prompts", "4", "--group-size", "4",
+def test_two_rank_run_resumes_exactly(tiny_model_dir, tmp_path):
+    args = ["dapo.py", "--model", tiny_model_dir, "--train-prompts", "4", "--gen-prompts", "4", "--group-size", "4",
             "--max-gen-batches", "2", "--max-response-len", "10", "--overlong-buffer", "4", "--mini-batch-prompts", "2",
             "--micro-batch-size", "3", "--eval-every", "2", "--eval-prompts", "6", "--eval-samples", "2",
             "--lr", "1e-3", "--no-dynamic-sampling"]
