@@ -51,7 +51,7 @@ ROWS = [
 @dataclass
 class AblateConfig:
     out_dir: str = field(default="runs/ablate", metadata={"help": "the runs, table.md and ablation.png go here"})
-    # 6 rows x 3 seeds x 12 steps: ~13 min on a busy 2-core CPU (one step ~3 s, with dynamic sampling up to ~5 s);
+    # 6 rows x 3 seeds x 12 steps: 11 min on a busy 2-core CPU (one step ~3 s, with dynamic sampling up to ~5 s);
     # the demo's accuracy is ~0.8 by step 10, so most of what the techniques change happens in these steps
     steps: int = field(default=12, metadata={"help": "rollout steps of every run"})
     seeds: list = field(default_factory=lambda: [0, 1, 2],
@@ -259,7 +259,8 @@ def delta_cell(now, before):
 def build_table(summaries, target_acc, caption=""):
     """summaries {row: {seed: summarize(...)}} -> the markdown table (with its caption and notes)."""
     head = ["row", "paper AIME24", "val/acc (mean ± sd)", "Δ vs row above", "entropy first → last",
-            "length first → last", "clipped high / low", "truncated", "no-signal groups", f"steps (responses) to acc ≥ {target_acc:g}",
+            "length first → last", "clipped high / low", "truncated", "no-signal groups",
+            f"steps (responses) to acc ≥ {target_acc:g}",
             "responses generated"]
     lines = ([caption, ""] if caption else []) + ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     baseline = None
