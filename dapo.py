@@ -393,7 +393,9 @@ def update_policy(model, opt, samples, tok, cfg, eps_high):
     sums, n_tokens_total, n_updates, n_skipped, grad_norms, trained = {}, 0, 0, 0, [], 0
     for i in range(0, len(samples), mini):
         batch = samples[i:i + mini]
-        in_loss = [not (cfg.overlong_filtering and s["truncated"]) for s in batch]  # overlong filtering (ablation)
+        for s in batch:  # overlong filtering (an ablation row): truncated responses stay out of the loss
+            s["in_loss"] = not (cfg.overlong_filtering and s["truncated"])
+        in_loss = [s["in_loss"] for s in batch]
         # --- DAPO technique 3: the token-level loss's denominator, counted over the whole mini-batch on every rank
         # before it is split into micro-batches, so the gradient does not depend on the split (SPEC 1, the trap) ---
         n_tokens, n_seqs = distributed.all_reduce(
@@ -404,8 +406,7 @@ def update_policy(model, opt, samples, tok, cfg, eps_high):
         for mb in micro_batches(batch):
             logp, entropy, mask = response_logprobs(model, [s["prompt"] for s in mb], [s["response"] for s in mb],
                                                     pad, T)  # (B, R) x 3
-            mask = mask & torch.tensor([not (cfg.overlong_filtering and s["truncated"]) for s in mb],
-                                       device=mask.device)[:, None]
+            mask = mask & torch.tensor([s["in_loss"] for s in mb], device=mask.device)[:, None]
             old_logp = torch.zeros_like(logp)
             for j, s in enumerate(mb):
                 old_logp[j, :len(s["response"])] = s["old_logp"] if "old_logp" in s else logp[j, :len(s["response"])]
