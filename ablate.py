@@ -128,8 +128,8 @@ def prepare_base_model(acfg):
     """The demo's base model (warmup.py: trained once per base seed, then cached in runs/demo-base) and the toy
     tokenizer, written as one Hugging Face model directory: every run loads it as its --model. Without this, a run's
     seed would also pick its base model, and each new seed would cost a warm-up."""
-    from data import make_toy_tokenizer
-    from warmup import demo_base_model
+    from toy import make_toy_tokenizer
+    from toy import demo_base_model
     path = os.path.join(acfg.out_dir, "base-model")
     model = demo_base_model(make_toy_tokenizer(path), dapo.Config(**parse_overrides(acfg.set)).device,
                             seed=acfg.base_seed)

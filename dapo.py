@@ -28,7 +28,8 @@ from tqdm import tqdm
 
 import checkpoint
 import distributed
-from data import PromptIterator, encode_prompts, load_rows, load_tokenizer, make_toy_tokenizer, toy_rows
+from data import PromptIterator, encode_prompts, load_rows, load_tokenizer
+from toy import demo_base_model, make_toy_tokenizer, toy_rows
 from kernels import logprobs_and_entropy
 from model import Qwen2
 from reward import overlong_penalty, score_response
@@ -235,8 +236,7 @@ def setup(cfg):
     if cfg.model or resume_dir:
         tok_dir = os.path.join(resume_dir, "model") if resume_dir else cfg.model
         model = Qwen2.from_pretrained(tok_dir, dtype=torch.float32, device=cfg.device)  # fp32 master weights
-    else:  # the embedded demo: a toy tokenizer and a tiny model given a brief supervised warm-up (see warmup.py)
-        from warmup import demo_base_model
+    else:  # the embedded demo: a toy tokenizer and a tiny model given a brief supervised warm-up (see toy.py)
         tok_dir = os.path.join(cfg.out_dir, "tokenizer")
         if distributed.rank() == 0:
             make_toy_tokenizer(tok_dir)

@@ -1,6 +1,5 @@
 """
-Data: a model directory's tokenizer and chat template, the DAPO datasets, the prompt iterator of the training loop, and
-the toy task that the CPU demo trains on.
+Data: a model directory's tokenizer and chat template, the DAPO datasets, and the prompt iterator of the loop.
 
 - load_tokenizer(path): tokenizer.json through the `tokenizers` library, plus the model's own chat template rendered
   with jinja2 the way transformers renders it, so prompt ids are the ones transformers (and verl) would produce.
@@ -9,8 +8,7 @@ the toy task that the CPU demo trains on.
   so duplicates are dropped on load.
 - encode_prompts(...): chat template + left truncation to the prompt limit, as verl's truncation="left".
 - PromptIterator: shuffled fixed-size batches over epochs, with a state a checkpoint saves and a resume restores.
-- The toy task (bottom of the file): sums of a few digits, a tiny tokenizer saved as a real model directory, and the
-  noisy "base model" behaviour that the demo's supervised warm-up imitates.
+The toy task of the CPU demo lives in toy.py.
 
 Messages go through the `logging` module (logger "data"): INFO for what a load did (rows read, duplicates dropped,
 prompts truncated), WARNING for rows skipped as unusable. The entry point decides where they go (logging.basicConfig).
@@ -18,13 +16,10 @@ prompts truncated), WARNING for rows skipped as unusable. The entry point decide
 import json
 import logging
 import os
-import random
-import zlib
 
 import numpy as np
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
 log = logging.getLogger("data")
@@ -307,141 +302,3 @@ class PromptIterator:
                                  "(a resume needs the same data, batch size and seed)")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = self._epoch_order(self.epoch)
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# The toy task of the CPU demo
-#
-# Problems are sums of 2-3 digits from 0 to 5 ("3+5+2"), answered with the sum. The demo's "base model" is a tiny Qwen2 given a
-# short supervised warm-up on toy_warmup_pairs(), responses in the format the verifier reads, of two kinds:
-# - worked: a running sum, then the answer ("3+5=8, 8+2=10.\nAnswer: 10"). Right almost always (a step slips with
-#   probability TOY_STEP_ERROR), but only a fraction TOY_WORK_PROB of the warm-up responses work it out;
-# - direct: "Answer: 12", a guess, right about 1 time in 16.
-# So the base model can solve most problems (it has seen how) but mostly does not bother: held-out accuracy starts
-# near 0.25, while pass@k is much higher. This is what RL on a real base model does at scale: the reward teaches the
-# model to use the reasoning it already has, responses get longer as it does (the paper's Fig. 7), and the gain
-# is the RL phase's alone (more warm-up on the same data teaches the same mixture).
-# A fraction TOY_RAMBLE of the responses of both kinds repeat a filler sentence before the answer, so lengths vary
-# widely and ~1 in 6 runs past TOY_MAX_RESPONSE_LEN, where truncation cuts off the Answer line too: overlong shaping
-# and the token-level loss then have something to act on (paper Sec. 3.3-3.4).
-# Measured (make run, seed 0): 400 warm-up steps give held-out accuracy ~0.25 at T = 1 (the worked answers right
-# ~60% of the time, the sums above 10 the hardest); RL then makes the model work every problem out.
-# The reward is the real math_dapo verifier (reward.py routes "toy_sum" to it). Held-out problems come from a
-# disjoint part of the problem space (a hash of the problem text), never seen in warm-up or RL.
-
-TOY_DATA_SOURCE = "toy_sum"
-TOY_MIN_TERMS, TOY_MAX_TERMS = 2, 3  # terms per problem...
-TOY_MAX_DIGIT = 5  # ...each in [0, TOY_MAX_DIGIT]: few enough addition facts for a 2-minute warm-up to learn
-TOY_WORK_PROB = 0.3  # chance that a warm-up response works the sum out step by step...
-TOY_GUESS_MAX = 15  # ...otherwise it states a guess, uniform in [0, TOY_GUESS_MAX]
-TOY_STEP_ERROR = 0.05  # chance that a step of the working slips...
-TOY_SLIPS = (-2, -1, 1, 2)  # ...by one of these, equally likely
-TOY_RAMBLE = 0.4  # chance that a warm-up response repeats filler before its answer...
-TOY_RAMBLE_REPEATS = (1, 8)  # ...this many times (inclusive range)
-TOY_FILLER = "Let me check."
-TOY_TEST_BUCKETS = 5  # 1 problem in 5 (by a hash of its text) is held out for evaluation: 54 of 252
-TOY_WORDS = ["user", "assistant", "Answer", "Let", " Let", " me", " check"]  # one token each; digits stay single
-TOY_MAX_RESPONSE_LEN, TOY_OVERLONG_BUFFER = 40, 16  # suggested demo limits: no plain response is penalised
-TOY_CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
-                     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-# Qwen2's pre-tokenizer regex: letters group into words, every digit is its own piece
-QWEN_SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-                    r"\s*[\r\n]+|\s+(?!\S)|\s+")
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map, the alphabet of every byte-level BPE (space is "Ġ", newline "Ċ")."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    extra = [b for b in range(256) if b not in keep]
-    return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(extra)}}
-
-
-def make_toy_tokenizer(out_dir: str) -> Tokenizer:
-    """Write a Qwen-style tokenizer for the toy task into out_dir (tokenizer.json, tokenizer_config.json with the
-    chat template, generation_config.json) and load it back through load_tokenizer, the path a real checkpoint takes.
-    Byte-level BPE with Qwen2's normaliser, pre-tokenizer and decoder: the 256 bytes, a few whole-word tokens, and
-    <|endoftext|>, <|im_start|>, <|im_end|>. Any text round-trips exactly."""
-    byte_char = _bytes_to_unicode()
-    vocab = {byte_char[b]: b for b in range(256)}
-    merges = []
-    for word in TOY_WORDS:  # build each word left to right: ("Ġ", "m"), ("Ġm", "e"), ...
-        pieces = [byte_char[b] for b in word.encode()]
-        for piece in pieces[1:]:
-            merges.append((pieces[0], piece))
-            pieces[0] += piece
-            vocab.setdefault(pieces[0], len(vocab))
-    tok = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_SPLIT_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    os.makedirs(out_dir, exist_ok=True)
-    tok.save(os.path.join(out_dir, "tokenizer.json"))
-    ids = {t: tok.token_to_id(t) for t in specials}
-    config = {"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
-              "pad_token": "<|endoftext|>", "unk_token": None, "model_max_length": 1024,
-              "chat_template": TOY_CHAT_TEMPLATE}
-    generation = {"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]], "pad_token_id": ids["<|endoftext|>"]}
-    for name, content in (("tokenizer_config.json", config), ("generation_config.json", generation)):
-        with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
-            json.dump(content, f, indent=2)
-    return load_tokenizer(out_dir)
-
-
-def _toy_split(problem: str) -> str:
-    return "test" if zlib.crc32(problem.encode()) % TOY_TEST_BUCKETS == 0 else "train"
-
-
-def _toy_problems(n: int, seed: int, split: str, stream: str):
-    """n problems (lists of digits) of one split, drawn i.i.d.: a uniform number of terms, uniform digits. Each
-    stream ("rows", "warmup") has its own random sequence, so warm-up and RL problems are independent draws."""
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    rng = random.Random(f"toy-{stream}-{split}-{seed}")
-    problems = []
-    while len(problems) < n:
-        terms = [rng.randrange(TOY_MAX_DIGIT + 1) for _ in range(rng.randint(TOY_MIN_TERMS, TOY_MAX_TERMS))]
-        if _toy_split("+".join(map(str, terms))) == split:
-            problems.append(terms)
-    return problems, rng
-
-
-def toy_rows(n: int, seed: int, split: str = "train") -> list[dict]:
-    """n toy rows in the DAPO row schema, data_source "toy_sum". The splits never share a problem."""
-    problems, _ = _toy_problems(n, seed, split, "rows")
-    return [{"data_source": TOY_DATA_SOURCE,
-             "prompt": [{"role": "user", "content": "+".join(map(str, terms))}],
-             "ability": "arithmetic",
-             "reward_model": {"ground_truth": str(sum(terms)), "style": "rule"},
-             "extra_info": {"split": split, "index": i}} for i, terms in enumerate(problems)]
-
-
-def toy_response(terms: list[int], rng: random.Random) -> str:
-    """One "base model" response: worked (a running sum, rarely slipping) or a direct guess, maybe filler, then
-    the Answer line."""
-    lines = []
-    if rng.random() < TOY_WORK_PROB:
-        total, steps = terms[0], []
-        for t in terms[1:]:
-            s = total + t
-            if rng.random() < TOY_STEP_ERROR:
-                s += rng.choice(TOY_SLIPS)
-            steps.append(f"{total}+{t}={s}")
-            total = s  # a slip carries forward, as a real mistake would
-        lines.append(", ".join(steps) + ".")
-    else:
-        total = rng.randint(0, TOY_GUESS_MAX)
-    if rng.random() < TOY_RAMBLE:
-        lines.append(" ".join([TOY_FILLER] * rng.randint(*TOY_RAMBLE_REPEATS)))
-    return "\n".join(lines + [f"Answer: {total}"])
-
-
-def toy_warmup_pairs(n: int, seed: int) -> list[tuple[list[dict], str]]:
-    """n (prompt messages, response text) pairs from the train split: the supervised warm-up that makes the demo's
-    base model. About a quarter of the answers are right (see the comment above the TOY_ constants)."""
-    problems, rng = _toy_problems(n, seed, "train", "warmup")
-    return [([{"role": "user", "content": "+".join(map(str, terms))}], toy_response(terms, rng))
-            for terms in problems]

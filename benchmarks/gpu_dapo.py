@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dapo  # noqa: E402
-from data import make_toy_tokenizer  # noqa: E402
+from toy import make_toy_tokenizer  # noqa: E402
 from model import Qwen2, num_params, preset  # noqa: E402
 
 

@@ -14,7 +14,7 @@ import torch  # noqa: E402
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A random tiny Qwen2 saved as a Hugging Face directory with the toy tokenizer: what --model points at."""
-    from data import make_toy_tokenizer
+    from toy import make_toy_tokenizer
     from model import Qwen2, preset
     d = str(tmp_path_factory.mktemp("tiny"))
     tok = make_toy_tokenizer(d)

@@ -1,0 +1,202 @@
+"""
+The toy task of the CPU demo, and the demo's "base model" trained on it.
+
+The task: sums of 2-3 digits from 0 to 5 ("3+5+2"), answered with the sum in the `Answer: ...` format that the
+real math_dapo verifier reads (reward.py routes data_source "toy_sum" to it). Rows follow the DAPO schema, so the
+loop cannot tell them from DAPO-Math-17k. Held-out problems come from a disjoint part of the problem space (a hash
+of the problem text), never seen in warm-up or RL.
+
+The base model: DAPO starts from a pretrained model that already writes in the expected format and is right now and
+then. A randomly initialised model never writes "Answer: ..." at all, so every reward would be -1 and RL would have
+nothing to learn. So, like pretraining, demo_base_model() fits a tiny Qwen2 by next-token prediction to noisy
+responses (toy_warmup_pairs()) of two kinds:
+- worked: a running sum, then the answer ("3+5=8, 8+2=10.\nAnswer: 10"). Right almost always (a step slips with
+  probability TOY_STEP_ERROR), but only a fraction TOY_WORK_PROB of the warm-up responses work it out;
+- direct: "Answer: 12", a guess, right about 1 time in 16.
+So the base model can solve most problems (it has seen how) but mostly does not bother: held-out accuracy starts near
+0.2, while pass@k is much higher. This is what RL on a real base model does at scale: the reward teaches the model to
+use the reasoning it already has, and the gain is the RL phase's alone (more warm-up teaches the same mixture).
+A fraction TOY_RAMBLE of the responses repeat a filler sentence before the answer, so lengths vary widely and ~1 in
+6 runs past TOY_MAX_RESPONSE_LEN, where truncation cuts off the Answer line too: overlong shaping and the token-level
+loss have something to act on (paper Sec. 3.3-3.4). The warm-up is cached like a downloaded checkpoint, keyed by its
+settings, so repeated demo runs skip it.
+"""
+import json
+import math
+import os
+import random
+import time
+import zlib
+
+import torch
+import torch.nn.functional as F
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from data import Tokenizer, load_tokenizer
+from model import Qwen2, preset
+
+TOY_DATA_SOURCE = "toy_sum"
+TOY_MIN_TERMS, TOY_MAX_TERMS = 2, 3  # terms per problem...
+TOY_MAX_DIGIT = 5  # ...each in [0, TOY_MAX_DIGIT]: few enough addition facts for a 2-minute warm-up to learn
+TOY_WORK_PROB = 0.3  # chance that a warm-up response works the sum out step by step...
+TOY_GUESS_MAX = 15  # ...otherwise it states a guess, uniform in [0, TOY_GUESS_MAX]
+TOY_STEP_ERROR = 0.05  # chance that a step of the working slips...
+TOY_SLIPS = (-2, -1, 1, 2)  # ...by one of these, equally likely
+TOY_RAMBLE = 0.4  # chance that a warm-up response repeats filler before its answer...
+TOY_RAMBLE_REPEATS = (1, 8)  # ...this many times (inclusive range)
+TOY_FILLER = "Let me check."
+TOY_TEST_BUCKETS = 5  # 1 problem in 5 (by a hash of its text) is held out for evaluation: 54 of 252
+TOY_WORDS = ["user", "assistant", "Answer", "Let", " Let", " me", " check"]  # one token each; digits stay single
+TOY_MAX_RESPONSE_LEN, TOY_OVERLONG_BUFFER = 40, 16  # suggested demo limits: no plain response is penalised
+TOY_CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+                     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Qwen2's pre-tokenizer regex: letters group into words, every digit is its own piece
+QWEN_SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                    r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, the alphabet of every byte-level BPE (space is "Ġ", newline "Ċ")."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    extra = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(extra)}}
+
+
+def make_toy_tokenizer(out_dir: str) -> Tokenizer:
+    """Write a Qwen-style tokenizer for the toy task into out_dir (tokenizer.json, tokenizer_config.json with the
+    chat template, generation_config.json) and load it back through load_tokenizer, the path a real checkpoint takes.
+    Byte-level BPE with Qwen2's normaliser, pre-tokenizer and decoder: the 256 bytes, a few whole-word tokens, and
+    <|endoftext|>, <|im_start|>, <|im_end|>. Any text round-trips exactly."""
+    byte_char = _bytes_to_unicode()
+    vocab = {byte_char[b]: b for b in range(256)}
+    merges = []
+    for word in TOY_WORDS:  # build each word left to right: ("Ġ", "m"), ("Ġm", "e"), ...
+        pieces = [byte_char[b] for b in word.encode()]
+        for piece in pieces[1:]:
+            merges.append((pieces[0], piece))
+            pieces[0] += piece
+            vocab.setdefault(pieces[0], len(vocab))
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_SPLIT_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    os.makedirs(out_dir, exist_ok=True)
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in specials}
+    config = {"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
+              "pad_token": "<|endoftext|>", "unk_token": None, "model_max_length": 1024,
+              "chat_template": TOY_CHAT_TEMPLATE}
+    generation = {"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]], "pad_token_id": ids["<|endoftext|>"]}
+    for name, content in (("tokenizer_config.json", config), ("generation_config.json", generation)):
+        with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
+            json.dump(content, f, indent=2)
+    return load_tokenizer(out_dir)
+
+
+def _toy_split(problem: str) -> str:
+    return "test" if zlib.crc32(problem.encode()) % TOY_TEST_BUCKETS == 0 else "train"
+
+
+def _toy_problems(n: int, seed: int, split: str, stream: str):
+    """n problems (lists of digits) of one split, drawn i.i.d.: a uniform number of terms, uniform digits. Each
+    stream ("rows", "warmup") has its own random sequence, so warm-up and RL problems are independent draws."""
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    rng = random.Random(f"toy-{stream}-{split}-{seed}")
+    problems = []
+    while len(problems) < n:
+        terms = [rng.randrange(TOY_MAX_DIGIT + 1) for _ in range(rng.randint(TOY_MIN_TERMS, TOY_MAX_TERMS))]
+        if _toy_split("+".join(map(str, terms))) == split:
+            problems.append(terms)
+    return problems, rng
+
+
+def toy_rows(n: int, seed: int, split: str = "train") -> list[dict]:
+    """n toy rows in the DAPO row schema, data_source "toy_sum". The splits never share a problem."""
+    problems, _ = _toy_problems(n, seed, split, "rows")
+    return [{"data_source": TOY_DATA_SOURCE,
+             "prompt": [{"role": "user", "content": "+".join(map(str, terms))}],
+             "ability": "arithmetic",
+             "reward_model": {"ground_truth": str(sum(terms)), "style": "rule"},
+             "extra_info": {"split": split, "index": i}} for i, terms in enumerate(problems)]
+
+
+def toy_response(terms: list[int], rng: random.Random) -> str:
+    """One "base model" response: worked (a running sum, rarely slipping) or a direct guess, maybe filler, then
+    the Answer line."""
+    lines = []
+    if rng.random() < TOY_WORK_PROB:
+        total, steps = terms[0], []
+        for t in terms[1:]:
+            s = total + t
+            if rng.random() < TOY_STEP_ERROR:
+                s += rng.choice(TOY_SLIPS)
+            steps.append(f"{total}+{t}={s}")
+            total = s  # a slip carries forward, as a real mistake would
+        lines.append(", ".join(steps) + ".")
+    else:
+        total = rng.randint(0, TOY_GUESS_MAX)
+    if rng.random() < TOY_RAMBLE:
+        lines.append(" ".join([TOY_FILLER] * rng.randint(*TOY_RAMBLE_REPEATS)))
+    return "\n".join(lines + [f"Answer: {total}"])
+
+
+def toy_warmup_pairs(n: int, seed: int) -> list[tuple[list[dict], str]]:
+    """n (prompt messages, response text) pairs from the train split: the supervised warm-up that makes the demo's
+    base model. About a quarter of the answers are right (see the comment above the TOY_ constants)."""
+    problems, rng = _toy_problems(n, seed, "train", "warmup")
+    return [([{"role": "user", "content": "+".join(map(str, terms))}], toy_response(terms, rng))
+            for terms in problems]
+
+
+# --------------------------------------------------------------------------------------------------
+# The demo's base model: a brief supervised warm-up, in the open
+
+WARMUP = dict(steps=400, batch_size=64, lr=5e-3, preset="demo")  # measured: loss ~0.17, held-out acc ~0.3
+
+
+def demo_base_model(tok, device="cpu", seed=0, cache_root="runs/demo-base") -> Qwen2:
+    sample = json.dumps(toy_warmup_pairs(64, seed=seed))  # a change to the toy task's data invalidates the cache
+    key = dict(WARMUP, seed=seed, vocab=tok.vocab_size, data=zlib.crc32(sample.encode()))
+    cache = os.path.join(cache_root, "_".join(f"{k}{v}" for k, v in key.items()))
+    if os.path.isfile(os.path.join(cache, "warmup.json")):
+        return Qwen2.from_pretrained(cache, dtype=torch.float32, device=device)
+    torch.manual_seed(seed)
+    model = Qwen2(preset(WARMUP["preset"], vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_ids)).to(device)
+    steps, batch = WARMUP["steps"], WARMUP["batch_size"]
+    examples = [(tok.apply_chat_template(messages), tok.encode(response) + [tok.eos_token_ids[0]])
+                for messages, response in toy_warmup_pairs(steps * batch, seed=seed)]  # each example seen once
+    opt = torch.optim.AdamW(model.parameters(), lr=WARMUP["lr"], betas=(0.9, 0.95), weight_decay=0.0)
+    t0 = time.time()
+    for step in range(steps):
+        for group in opt.param_groups:  # 20 steps of linear warm-up, then cosine decay to 10%
+            group["lr"] = WARMUP["lr"] * min(1, (step + 1) / 20) * (0.1 + 0.45 * (1 + math.cos(math.pi * step / steps)))
+        loss = sft_loss(model, examples[step * batch:(step + 1) * batch], tok.pad_token_id, device)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 50 == 0 or step == steps - 1:
+            print(f"warm-up {step:4d}/{steps}  loss {loss.item():.3f}  ({time.time() - t0:.0f}s)", flush=True)
+    model.save_pretrained(cache)
+    with open(os.path.join(cache, "warmup.json"), "w") as f:  # written last: its presence marks a complete cache
+        json.dump(key, f)
+    return model
+
+
+def sft_loss(model, examples, pad_id, device):
+    """Next-token cross-entropy on the response tokens only (the prompt is given, not learned)."""
+    T = max(len(p) + len(r) for p, r in examples)
+    ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), T), -100, dtype=torch.long)
+    for i, (p, r) in enumerate(examples):
+        ids[i, :len(p) + len(r)] = torch.tensor(p + r)
+        labels[i, len(p):len(p) + len(r)] = torch.tensor(r)
+    ids, labels = ids.to(device), labels.to(device)
+    logits = model(ids[:, :-1])  # right padding and a causal mask: the pads after a sequence never affect it
+    return F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
