@@ -13,6 +13,7 @@ applies them exactly as math_dapo does, and tests/test_reward.py pins the behavi
 Model output is untrusted: nothing here executes or evaluates it. Only 300 characters are ever read, so every call
 is fast whatever the response (megabytes, thousands of "Answer:" lines, unbalanced braces).
 """
+import functools
 import re
 
 WINDOW = 300  # characters read from the end of a response (the longest MATH-500 answer has 159)
@@ -84,8 +85,16 @@ def compute_score(solution_str: str, ground_truth: str) -> dict:
         raise TypeError(f"compute_score takes two strings, got {type(solution_str).__name__} and "
                         f"{type(ground_truth).__name__} (ground truths are strings, e.g. '34')")
     pred = normalize(extract_answer(solution_str))
-    acc = pred == normalize(ground_truth)
+    acc = pred == normalized_ground_truth(ground_truth)
     return {"score": 1.0 if acc else -1.0, "acc": acc, "pred": pred}
+
+
+@functools.lru_cache(maxsize=2**16)
+def normalized_ground_truth(ground_truth: str) -> str:
+    """normalize(ground_truth), computed once per distinct ground truth. The "$...$" regex above is quadratic in the
+    length of a line without "$" (a 10k-character ground truth takes ~0.8 s), and a group's G responses all share
+    one ground truth. A prediction needs no cache: it is cut to WINDOW characters before it is normalised."""
+    return normalize(ground_truth)
 
 
 def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float = 1.0) -> float:
@@ -115,10 +124,20 @@ SCORERS = {
 }
 
 
+def scorer_for(data_source: str):
+    """The verifier of a data_source, or None. Any data_source starting with "aime" also goes to math_dapo, as in
+    verl (the AIME-2024 eval set)."""
+    return SCORERS.get(data_source) or (compute_score if data_source.startswith("aime") else None)
+
+
+def has_scorer(data_source: str) -> bool:
+    """Whether rows of this data_source can be rewarded: data.py checks every row on load, not when it is drawn."""
+    return scorer_for(data_source) is not None
+
+
 def score_response(data_source: str, response_text: str, ground_truth: str) -> dict:
-    """Score one decoded response for its row's data_source: {"score", "acc", "pred"}. Any data_source starting with
-    "aime" also goes to math_dapo, as in verl (the AIME-2024 eval set)."""
-    scorer = SCORERS.get(data_source) or (compute_score if data_source.startswith("aime") else None)
+    """Score one decoded response for its row's data_source: {"score", "acc", "pred"}."""
+    scorer = scorer_for(data_source)
     if scorer is None:
         raise ValueError(f"no reward function for data_source {data_source!r}; known: {sorted(SCORERS)} and 'aime*'")
     return scorer(response_text, ground_truth)

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from reward import WINDOW, compute_score, extract_answer, normalize, overlong_penalty, score_response
+from reward import (WINDOW, compute_score, extract_answer, has_scorer, normalize, normalized_ground_truth,
+                    overlong_penalty, score_response)
 
 # (raw answer text, what math_dapo's normalisation makes of it)
 NORMALIZE_CASES = [
@@ -164,6 +165,23 @@ def test_adversarial_responses_are_scored_fast(response):
     assert elapsed < 0.05, f"{elapsed:.3f} s"  # a normal call takes ~20 us; 50 ms leaves room for a slow machine
 
 
+def test_a_long_ground_truth_is_normalised_once_per_group():
+    # the "$...$" regex is quadratic on a line without "$": ~0.8 s for these 10k characters, once; a group of 16
+    # responses would otherwise pay it 16 times
+    gt = "1" * 10_000
+    normalized_ground_truth.cache_clear()
+    responses = [f"Answer: {gt[:250]}"] * 15 + ["Answer: 7"]
+    start = time.perf_counter()
+    first = compute_score(responses[0], gt)
+    after_first = time.perf_counter()
+    rest = [compute_score(r, gt) for r in responses[1:]]
+    elapsed = time.perf_counter() - after_first
+    assert elapsed < 0.1, f"15 more responses took {elapsed:.3f} s (the first {after_first - start:.3f} s)"
+    assert [first] + rest == [{"score": -1.0, "acc": False, "pred": normalize(r[-WINDOW:].split(": ")[1])}
+                              for r in responses]
+    assert normalized_ground_truth(gt) == normalize(gt) == gt
+
+
 def test_response_text_is_never_executed(tmp_path):
     marker = tmp_path / "pwned"
     code = f"__import__('pathlib').Path({str(marker)!r}).touch()"
@@ -213,3 +231,9 @@ def test_score_response_routes_math_sources_to_math_dapo(source):
 def test_score_response_rejects_an_unknown_data_source():
     with pytest.raises(ValueError, match="openai/gsm8k"):
         score_response("openai/gsm8k", "Answer: 4", "4")
+
+
+@pytest.mark.parametrize("source,known", [("math_dapo", True), ("aime2024", True), ("toy_sum", True),
+                                          ("gsm8k", False), ("", False)])
+def test_has_scorer_says_which_data_sources_can_be_rewarded(source, known):
+    assert has_scorer(source) is known
