@@ -13,28 +13,24 @@ import distributed  # noqa: E402
 from dapo import Config, update_policy  # noqa: E402
 from data import PromptIterator, load_tokenizer  # noqa: E402
 from model import Qwen2  # noqa: E402
+from batch import Batch  # noqa: E402
+from batches import random_batch  # noqa: E402
 
 GROUP = 4
 CFG = Config(group_size=GROUP, mini_batch_prompts=2, micro_batch_size=3, grad_clip=1e9, device="cpu")
 PROBE = torch.arange(2 * 9).view(2, 9) % 50 + 3  # a fixed input whose logits the tests compare
 
 
-def make_samples(vocab, n_groups=4, seed=0):
-    """The same global batch on every process: n_groups groups of GROUP responses of varied lengths."""
-    g = torch.Generator().manual_seed(seed)
-    samples = []
-    for _ in range(n_groups * GROUP):
-        p = torch.randint(3, vocab, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
-        r = torch.randint(3, vocab, (int(torch.randint(1, 10, (1,), generator=g)),), generator=g).tolist()
-        samples.append(dict(prompt=p, response=r, adv=float(torch.randn(1, generator=g)), truncated=False))
-    return samples
+def make_batch(vocab, n_groups=4, seed=0) -> Batch:
+    """The same global batch on every process: n_groups groups of GROUP responses of varied
+    lengths (batches.random_batch)."""
+    return random_batch(vocab, n=n_groups * GROUP, group_size=GROUP, seed=seed)
 
 
-def my_share(samples, rank, world):
-    """Whole groups, every world-th one: rank r's i-th group is the global group i * world + r, so each local
-    mini-batch holds this rank's part of the same global mini-batch."""
-    groups = [samples[i:i + GROUP] for i in range(0, len(samples), GROUP)]
-    return [s for g in groups[rank::world] for s in g]
+def my_share(batch, rank, world):
+    """Whole groups, every world-th one: rank r's i-th group is the global group i * world + r,
+    so each local mini-batch holds this rank's part of the same global mini-batch."""
+    return batch.groups(torch.arange(rank, batch.num_groups, world))
 
 
 def make_optimizer(name, params):
@@ -47,7 +43,8 @@ def main(model_dir, out_dir, opt_name):
     model = distributed.shard(Qwen2.from_pretrained(model_dir), mixed_precision=False)
     tok = load_tokenizer(model_dir)
     opt = make_optimizer(opt_name, model.parameters())
-    metrics = update_policy(model, opt, my_share(make_samples(tok.vocab_size), rank, world), tok, CFG, 0.28)
+    metrics = update_policy(model, opt, my_share(make_batch(tok.vocab_size), rank, world), CFG,
+                            0.28)
     with torch.no_grad():
         logits = model(PROBE)
     weights = distributed.full_state_dict(model)

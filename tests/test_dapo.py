@@ -4,14 +4,14 @@ import math
 import os
 import subprocess
 import sys
-from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 import dapo
+from batch import Batch
 from dapo import Config, group_advantages, keep_groups, policy_loss, update_policy
+from batches import random_batch
 from model import Qwen2, preset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -102,20 +102,8 @@ def test_token_level_loss_weighs_every_token_equally():
 
 # --- the update: gradient independent of the micro-batch split ---
 
-def _samples(vocab, n=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        p = torch.randint(1, vocab, (int(torch.randint(3, 7, (1,), generator=g)),), generator=g).tolist()
-        r = torch.randint(1, vocab, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
-        out.append(dict(prompt=p, response=r, adv=float(torch.randn(1, generator=g)), truncated=i == 3,
-                        old_logp=torch.randn(len(r), generator=g) * 0.1 - 4.0))
-    return out
-
-
 @pytest.mark.parametrize("token_level", [True, False])
 def test_update_is_the_same_for_micro_batch_sizes_1_2_4(token_level):
-    tok = SimpleNamespace(pad_token_id=0)
     results = []
     for micro in (1, 2, 4):
         torch.manual_seed(0)
@@ -123,7 +111,7 @@ def test_update_is_the_same_for_micro_batch_sizes_1_2_4(token_level):
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         cfg = Config(group_size=4, mini_batch_prompts=2, micro_batch_size=micro, grad_clip=1e9,
                      token_level_loss=token_level, overlong_filtering=True)
-        m = update_policy(model, opt, _samples(50), tok, cfg, eps_high=0.28)
+        m = update_policy(model, opt, random_batch(50), cfg, eps_high=0.28)
         results.append((torch.cat([p.detach().flatten() for p in model.parameters()]), m))
     for params, m in results[1:]:
         assert (params - results[0][0]).abs().max() < 1e-6
@@ -139,7 +127,7 @@ def test_non_finite_gradient_skips_the_update(monkeypatch):
     real = dapo.policy_loss
     monkeypatch.setattr(dapo, "policy_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), real(*a, **k)[1]))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    m = update_policy(model, opt, _samples(50), SimpleNamespace(pad_token_id=0), Config(group_size=4), 0.28)
+    m = update_policy(model, opt, random_batch(50), Config(group_size=4), 0.28)
     assert m["train/skipped_updates"] == 1 and m["train/updates"] == 0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
@@ -180,15 +168,24 @@ def test_resume_continues_exactly(tiny_model_dir, tmp_path):
         assert torch.equal(p, q), name
 
 
-def test_dynamic_sampling_cap_trains_on_what_was_kept(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    def rollout(model, rows, tok, cfg, n, *args):  # every other prompt all-correct: half the groups are useless
-        return [[dict(prompt=[5, 6], response=[7, 8, 9], score=1.0 if g % 2 == 0 or i == 0 else -1.0,
-                      acc=g % 2 == 0 or i == 0, truncated=False) for i in range(n)] for g in range(len(rows))]
-    monkeypatch.setattr(dapo, "rollout", rollout)
+def fake_rollout(model, rows, tok, cfg, *, group_size, **sampling):
+    """Every other prompt all-correct (a useless group); the others right once in G."""
+    n = len(rows) * group_size
+    acc = torch.tensor([g % 2 == 0 or i == 0 for g in range(len(rows)) for i in range(group_size)])
+    return Batch(prompt_ids=torch.tensor([[5, 6]] * n), prompt_mask=torch.ones(n, 2, dtype=bool),
+                 response_ids=torch.tensor([[7, 8, 9]] * n),
+                 response_mask=torch.ones(n, 3, dtype=bool), score=acc.float() * 2 - 1, acc=acc,
+                 truncated=torch.zeros(n, dtype=bool), group_size=group_size)
+
+
+def test_dynamic_sampling_cap_trains_on_what_was_kept(tiny_model_dir, tmp_path, monkeypatch,
+                                                      capsys):
+    monkeypatch.setattr(dapo, "rollout", fake_rollout)
     dapo.main(_cfg(tiny_model_dir, tmp_path, steps=1, eval_every=0, train_prompts=4, gen_prompts=2,
                    max_gen_batches=3))
     m = json.loads(open(tmp_path / "metrics.jsonl").readline())
-    assert m["train/num_gen_batches"] == 3 and m["train/groups_kept"] == 3 and m["train/groups_filtered"] == 3
+    assert m["train/num_gen_batches"] == 3 and m["train/groups_kept"] == 3
+    assert m["train/groups_filtered"] == 3
     assert m["train/frac_all_correct"] == pytest.approx(0.5) and m["train/updates"] == 2
     assert "max_gen_batches=3 with 3/4 informative groups" in "".join(capsys.readouterr())
 
@@ -209,11 +206,12 @@ def test_help_lists_the_flags():
 def test_response_logprobs_equal_each_sequence_alone():
     torch.manual_seed(0)
     model = Qwen2(preset("tiny", vocab_size=50))
-    prompts, responses = [[1, 2, 3], [4, 5, 6, 7, 8], [9]], [[10, 11], [12, 13, 14, 15], [16]]
-    logp, entropy, mask = dapo.response_logprobs(model, prompts, responses, pad_id=0, temperature=0.7)
-    assert mask.tolist() == [[True, True, False, False], [True] * 4, [True, False, False, False]]
+    batch = random_batch(50, n=3)
+    logp, entropy = dapo.response_logprobs(model, batch, temperature=0.7)
     with torch.no_grad():
-        for i, (p, r) in enumerate(zip(prompts, responses)):
+        for i in range(len(batch)):
+            p = batch.prompt_ids[i][batch.prompt_mask[i]].tolist()
+            r = batch.response_ids[i][batch.response_mask[i]].tolist()
             logits = model(torch.tensor([p + r]))[0, len(p) - 1:-1] / 0.7  # (len(r), V)
             ref = logits.log_softmax(-1)[torch.arange(len(r)), r]
             ref_entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)

@@ -9,7 +9,7 @@ import torch
 
 from dapo import update_policy
 from data import load_tokenizer
-from dist_worker import CFG, PROBE, make_optimizer, make_samples
+from dist_worker import CFG, PROBE, make_batch, make_optimizer
 from model import Qwen2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,8 +30,8 @@ def torchrun(*args, timeout=300):
 def one_process_update(model_dir, opt_name):
     model = Qwen2.from_pretrained(model_dir)
     tok = load_tokenizer(model_dir)
-    metrics = update_policy(model, make_optimizer(opt_name, model.parameters()), make_samples(tok.vocab_size), tok,
-                            CFG, 0.28)
+    metrics = update_policy(model, make_optimizer(opt_name, model.parameters()),
+                            make_batch(tok.vocab_size), CFG, 0.28)
     return model, metrics
 
 
