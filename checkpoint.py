@@ -155,7 +155,14 @@ def load_trainer_state(ckpt, opt, prompt_iter, generator) -> int:
     if meta["world_size"] != distributed.world_size():
         raise ValueError(f"{ckpt} was written by {meta['world_size']} processes; resuming it needs the same number "
                          f"(this run has {distributed.world_size()}). Its model/ directory loads anywhere.")
-    state = torch.load(os.path.join(ckpt, f"trainer_rank{distributed.rank()}.pt"), weights_only=True)  # no code runs
+    file = os.path.join(ckpt, f"trainer_rank{distributed.rank()}.pt")
+    try:
+        state = torch.load(file, weights_only=True)  # tensors and numbers only: no code runs
+    except FileNotFoundError:
+        raise
+    except (RuntimeError, EOFError, OSError) as e:  # "PytorchStreamReader failed reading zip archive", EINVAL...
+        raise ValueError(f"{file}: not a readable checkpoint file, truncated or corrupt (a partial copy?): {e}") \
+            from None
     distributed.load_local_optimizer_state(opt, state["optimizer"])
     generator.set_state(state["generator"])
     torch.set_rng_state(state["torch_rng"])

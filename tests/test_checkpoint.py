@@ -98,6 +98,16 @@ def test_keep_last_deletes_old_checkpoints_but_never_the_latest(tmp_path, model,
     assert listing(tmp_path) == ["latest", "step_000002", "step_000004"]
 
 
+def test_a_truncated_optimizer_file_is_named_on_resume(tmp_path, model, tiny_model_dir):
+    final = save(tmp_path, 1, model, tiny_model_dir)
+    file = os.path.join(final, "trainer_rank0.pt")
+    with open(file, "r+b") as f:
+        f.truncate(os.path.getsize(file) // 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match=r"step_000001/trainer_rank0\.pt: not a readable checkpoint file, truncated"):
+        checkpoint.load_trainer_state(final, opt, PromptIterator([{"x": 1}], 1, 0), torch.Generator())
+
+
 # --- the run directory ------------------------------------------------------------------------------------------------
 
 def test_a_new_run_refuses_a_directory_that_holds_one(tmp_path):
