@@ -133,8 +133,7 @@ def prepare_base_model(acfg):
     path = os.path.join(acfg.out_dir, "base-model")
     model = demo_base_model(make_toy_tokenizer(path), dapo.Config(**parse_overrides(acfg.set)).device,
                             seed=acfg.base_seed)
-    model.save_pretrained(path)  # replaces the directory whole...
-    make_toy_tokenizer(path)  # ...so the tokenizer is written again after the weights
+    model.save_pretrained(path)  # the weights and config.json, beside the tokenizer files
     return path
 
 

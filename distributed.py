@@ -8,28 +8,61 @@ FSDP2. Every helper is a no-op in a single process, so dapo.py has one code path
     torchrun --nnodes=4 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 dapo.py ...
 """
 import contextlib
+import datetime
+import faulthandler
 import os
+import sys
 
 import torch
 import torch.distributed as dist
 
+# How long a rank waits in a collective for the others before it gives up. Inside a step the ranks meet often: every
+# decode step of a rollout (the sampler's lockstep all-reduce), every FSDP unit of every forward and backward, so a
+# 20k-token rollout never leaves a gap of more than a few seconds. The long gaps are the ones where one rank works
+# alone: rank 0 writing a checkpoint (a 32B model's fp32 weights are 128 GB: ~4 min at 500 MB/s, ~20 min on a slow
+# network filesystem) and loading the model before the first collective. 30 minutes covers those; a small model on
+# a local disk can fail much faster with a lower value.
+DEFAULT_TIMEOUT_S = 1800
+_timeout_s = DEFAULT_TIMEOUT_S
 
-def init(device: str) -> tuple[int, int, str]:
-    """-> (rank, world_size, this process's device)."""
+
+def init(device: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int, str]:
+    """-> (rank, world_size, this process's device). A collective that waits longer than timeout_s for another rank
+    (stopped, swapping, stuck in I/O) raises instead of blocking forever."""
+    global _timeout_s
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1, device
     if device.startswith("cuda"):
         device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    # NCCL's watchdog ends a timed-out process with SIGABRT, past any Python error handling: faulthandler then
+    # prints every thread's Python stack, which shows the line of dapo.py that was waiting
+    faulthandler.enable()
+    _timeout_s = timeout_s
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                            timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), world, device
 
 
 def shutdown():
     if dist.is_initialized():
-        dist.barrier()
+        barrier("shutdown")
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _named(op: str, name: str | None, caller):
+    """Re-raise a failed collective naming it (or, unnamed, the line that called it): gloo says only "Timed out
+    waiting 1800000ms for recv operation to complete"."""
+    try:
+        yield
+    except RuntimeError as e:  # DistBackendError and gloo's errors are RuntimeErrors
+        what = f"{op} {name!r}" if name else f"{op} at {os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
+        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+            raise RuntimeError(f"rank {rank()}: {what} timed out after {_timeout_s:g} s: another rank stopped or is "
+                               f"far behind (raise --dist-timeout if it was only slow) ({e})") from e
+        raise RuntimeError(f"rank {rank()}: {what} failed: another rank has probably exited ({e})") from e
 
 
 def world_size() -> int:
@@ -40,19 +73,22 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def all_reduce(values, op="sum", device="cpu"):
-    """Sum (or min, max) a number or a list of numbers over ranks; returns the same kind. Identity in one process."""
+def all_reduce(values, op="sum", device="cpu", name: str | None = None):
+    """Sum (or min, max) a number or a list of numbers over ranks; returns the same kind. Identity in one process.
+    name: what is reduced ("dynamic-sampling count"), for the error if a rank never arrives."""
     if not dist.is_initialized():
         return values
     t = torch.tensor(values if isinstance(values, (list, tuple)) else [values], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op])
-    out = t.tolist()
+    with _named("all_reduce", name, sys._getframe(1)):
+        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op])
+        out = t.tolist()  # on a GPU the wait ends here
     return out if isinstance(values, (list, tuple)) else type(values)(out[0])
 
 
-def barrier():
+def barrier(name: str | None = None):
     if dist.is_initialized():
-        dist.barrier()
+        with _named("barrier", name, sys._getframe(1)):
+            dist.barrier()
 
 
 def shard(model, mixed_precision: bool):

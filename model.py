@@ -6,9 +6,12 @@ Weights load from and save to the Hugging Face safetensors layout, so a checkpoi
 transformers and vLLM. Parameter names mirror the HF keys (model.layers.N.self_attn.q_proj.weight, ...), so no key
 mapping is needed anywhere.
 """
+import contextlib
+import errno
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass, fields
@@ -17,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 
@@ -65,6 +68,7 @@ class ModelConfig:
             if k not in kw:
                 raise ValueError(f"{source}: missing required field {k!r}")
         kw.setdefault("num_key_value_heads", kw["num_attention_heads"])
+        _check_types(cls, kw, source)
         return cls(**kw)
 
     @classmethod
@@ -82,6 +86,25 @@ class ModelConfig:
         hf.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_act="silu",
                   use_sliding_window=False, attention_dropout=0.0, initializer_range=0.02, use_cache=True)
         return {k: v for k, v in hf.items() if v is not None}
+
+
+def _check_types(cls, kw: dict, source: str):
+    """A config.json edited by hand ("hidden_size": "128") would otherwise fail deep inside torch."""
+    kinds = {int: "a positive integer", float: "a positive number", bool: "true or false"}
+    for f in fields(cls):
+        if f.name not in kw or f.type not in kinds:
+            continue
+        v = kw[f.name]
+        if f.type is bool:
+            ok = isinstance(v, bool)
+        else:  # JSON has one number type: 1e6 may come as 1000000; a bool is an int to Python, not here
+            ok = isinstance(v, (int, float) if f.type is float else int) and not isinstance(v, bool) and \
+                (v > 0 or (f.name == "head_dim" and v == 0))  # head_dim 0: derived from the other sizes
+        if not ok:
+            raise ValueError(f"{source}: {f.name!r} must be {kinds[f.type]}, got {json.dumps(v)} "
+                             f"({type(v).__name__})")
+    if not isinstance(getattr(torch, str(kw["torch_dtype"]), None), torch.dtype):
+        raise ValueError(f"{source}: torch_dtype {kw['torch_dtype']!r} is not a torch dtype (e.g. \"bfloat16\")")
 
 
 # Small named shapes. The vocab of the toy ones is set by whoever builds them (the tokenizer decides it).
@@ -302,22 +325,31 @@ class Qwen2(nn.Module):
         expected = {k: v.shape for k, v in model.state_dict().items()}
         if cfg.tie_word_embeddings:
             expected.pop("lm_head.weight")  # stored once, as the embedding
-        state = {}
+        state, file_of = {}, {}
         for file, keys in _checkpoint_files(path).items():
-            with safe_open(file, framework="pt", device=str(device)) as f:
-                for key in keys or f.keys():
-                    if key.endswith("rotary_emb.inv_freq") or (key == "lm_head.weight" and cfg.tie_word_embeddings):
-                        continue  # derived buffers some old checkpoints carry; a tied head some carry anyway
-                    if key not in expected:
-                        raise ValueError(f"{file}: unexpected key {key!r} (not part of a Qwen2 with this config)")
-                    t = f.get_tensor(key)
-                    if tuple(t.shape) != tuple(expected[key]):
-                        raise ValueError(f"{file}: key {key!r} has shape {tuple(t.shape)}, the config implies "
-                                         f"{tuple(expected[key])}")
-                    state[key] = t.to(dtype)
+            try:
+                with safe_open(file, framework="pt", device=str(device)) as f:
+                    for key in keys or f.keys():
+                        if key.endswith("rotary_emb.inv_freq") or (key == "lm_head.weight" and
+                                                                   cfg.tie_word_embeddings):
+                            continue  # derived buffers some old checkpoints carry; a tied head some carry anyway
+                        if key not in expected:
+                            raise ValueError(f"{file}: unexpected key {key!r} (not part of a Qwen2 with this config)")
+                        t = f.get_tensor(key)
+                        if tuple(t.shape) != tuple(expected[key]):
+                            raise ValueError(f"{file}: key {key!r} has shape {tuple(t.shape)}, the config implies "
+                                             f"{tuple(expected[key])}")
+                        state[key], file_of[key] = t.to(dtype), file
+            except SafetensorError as e:  # "incomplete metadata, file not fully covered" and the like
+                raise ValueError(f"{file}: not a readable safetensors file, truncated or corrupt (an interrupted "
+                                 f"download or copy?): {e}") from None
         missing = sorted(set(expected) - set(state))
         if missing:
             raise ValueError(f"{path}: checkpoint lacks {len(missing)} key(s), first {missing[0]!r}")
+        bad = first_nonfinite(state)
+        if bad:  # a diverged run's weights would train on, reporting nothing but zero informative groups
+            raise ValueError(f"{file_of[bad]}: {bad!r} holds {_count_nonfinite(state[bad])}: refusing to load "
+                             "a model with non-finite weights")
         if cfg.tie_word_embeddings:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
         model.load_state_dict(state, strict=True, assign=True)
@@ -341,7 +373,11 @@ def _checkpoint_files(path) -> dict:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+            try:
+                weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{index}: not a safetensors index (a JSON object with a weight_map): "
+                                 f"{type(e).__name__}: {e}") from None
         files = {}
         for key, name in weight_map.items():
             files.setdefault(name, []).append(key)
@@ -351,11 +387,40 @@ def _checkpoint_files(path) -> dict:
     return {_need(path, "model.safetensors"): None}
 
 
+def first_nonfinite(tensors: dict) -> str | None:
+    """The name of the first floating tensor holding a NaN or an inf, or None. The common case costs one fused pass:
+    every tensor's norm at once, then one isfinite over the norms (a single host sync). Only when a norm is not finite
+    are tensors looked at one by one: a NaN anywhere makes its norm NaN, and a norm that overflowed on finite values
+    is not reported."""
+    names = [k for k, t in tensors.items() if t.is_floating_point()]
+    if not names:
+        return None
+    norms = torch._foreach_norm([tensors[k] for k in names], 2, dtype=torch.float32)
+    if torch.isfinite(torch.stack(norms)).all():
+        return None
+    return next((k for k, n in zip(names, norms) if not torch.isfinite(n) and not torch.isfinite(tensors[k]).all()),
+                None)
+
+
+def _count_nonfinite(t) -> str:
+    nan, inf = int(t.isnan().sum()), int(t.isinf().sum())
+    return f"{nan} NaN and {inf} inf value(s) among its {t.numel()}"
+
+
+# The files a model directory's weights consist of; save_hf_checkpoint replaces these and keeps every other file
+OWN_FILES = re.compile(r"config\.json|model\.safetensors(\.index\.json)?|model-\d{5}-of-\d{5}\.safetensors")
+
+
 def save_hf_checkpoint(state_dict: dict, cfg: ModelConfig, path: str, max_shard_bytes: int = 5 * 2**30):
     """Write config.json + safetensors (sharded with an index above max_shard_bytes), the layout transformers writes.
-    Everything goes to a temporary directory first and is renamed into place, so a crash never leaves half a
-    checkpoint under `path`."""
+    Everything goes to a temporary directory first, is flushed to disk and renamed into place, so a crash (or a full
+    disk) never leaves half a checkpoint under `path`. Saving into an existing model directory replaces its weights
+    and config and keeps everything else there (tokenizer files, generation_config.json, a README...).
+    Refuses weights that hold a NaN or an inf, naming the tensor."""
     state = {k: v.detach().contiguous().cpu() for k, v in state_dict.items() if k in _hf_keys(cfg, state_dict)}
+    bad = first_nonfinite(state)
+    if bad:
+        raise ValueError(f"not saving {path}: {bad!r} holds {_count_nonfinite(state[bad])}")
     shards, size = [{}], 0
     for k, v in state.items():
         nbytes = v.numel() * v.element_size()
@@ -372,23 +437,87 @@ def save_hf_checkpoint(state_dict: dict, cfg: ModelConfig, path: str, max_shard_
         dtypes = {v.dtype for v in state.values()}
         hf = cfg.to_hf()
         hf["torch_dtype"] = str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else cfg.torch_dtype
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(hf, f, indent=2)
+        write_json(os.path.join(tmp, "config.json"), hf)
         if len(shards) == 1:
-            save_file(shards[0], os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+            _save_safetensors(shards[0], os.path.join(tmp, "model.safetensors"))
         else:
             weight_map = {}
             for i, shard in enumerate(shards):
                 name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, os.path.join(tmp, name), metadata={"format": "pt"})
+                _save_safetensors(shard, os.path.join(tmp, name))
                 weight_map.update({k: name for k in shard})
             total = sum(v.numel() * v.element_size() for v in state.values())
-            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+            write_json(os.path.join(tmp, "model.safetensors.index.json"),
+                       {"metadata": {"total_size": total}, "weight_map": weight_map})
+        if os.path.isdir(path):
+            _link_others(path, tmp)
+        fsync(tmp)  # the files (each synced as written) and their names, before the rename makes them visible
         _replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def writing(file: str):
+    """Turn a failed write into an error that names the file. torch.save on a full disk says only "[enforce fail
+    at inline_container.cc:672] unexpected pos", safetensors "IoError(...)", neither the file."""
+    try:
+        yield
+    except (OSError, RuntimeError, SafetensorError) as e:
+        full = getattr(e, "errno", None) == errno.ENOSPC or "unexpected pos" in str(e) or "StorageFull" in str(e)
+        raise OSError(f"could not write {file}" + (": the disk is full" if full else " (is the disk full?)") +
+                      f" ({type(e).__name__}: {e})") from e
+
+
+def fsync(path: str):
+    """Flush a file's data, or a directory's entries, to the disk: without it a power cut after a rename can
+    leave the new name pointing at data that was never written."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if not (os.path.isdir(path) and e.errno == errno.EINVAL):  # some filesystems cannot sync a directory
+            raise
+    finally:
+        os.close(fd)
+
+
+def write_json(file: str, obj):
+    with writing(file), open(file, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _save_safetensors(tensors: dict, file: str):
+    with writing(file):
+        save_file(tensors, file, metadata={"format": "pt"})
+        os.chmod(file, 0o644)  # safetensors creates its files private (0600), unlike every other file here
+        fsync(file)
+
+
+def _link_others(old: str, new: str):
+    """Bring every entry of model directory `old` that is not weights or config into `new`: hard links (no copy of a
+    large file), or a copy where the filesystem cannot link."""
+    for name in os.listdir(old):
+        src, dst = os.path.join(old, name), os.path.join(new, name)
+        if OWN_FILES.fullmatch(name) or os.path.lexists(dst):
+            continue
+        with writing(dst):
+            if os.path.islink(src):
+                os.symlink(os.readlink(src), dst)
+            elif os.path.isdir(src):
+                shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+            else:
+                _link_or_copy(src, dst)
+
+
+def _link_or_copy(src, dst):
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def _hf_keys(cfg, state_dict):
@@ -404,9 +533,11 @@ def _replace_dir(src, dst):
         old = dst.rstrip("/") + f".old-{os.getpid()}"
         os.replace(dst, old)
         os.replace(src, dst)
+        fsync(os.path.dirname(os.path.abspath(dst)))
         shutil.rmtree(old)
     else:
         os.replace(src, dst)
+        fsync(os.path.dirname(os.path.abspath(dst)))
 
 
 def num_params(model: nn.Module) -> int:

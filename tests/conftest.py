@@ -19,6 +19,5 @@ def tiny_model_dir(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("tiny"))
     tok = make_toy_tokenizer(d)
     torch.manual_seed(0)
-    Qwen2(preset("tiny", vocab_size=tok.vocab_size)).save_pretrained(d)
-    make_toy_tokenizer(d)  # save_pretrained replaced the directory: put the tokenizer back
+    Qwen2(preset("tiny", vocab_size=tok.vocab_size)).save_pretrained(d)  # beside the tokenizer files
     return d

@@ -14,7 +14,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer
 
 import toy
-from data import PromptIterator, encode_prompts, load_rows, load_tokenizer
+from data import PromptIterator, check_vocab, encode_prompts, load_rows, load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -227,6 +227,24 @@ def test_missing_chat_template_is_a_clear_error(tmp_path):
         load_tokenizer(path).apply_chat_template(CHATS[0])
 
 
+@pytest.mark.parametrize("template_file", [False, True], ids=["tokenizer_config.json", "chat_template.jinja"])
+def test_a_chat_template_syntax_error_names_the_file_and_line(tmp_path, template_file):
+    broken = "{% for message in messages %}\n{{ message.content }\n{% endfor %}"  # "}" for "}}" on line 2
+    with pytest.raises(ValueError, match=("chat_template.jinja" if template_file else
+                                          r"tokenizer_config.json \(its chat_template\)") +
+                       r": the chat template does not compile: .* \(line 2 of the template\)"):
+        load_tokenizer(qwen_like_dir(tmp_path, broken, template_file=template_file))
+
+
+def test_a_model_vocabulary_smaller_than_the_tokenizer_is_named_with_both_sizes(tmp_path):
+    tok = load_tokenizer(qwen_like_dir(tmp_path, QWEN25_TEMPLATE))
+    check_vocab(tok.vocab_size, tok, "/models/m")  # equal: fine (and larger, as Qwen2.5's padded embedding)
+    small = tok.vocab_size - 1
+    with pytest.raises(ValueError, match=rf"/models/m has vocab_size {small} .*the {tok.vocab_size} token ids of "
+                                         rf"the tokenizer in {tmp_path}"):
+        check_vocab(small, tok, "/models/m")
+
+
 def test_chat_template_runs_sandboxed(tmp_path):
     evil = "{{ ''.__class__.__mro__[1].__subclasses__() }}"  # a template from the Hub reaching for Python internals
     path = qwen_like_dir(tmp_path, evil)
@@ -331,6 +349,78 @@ def test_duplicates_with_a_different_answer_are_reported(tmp_path, caplog):
         got = load_rows(write_jsonl(tmp_path / "d.jsonl", [dapo_row("a", "1"), dapo_row("a", "2")]))
     assert len(got) == 1 and got[0]["reward_model"]["ground_truth"] == "1"
     assert "1 duplicate prompt(s) had a different ground truth" in caplog.text
+
+
+def twelve_rows_then(bad):
+    return [dapo_row(f"problem {i}") for i in range(12)] + [bad]  # the bad row is on line 13 / row 12
+
+
+def test_a_row_without_a_reward_function_stops_the_load_with_its_line(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", twelve_rows_then(dapo_row("q", source="gsm8k")))
+    with pytest.raises(ValueError, match=r"d.jsonl:13: no reward function for data_source 'gsm8k'"):
+        load_rows(path)
+
+
+def test_a_lone_surrogate_stops_the_load_with_its_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    write_jsonl(path, twelve_rows_then(dapo_row("SURROGATE")))
+    path.write_text(path.read_text().replace("SURROGATE", "\\ud800"))  # the JSON escape, as a file would hold it
+    with pytest.raises(ValueError, match=r"d.jsonl:13: the prompt holds '\\ud800' at character \d+, half of a"):
+        load_rows(str(path))
+
+
+def test_a_prompt_the_chat_template_cannot_render_stops_the_load_with_its_row(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    template = ("{% for m in messages %}{% if m.role not in ['system', 'user', 'assistant'] %}"
+                "{{ raise_exception('unknown role ' + m.role) }}{% endif %}{{ m.content }}{% endfor %}")
+    tok = load_tokenizer(qwen_like_dir(tmp_path, template))
+    bad = {**dapo_row("q"), "prompt": [{"role": "tool", "content": "42"}]}
+    pq.write_table(pa.Table.from_pylist(twelve_rows_then(bad)), str(tmp_path / "d.parquet"))
+    assert len(load_rows(str(tmp_path / "d.parquet"))) == 13  # without the tokenizer nothing renders
+    with pytest.raises(ValueError, match=r"d.parquet: row 12: the chat template of .* cannot render this prompt: "
+                                         r".*unknown role tool"):
+        load_rows(str(tmp_path / "d.parquet"), tok)
+
+
+def test_a_prompt_the_tokenizer_cannot_encode_stops_the_load_with_its_line(tmp_path, monkeypatch):
+    tok = load_tokenizer(qwen_like_dir(tmp_path, QWEN25_TEMPLATE))
+    path = write_jsonl(tmp_path / "d.jsonl", twelve_rows_then(dapo_row("UNENCODABLE")))
+    assert len(load_rows(path, tok)) == 13
+    encode = tok.encode
+
+    def refuse(text):  # the batch call fails as a whole; the row is found by encoding one text at a time
+        if "UNENCODABLE" in text:
+            raise TypeError("TextInputSequence must be str")
+        return encode(text)
+    monkeypatch.setattr(tok, "encode", refuse)
+    monkeypatch.setattr(tok, "encode_batch", lambda texts: [refuse(t) for t in texts])
+    with pytest.raises(ValueError, match=r"d.jsonl:13: the tokenizer of .* cannot encode this prompt: TypeError"):
+        load_rows(path, tok)
+
+
+def test_a_byte_that_is_not_utf8_names_the_file_and_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    good = "".join(json.dumps(dapo_row(f"p{i}")) + "\n" for i in range(2))
+    path.write_bytes(good.encode() + json.dumps(dapo_row("caf\xe9"), ensure_ascii=False).encode("latin-1") + b"\n")
+    with pytest.raises(ValueError, match=r"d.jsonl:3: the file is not UTF-8 text \(byte 0xe9 at byte \d+"):
+        load_rows(str(path))
+
+
+def test_a_byte_order_mark_is_not_an_error(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + (json.dumps(dapo_row("a")) + "\n").encode())
+    assert len(load_rows(str(path))) == 1
+
+
+def test_a_truncated_parquet_file_is_named(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.Table.from_pylist(dapo_like_rows()), str(tmp_path / "d.parquet"))
+    data = (tmp_path / "d.parquet").read_bytes()
+    (tmp_path / "d.parquet").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ValueError, match=r"d.parquet: not a readable parquet file after 0 rows; truncated"):
+        load_rows(str(tmp_path / "d.parquet"))
 
 
 def test_unknown_format_and_empty_files_are_errors(tmp_path):

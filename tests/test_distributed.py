@@ -1,8 +1,10 @@
 """Two processes (gloo, FSDP2, `torchrun --nproc_per_node=2`) against one: the same update, checkpoint and resume."""
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -88,3 +90,40 @@ def test_two_rank_run_resumes_exactly(tiny_model_dir, tmp_path):
     lines = [json.loads(l) for l in open(tmp_path / "resumed" / "metrics.jsonl")]
     assert [l["step"] for l in lines if "acc" in l] == [1, 2, 3]
     assert all(l["train/updates"] == 2 for l in lines if "acc" in l)  # both ranks trained every step
+
+
+# --- a rank that goes wrong: two plain processes (tests/dist_fail_worker.py), a few seconds each ---------------------
+
+def start_pair(mode, timeout_s):
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0"}
+    return [subprocess.Popen([sys.executable, "tests/dist_fail_worker.py", mode, str(timeout_s)], cwd=ROOT,
+                             env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True) for r in range(2)]
+
+
+def test_a_stopped_rank_makes_the_others_fail_naming_the_collective():
+    waiting, stopped = start_pair("stop", timeout_s=3)
+    try:
+        start = time.time()
+        out, _ = waiting.communicate(timeout=120)
+        waited = time.time() - start
+    finally:
+        for p in (waiting, stopped):
+            p.kill()  # SIGKILL ends a stopped process too
+            p.wait()
+    assert "rank 0: all_reduce 'dynamic-sampling count' timed out after 3 s: another rank stopped" in out, out[-3000:]
+    assert waited < 60  # the 3 s timeout plus two interpreter start-ups, not the 30 min default
+
+
+def test_a_nan_in_one_ranks_shard_stops_every_rank_naming_the_parameter():
+    procs = start_pair("nan", timeout_s=60)
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "rank 1 raised: after step 3: parameter 'model.layers.1.mlp.down_proj.weight' holds 1 NaN and 0 inf" \
+        in outs[1], outs[1][-3000:]
+    assert "rank 0 raised: after step 3: parameter 'model.layers.1.mlp.down_proj.weight' holds NaN/inf values on " \
+        "another rank" in outs[0], outs[0][-3000:]

@@ -196,6 +196,98 @@ def test_save_replaces_an_existing_checkpoint_whole(saved):
         assert torch.equal(Qwen2.from_pretrained(str(saved))(x), m(x))
 
 
+def test_a_nan_weight_is_refused_naming_the_file_and_tensor(saved):
+    _rewrite(saved, lambda sd: sd["model.layers.1.mlp.up_proj.weight"].view(-1)[7].fill_(float("nan")))
+    with pytest.raises(ValueError, match=r"model\.safetensors: 'model\.layers\.1\.mlp\.up_proj\.weight' holds 1 NaN "
+                                         r"and 0 inf value\(s\) among its \d+: refusing to load"):
+        Qwen2.from_pretrained(str(saved))
+
+
+def test_weights_with_an_inf_are_never_saved(tmp_path):
+    m = Qwen2(preset("tiny", vocab_size=50))
+    with torch.no_grad():
+        m.model.norm.weight[3] = float("inf")
+    with pytest.raises(ValueError, match=r"not saving .*'model\.norm\.weight' holds 0 NaN and 1 inf"):
+        m.save_pretrained(str(tmp_path / "ckpt"))
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("field,value,expected", [
+    ("hidden_size", "128", r"'hidden_size' must be a positive integer, got \"128\" \(str\)"),
+    ("num_hidden_layers", 2.0, r"'num_hidden_layers' must be a positive integer, got 2.0 \(float\)"),
+    ("num_attention_heads", 0, r"'num_attention_heads' must be a positive integer, got 0"),
+    ("rope_theta", "1e6", r"'rope_theta' must be a positive number, got \"1e6\""),
+    ("tie_word_embeddings", "false", r"'tie_word_embeddings' must be true or false, got \"false\""),
+    ("torch_dtype", "bf16", r"torch_dtype 'bf16' is not a torch dtype"),
+])
+def test_a_config_field_of_the_wrong_type_is_named_with_its_file(saved, field, value, expected):
+    config = json.loads((saved / "config.json").read_text())
+    (saved / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ValueError, match=r"config\.json: " + expected):
+        Qwen2.from_pretrained(str(saved))
+
+
+@pytest.mark.parametrize("keep", [5, 1000, -100], ids=["header", "metadata", "data"])
+def test_a_truncated_safetensors_file_is_named(saved, keep):
+    data = (saved / "model.safetensors").read_bytes()
+    (saved / "model.safetensors").write_bytes(data[:keep])
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file, truncated"):
+        Qwen2.from_pretrained(str(saved))
+
+
+def test_saving_into_a_model_directory_keeps_the_files_it_does_not_own(tmp_path):
+    d = tmp_path / "m"
+    Qwen2(preset("tiny", vocab_size=50, tie_word_embeddings=False)).save_pretrained(str(d), max_shard_bytes=60_000)
+    (d / "tokenizer.json").write_text("{}")
+    (d / "extra").mkdir()
+    (d / "extra" / "notes.txt").write_text("kept")
+    m = Qwen2(preset("tiny", vocab_size=50))
+    m.save_pretrained(str(d))  # one file now: the shards and their index go, the rest stays
+    assert sorted(os.listdir(d)) == ["config.json", "extra", "model.safetensors", "tokenizer.json"]
+    assert (d / "tokenizer.json").read_text() == "{}" and (d / "extra" / "notes.txt").read_text() == "kept"
+    x = torch.randint(0, 50, (1, 5))
+    with torch.no_grad():
+        assert torch.equal(Qwen2.from_pretrained(str(d))(x), m(x))
+
+
+def test_saved_files_are_readable_by_everyone(tmp_path):
+    Qwen2(preset("tiny", vocab_size=50)).save_pretrained(str(tmp_path / "m"))
+    modes = {name: oct(os.stat(tmp_path / "m" / name).st_mode & 0o777) for name in os.listdir(tmp_path / "m")}
+    assert modes == {"config.json": oct(0o644 & ~_umask()), "model.safetensors": "0o644"}
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_a_full_disk_names_the_file_and_leaves_the_directory_as_it_was(saved, monkeypatch):
+    import errno
+    import model as model_module
+    before = {name: (saved / name).read_bytes() for name in os.listdir(saved)}
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(model_module, "save_file", no_space)
+    with pytest.raises(OSError, match=r"could not write .*/\.tmp-ckpt-\w+/model\.safetensors: the disk is full"):
+        Qwen2(preset("tiny", vocab_size=50)).save_pretrained(str(saved))
+    assert {name: (saved / name).read_bytes() for name in os.listdir(saved)} == before
+    assert os.listdir(saved.parent) == ["ckpt"]  # no temporary directory left behind
+
+
+def test_files_and_directory_are_synced_before_the_rename(tmp_path, monkeypatch):
+    import model as model_module
+    events = []
+    fsync, replace = model_module.fsync, os.replace
+    monkeypatch.setattr(model_module, "fsync", lambda p: (events.append(("fsync", os.path.basename(p))), fsync(p)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("rename", os.path.basename(a))), replace(a, b)))
+    Qwen2(preset("tiny", vocab_size=50)).save_pretrained(str(tmp_path / "m"))
+    tmp = next(name for kind, name in events if kind == "rename")
+    assert events.index(("fsync", "model.safetensors")) < events.index(("fsync", tmp)) < \
+        events.index(("rename", tmp)) < events.index(("fsync", tmp_path.name))
+
+
 def test_from_pretrained_does_not_copy_weights(saved):
     m = Qwen2.from_pretrained(str(saved), dtype=torch.float32)
     assert all(p.device.type == "cpu" for p in m.parameters())  # nothing left on the meta device

@@ -1,0 +1,43 @@
+"""Run by tests/test_distributed.py as two plain processes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set by the
+test, no torchrun: the test itself stops and kills them). Each mode is one way a rank can go wrong.
+
+    stop  rank 1 stops itself (SIGSTOP, as a debugger or a swapping node would); rank 0 waits in a named all-reduce
+    nan   rank 1's shard of one FSDP2-sharded parameter gets a NaN; both ranks run check_finite
+"""
+import os
+import signal
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import checkpoint  # noqa: E402
+import distributed  # noqa: E402
+from model import Qwen2, preset  # noqa: E402
+
+POISONED = "model.layers.1.mlp.down_proj.weight"
+
+
+def main(mode, timeout_s):
+    rank, _, _ = distributed.init("cpu", timeout_s=float(timeout_s))
+    torch.set_num_threads(1)
+    if mode == "stop":
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        distributed.all_reduce(1, name="dynamic-sampling count")
+    elif mode == "nan":
+        torch.manual_seed(0)
+        model = distributed.shard(Qwen2(preset("tiny", vocab_size=64)), mixed_precision=False)
+        checkpoint.check_finite(model, "before")  # all finite: passes on both ranks
+        if rank == 1:
+            with torch.no_grad():
+                dict(model.named_parameters())[POISONED].to_local()[0, 0] = float("nan")
+        try:
+            checkpoint.check_finite(model, "after step 3")
+        except FloatingPointError as e:
+            print(f"rank {rank} raised: {e}", flush=True)
+        distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,182 @@
+"""checkpoint.py in one process: no NaN ever saved, a full disk loses nothing, old checkpoints pruned, and the run
+directory: a new run never destroys an old one, a resume drops the metrics it will log again and keeps the algorithm."""
+import errno
+import json
+import os
+
+import pytest
+import torch
+
+import checkpoint
+import model as model_module
+from data import PromptIterator
+from model import Qwen2
+
+
+def save(out_dir, step, model, tok_dir, keep_last=0):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return checkpoint.save(str(out_dir), step, model, tok_dir, opt, PromptIterator([{"x": 1}], 1, 0),
+                           torch.Generator(), {"lr": 1e-3}, keep_last=keep_last)
+
+
+def listing(out_dir):
+    return sorted(os.listdir(out_dir / "checkpoints"))
+
+
+@pytest.fixture
+def model(tiny_model_dir):
+    return Qwen2.from_pretrained(tiny_model_dir)
+
+
+# --- non-finite weights -----------------------------------------------------------------------------------------------
+
+def test_check_finite_names_the_first_parameter_with_a_nan(model):
+    checkpoint.check_finite(model, "after step 1")  # finite: nothing happens
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.bias[2] = float("nan")
+        model.model.norm.weight[0] = float("inf")
+    with pytest.raises(FloatingPointError, match=r"after step 7: parameter 'model\.layers\.1\.self_attn\.k_proj\.bias' "
+                                                 r"holds 1 NaN and 0 inf value\(s\)"):
+        checkpoint.check_finite(model, "after step 7")
+
+
+def test_a_checkpoint_with_a_nan_is_never_written(tmp_path, model, tiny_model_dir):
+    save(tmp_path, 1, model, tiny_model_dir)
+    with torch.no_grad():
+        model.lm_head.weight[5, 5] = float("nan")  # tied: the embedding is the same tensor
+    with pytest.raises(FloatingPointError, match=r"not saving checkpoint step 2: parameter "
+                                                 r"'model\.embed_tokens\.weight' holds 1 NaN"):
+        save(tmp_path, 2, model, tiny_model_dir)
+    assert listing(tmp_path) == ["latest", "step_000001"]
+
+
+# --- a full disk ------------------------------------------------------------------------------------------------------
+
+def no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def torch_save_on_a_full_disk(*args, **kwargs):
+    raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos 64 vs 0")  # what torch.save says
+
+
+@pytest.mark.parametrize("target,fake,file", [
+    (model_module, "save_file", r"step_000002\.tmp/\.tmp-ckpt-\w+/model\.safetensors"),
+    (checkpoint.torch, "save", r"step_000002\.tmp/trainer_rank0\.pt"),
+], ids=["weights", "optimizer"])
+def test_a_full_disk_names_the_file_and_keeps_the_previous_checkpoint(tmp_path, model, tiny_model_dir, monkeypatch,
+                                                                      target, fake, file):
+    save(tmp_path, 1, model, tiny_model_dir)
+    monkeypatch.setattr(target, fake, no_space if fake == "save_file" else torch_save_on_a_full_disk)
+    with pytest.raises(OSError, match=rf"could not write .*{file}: the disk is full .*Checkpoint step 2 not saved "
+                                      r"\(latest still names step_000001\)"):
+        save(tmp_path, 2, model, tiny_model_dir)
+    monkeypatch.undo()
+    assert listing(tmp_path) == ["latest", "step_000001"]  # no half-written step_000002.tmp left taking space
+    assert checkpoint.latest(str(tmp_path)).endswith("step_000001")
+    Qwen2.from_pretrained(str(tmp_path / "checkpoints" / "step_000001" / "model"))
+
+
+def test_checkpoint_files_are_readable_and_synced_before_the_rename(tmp_path, model, tiny_model_dir, monkeypatch):
+    events = []
+    fsync, replace = checkpoint.fsync, os.replace
+    monkeypatch.setattr(checkpoint, "fsync", lambda p: (events.append(("fsync", p)), fsync(p)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("rename", a)), replace(a, b)))
+    final = save(tmp_path, 1, model, tiny_model_dir)
+    tmp = final + ".tmp"
+    assert events.index(("fsync", os.path.join(tmp, "trainer_rank0.pt"))) < events.index(("fsync", tmp)) < \
+        events.index(("rename", tmp))
+    assert os.stat(os.path.join(final, "model", "model.safetensors")).st_mode & 0o777 == 0o644
+    assert "tokenizer.json" in os.listdir(os.path.join(final, "model"))  # --model can point at it
+
+
+def test_keep_last_deletes_old_checkpoints_but_never_the_latest(tmp_path, model, tiny_model_dir):
+    for step in (1, 2, 3, 4):
+        save(tmp_path, step, model, tiny_model_dir, keep_last=2)
+    assert listing(tmp_path) == ["latest", "step_000003", "step_000004"]
+    save(tmp_path, 2, model, tiny_model_dir, keep_last=1)  # a run resumed from an older one: `latest` is step 2
+    assert listing(tmp_path) == ["latest", "step_000002", "step_000004"]
+
+
+def test_a_truncated_optimizer_file_is_named_on_resume(tmp_path, model, tiny_model_dir):
+    final = save(tmp_path, 1, model, tiny_model_dir)
+    file = os.path.join(final, "trainer_rank0.pt")
+    with open(file, "r+b") as f:
+        f.truncate(os.path.getsize(file) // 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match=r"step_000001/trainer_rank0\.pt: not a readable checkpoint file, truncated"):
+        checkpoint.load_trainer_state(final, opt, PromptIterator([{"x": 1}], 1, 0), torch.Generator())
+
+
+# --- the run directory ------------------------------------------------------------------------------------------------
+
+def test_a_new_run_refuses_a_directory_that_holds_one(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(FileExistsError, match=rf"{tmp_path} already holds a run \(metrics.jsonl\): pass --resume .*"
+                                              r"or --overwrite"):
+        checkpoint.prepare_out_dir(str(tmp_path), resume=False, overwrite=False)
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'  # untouched
+
+
+def test_overwrite_deletes_the_old_runs_metrics_and_checkpoints_only(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "checkpoints" / "step_000001").mkdir(parents=True)
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "notes.txt").write_text("mine")
+    assert checkpoint.prepare_out_dir(str(tmp_path), resume=False, overwrite=True) is None
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt", "tokenizer"]
+
+
+def test_a_fresh_or_empty_directory_needs_no_flag(tmp_path):
+    assert checkpoint.prepare_out_dir(str(tmp_path / "new"), resume=False, overwrite=False) is None
+    assert os.path.isdir(tmp_path / "new")
+    (tmp_path / "new" / "metrics.jsonl").write_text("")  # a run that stopped before logging anything
+    assert checkpoint.prepare_out_dir(str(tmp_path / "new"), resume=False, overwrite=False) is None
+
+
+def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(FileNotFoundError, match=rf"--resume: {tmp_path} holds no checkpoint to continue from"):
+        checkpoint.prepare_out_dir(str(tmp_path), resume=True, overwrite=False)
+    with pytest.raises(ValueError, match="--resume .* --overwrite"):
+        checkpoint.prepare_out_dir(str(tmp_path), resume=True, overwrite=True)
+
+
+def test_resume_returns_the_latest_checkpoint(tmp_path, model, tiny_model_dir):
+    final = save(tmp_path, 3, model, tiny_model_dir)
+    assert checkpoint.prepare_out_dir(str(tmp_path), resume=True, overwrite=False) == final
+
+
+def test_trim_metrics_drops_the_rows_a_resumed_run_logs_again(tmp_path):
+    # logged: eval 0, steps 1-2, eval at 2, step 3 (its checkpoint never written: a crash), and a torn last line
+    rows = [{"step": 0, "val/acc": 0.1}, {"step": 1, "acc": 0.2}, {"step": 2, "acc": 0.3},
+            {"step": 2, "val/acc": 0.4}, {"step": 3, "acc": 0.5}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "ac')
+    assert checkpoint.trim_metrics(str(path), 2) == 3
+    assert [json.loads(line) for line in path.read_text().splitlines()] == rows[:3]
+    assert checkpoint.trim_metrics(str(path), 2) == 0  # nothing more to drop
+    assert checkpoint.trim_metrics(str(tmp_path / "none.jsonl"), 2) == 0
+
+
+def test_trim_metrics_names_a_broken_line_in_the_middle(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": \n{"step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON row"):
+        checkpoint.trim_metrics(str(path), 2)
+
+
+def test_resume_refuses_settings_that_change_the_algorithm(tmp_path):
+    saved = {"group_size": 8, "lr": 3e-4, "eps_high": 0.28, "steps": 40, "eval_every": 10, "train_data": "a.jsonl"}
+    current = {**saved, "group_size": 16, "lr": 1e-3, "steps": 80, "eval_every": 5, "new_flag": 1}
+    with pytest.raises(ValueError, match=r"--resume: ckpt was trained with other settings") as e:
+        checkpoint.check_resume_config(saved, current, where="ckpt")
+    assert "--group-size: 8 in the checkpoint, 16 now" in str(e.value)
+    assert "--lr: 0.0003 in the checkpoint, 0.001 now" in str(e.value)
+    assert "steps" not in str(e.value) and "eval" not in str(e.value)  # these may change
+    checkpoint.check_resume_config(saved, {**saved, "steps": 80, "device": "cuda", "micro_batch_size": 2})
+
+
+def test_the_saved_config_is_read_back_from_the_checkpoint(tmp_path, model, tiny_model_dir):
+    final = save(tmp_path, 1, model, tiny_model_dir)
+    assert checkpoint.saved_config(final) == {"lr": 1e-3}
