@@ -161,10 +161,11 @@ def add_derived(metrics, group_size):
     without signal (all right or all wrong). Returns the same list."""
     generated = 0
     for m in metrics:
-        if "acc" in m:  # a rollout step (an evaluation logs val/acc instead)
-            generated += (m["train/groups_kept"] + m["train/groups_filtered"]) * group_size
+        if "rollout/acc" in m:  # a rollout step (an evaluation logs val/acc instead)
+            generated += (m["train/groups_kept"] + m["train/groups_filtered"]
+                          + m.get("train/groups_surplus", 0)) * group_size
             m["responses_generated"] = generated
-            m["train/frac_no_signal"] = m["train/frac_all_correct"] + m["train/frac_all_wrong"]
+            m["rollout/frac_no_signal"] = m["rollout/frac_all_correct"] + m["rollout/frac_all_wrong"]
     return metrics
 
 
@@ -206,7 +207,7 @@ def summarize(metrics, target_acc, window):
     """One run's numbers for the table. "First/last" are the means over the first and the last quarter of the steps.
     Steps to target: the first step at which the moving average of the rollout accuracy (the policy's accuracy on
     fresh training prompts, every response generated counted) reaches target_acc; None if it never does."""
-    steps, acc = series(metrics, "acc")
+    steps, acc = series(metrics, "rollout/acc")
     _, generated = series(metrics, "responses_generated")
     smooth = moving_average(acc, window)
     hit = next((i for i, a in enumerate(smooth) if a >= target_acc), None)
@@ -214,11 +215,11 @@ def summarize(metrics, target_acc, window):
     return {
         "val_first": val[0] if val else None, "val_last": val[-1] if val else None,
         "entropy": first_and_last_quarter(series(metrics, "actor/entropy")[1]),
-        "length": first_and_last_quarter(series(metrics, "response_length/mean")[1]),
-        "clip_high": statistics.fmean(series(metrics, "actor/pg_clipfrac_high")[1] or [0.0]),
-        "clip_low": statistics.fmean(series(metrics, "actor/pg_clipfrac_low")[1] or [0.0]),
-        "truncated": statistics.fmean(series(metrics, "response_length/clip_ratio")[1]),
-        "no_signal": statistics.fmean(series(metrics, "train/frac_no_signal")[1]),
+        "length": first_and_last_quarter(series(metrics, "rollout/response_length/mean")[1]),
+        "clip_high": statistics.fmean(series(metrics, "dapo/clipfrac_high")[1] or [0.0]),
+        "clip_low": statistics.fmean(series(metrics, "dapo/clipfrac_low")[1] or [0.0]),
+        "truncated": statistics.fmean(series(metrics, "rollout/clip_ratio")[1]),
+        "no_signal": statistics.fmean(series(metrics, "rollout/frac_no_signal")[1]),
         "steps_to_target": None if hit is None else steps[hit],
         "responses_to_target": None if hit is None else generated[hit],
         "responses": generated[-1], "steps": steps[-1],
@@ -325,11 +326,11 @@ def caption(runs):
 
 PANELS = [  # (title, metric, x axis, smoothed)
     ("held-out accuracy (val/acc)", "val/acc", "step", False),
-    ("rollout accuracy vs responses generated", "acc", "responses_generated", True),
+    ("rollout accuracy vs responses generated", "rollout/acc", "responses_generated", True),
     ("entropy (nats/token)", "actor/entropy", "step", True),
-    ("response length (tokens)", "response_length/mean", "step", True),
-    ("truncated responses (fraction)", "response_length/clip_ratio", "step", True),
-    ("groups all right or all wrong (fraction)", "train/frac_no_signal", "step", True),
+    ("response length (tokens)", "rollout/response_length/mean", "step", True),
+    ("truncated responses (fraction)", "rollout/clip_ratio", "step", True),
+    ("groups all right or all wrong (fraction)", "rollout/frac_no_signal", "step", True),
 ]
 
 

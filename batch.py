@@ -81,6 +81,9 @@ class Batch:
         offsets = torch.arange(self.group_size, device=index.device)
         return self.rows((index[:, None] * self.group_size + offsets).flatten())
 
+    def to(self, device) -> "Batch":
+        return replace(self, **{name: t.to(device) for name, t in self.tensors().items()})
+
     def split(self, rows_per_part: int) -> list["Batch"]:
         return [self.rows(slice(i, i + rows_per_part)) for i in range(0, len(self), rows_per_part)]
 

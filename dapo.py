@@ -38,8 +38,8 @@ from sampler import generate
 from toy import demo_base_model, make_toy_tokenizer, toy_rows
 
 
-def _flag(default, help_text):
-    return field(default=default, metadata={"help": help_text})
+def _flag(default, help_text, choices=None):
+    return field(default=default, metadata={"help": help_text, "choices": choices})
 
 
 @dataclass
@@ -59,6 +59,8 @@ class Config:
     gen_prompts: int = _flag(48, "prompts per generation batch (paper: 1536 = 3x)")
     group_size: int = _flag(8, "responses per prompt, G (paper: 16)")
     max_gen_batches: int = _flag(4, "dynamic-sampling cap per step; 0 = no cap")
+    on_gen_cap: str = _flag("train", "at the cap: train on the whole mini-batches kept, or stop "
+                                     "with an error (verl)", choices=("train", "error"))
     max_prompt_len: int = _flag(64, "prompt tokens; longer prompts lose their start")
     max_response_len: int = _flag(40, "response tokens, L_max (paper: 20480)")
     overlong_buffer: int = _flag(16, "soft-penalty zone before L_max, L_cache (4096)")
@@ -74,7 +76,7 @@ class Config:
     lr: float = _flag(3e-4, "AdamW learning rate (paper: 1e-6)")
     weight_decay: float = _flag(0.0, "AdamW weight decay (paper: 0.1)")
     grad_clip: float = _flag(1.0, "max grad norm")
-    warmup_steps: int = _flag(3, "linear lr warm-up, in rollout steps (paper: 10-20)")
+    warmup_steps: int = _flag(3, "linear lr warm-up from 0, in rollout steps (paper: 20)")
     eps_low: float = _flag(0.2, "lower clip range: ratio >= 1 - eps_low")
     eps_high: float = _flag(0.28, "upper clip range with clip-higher")
     dual_clip: float = _flag(0.0, "dual-clip bound c for A < 0 (verl's DAPO: 10); 0 = off")
@@ -103,7 +105,7 @@ def parse_args(argv=None) -> Config:
         if isinstance(f.default, bool):  # --flag / --no-flag
             kind = dict(action=argparse.BooleanOptionalAction)
         else:
-            kind = dict(type=type(f.default))
+            kind = dict(type=type(f.default), choices=f.metadata["choices"])
         parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=help_text,
                             **kind)
     return Config(**vars(parser.parse_args(argv)))
@@ -149,18 +151,27 @@ def policy_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom, dual_c
     Returns the loss and the sums over masked tokens of the statistics the loop logs."""
     mask = loss_mask.float()
     adv = adv[:, None]  # (B, 1): one advantage for every token of a response
-    ratio = torch.exp(logp - old_logp)  # (B, R)
+    # clamped as verl does: exp() of a log-ratio above ~88.7 is inf, and one inf makes the whole
+    # gradient NaN (a clamped token gets no gradient: it is clipped anyway)
+    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))  # (B, R)
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
     loss_tok = torch.maximum(-adv * ratio, -adv * clipped)  # (B, R) the pessimistic of the two
+    dual = torch.zeros_like(mask, dtype=torch.bool)
     if dual_clip > 1:
-        loss_tok = torch.where(adv < 0, torch.minimum(loss_tok, -adv * dual_clip), loss_tok)
+        dual = (adv < 0) & (loss_tok > -adv * dual_clip)  # (B, R)
+        loss_tok = torch.where(dual, -adv * dual_clip, loss_tok)
     loss = (loss_tok * mask / denom).sum()
-    with torch.no_grad():  # sums over tokens; divided by the token count when logged
+    with torch.no_grad():  # sums over the tokens in the loss; the loop divides by their count
+        up_clipped = (adv > 0) & (ratio > 1 + eps_high)  # (B, R)
+        old_prob = old_logp.exp() * mask
         stats = {
-            "actor/pg_loss": (loss_tok * mask).sum(),
-            "actor/pg_clipfrac_high": (((adv > 0) & (ratio > 1 + eps_high)) * mask).sum(),
-            "actor/pg_clipfrac_low": (((adv < 0) & (ratio < 1 - eps_low)) * mask).sum(),
-            "actor/ppo_kl": ((old_logp - logp) * mask).sum(),  # first-order KL(pi_old || pi)
+            "pg_loss": (loss_tok * mask).sum(),
+            "clip_high": (up_clipped * mask).sum(),
+            "clip_low": (((adv < 0) & (ratio < 1 - eps_low)) * mask).sum(),
+            "dual_clip": (dual * mask).sum(),
+            "kl": ((old_logp - logp) * mask).sum(),  # first-order KL(pi_old || pi), as verl
+            "up_clipped_prob": (old_prob * up_clipped).sum(),  # paper Fig. 3a: rare tokens
+            "token_prob": old_prob.sum(),  # paper Fig. 7d
         }
     return loss, stats
 
@@ -252,28 +263,24 @@ def evaluate(model, rows, tok, cfg, generator) -> dict:
 # ------------------------------------------------------------------------------------------------
 # Algorithm 1, lines 2-8: sample, reward and filter until the batch is full
 
-def collect_batch(model, prompt_iter, tok, cfg, generator, step) -> tuple[Batch, dict]:
+def collect_batch(model, prompt_iter, tok, cfg, generator) -> tuple[Batch | None, dict]:
     """Generation batches of prompts from pi_old (the current policy), scored, reward-shaped
-    (technique 4) and filtered (technique 2), until train_prompts groups with signal are kept or
-    max_gen_batches is reached. Returns this rank's share of the kept groups and the rollout's
-    metrics (over every response generated, summed over ranks)."""
+    (technique 4) and filtered (technique 2), until train_prompts groups with signal are kept
+    over all ranks, or max_gen_batches is reached. Returns this rank's share of the training
+    batch (None if nothing was kept) and the rollout's metrics, summed over ranks."""
     rank, world = distributed.rank(), distributed.world_size()
-    quota = cfg.train_prompts // world  # groups this rank trains per step
-    kept, seen, n_gen = [], [], 0
-    while distributed.all_reduce(sum(b.num_groups for b in kept), "min", cfg.device) < quota:
+    kept: dict[int, Batch] = {}  # the groups with signal on this rank, by global group number
+    seen, n_gen = [], 0
+    while distributed.all_reduce(len(kept), device=cfg.device,
+                                 name="dynamic-sampling count") < cfg.train_prompts:
         if cfg.max_gen_batches and n_gen == cfg.max_gen_batches:
-            # verl raises here; small models hit this wall, so train on what was kept, and say so
-            n_kept = sum(b.num_groups for b in kept)
-            say(f"step {step + 1}: dynamic sampling stopped at max_gen_batches="
-                f"{cfg.max_gen_batches} with {n_kept * world}/{cfg.train_prompts} informative "
-                "groups; training on those")
             break
         # --- Rollout (Algorithm 1, lines 3-5): pi_old samples G responses per prompt ---
+        prompts = prompt_iter.next_batch()
         with distributed.gathered(model):  # under FSDP: gather the weights once per generation
-            batch = rollout(model, prompt_iter.next_batch()[rank::world], tok, cfg,
-                            group_size=cfg.group_size, temperature=cfg.temperature,
-                            top_p=cfg.top_p, top_k=cfg.top_k, generator=generator)
-        n_gen += 1
+            batch = rollout(model, prompts[rank::world], tok, cfg, group_size=cfg.group_size,
+                            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                            generator=generator)
         # --- DAPO technique 4: overlong reward shaping (paper Sec. 3.4, Eq. 13) ---
         batch = replace(batch, reward=shape_rewards(batch.response_lengths, batch.score, cfg))
         seen.append(batch)
@@ -281,39 +288,96 @@ def collect_batch(model, prompt_iter, tok, cfg, generator, step) -> tuple[Batch,
         keep = torch.ones(batch.num_groups, dtype=torch.bool)
         if cfg.dynamic_sampling:
             keep = keep_groups(batch.acc, cfg.group_size)  # (groups,) bool
-        if keep.any():
-            kept.append(batch.groups(keep))
-    # exactly the training batch, in whole groups, the same number on every rank
-    n_take = int(distributed.all_reduce(min(sum(b.num_groups for b in kept), quota), "min",
-                                        cfg.device))
-    kept = Batch.cat(kept).groups(torch.arange(n_take)) if n_take else None
-    return kept, rollout_metrics(Batch.cat(seen), n_take, n_gen, cfg)
+        for i in keep.nonzero().flatten().tolist():  # this rank's i-th prompt is prompts[i W + r]
+            kept[n_gen * len(prompts) + i * world + rank] = batch.groups([i])
+        n_gen += 1
+    n_kept = distributed.all_reduce(len(kept), device=cfg.device)
+    n_take = min(n_kept, cfg.train_prompts)
+    cap_hit = n_kept < cfg.train_prompts
+    if cap_hit:
+        if cfg.on_gen_cap == "error":  # verl's behaviour
+            raise RuntimeError(
+                f"dynamic sampling found {n_kept} of {cfg.train_prompts} groups with signal in "
+                f"--max-gen-batches {cfg.max_gen_batches} generation batches; raise the cap (0 = "
+                "none), or --on-gen-cap train to train on the whole mini-batches kept")
+        # train on whole mini-batches only: a partial one would take a full optimizer step
+        n_take -= n_take % cfg.mini_batch_prompts
+        say(f"dynamic sampling stopped at --max-gen-batches {cfg.max_gen_batches} with {n_kept} "
+            f"of {cfg.train_prompts} groups with signal; training on {n_take}")
+    batch = share_of_groups(kept, n_take, cfg) if n_take else None
+    metrics = rollout_metrics(Batch.cat(seen), cfg) | {
+        "train/num_gen_batches": n_gen, "train/gen_cap_hit": int(cap_hit),
+        "train/groups_kept": n_take, "train/groups_surplus": n_kept - n_take}
+    metrics["train/groups_filtered"] = n_gen * prompt_iter.batch_size - n_kept
+    return batch, metrics
 
 
-def rollout_metrics(seen: Batch, n_kept, n_gen, cfg) -> dict:
+def share_of_groups(kept: dict[int, Batch], n_take, cfg) -> Batch:
+    """This rank's share of the first n_take groups with signal, in the order one process would
+    have generated them, so N ranks train on exactly the groups one process would. Each global
+    mini-batch is split evenly between the ranks, and a group moves to another rank only when its
+    own rank holds more than its share (the groups are token ids: cheap to send)."""
+    rank, world = distributed.rank(), distributed.world_size()
+    owners = distributed.all_gather_object(sorted(kept), name="kept groups")
+    first = sorted((g, r) for r, groups in enumerate(owners) for g in groups)[:n_take]
+    share = cfg.mini_batch_prompts // world  # groups per rank in each mini-batch
+    destination = {}
+    for start in range(0, n_take, cfg.mini_batch_prompts):
+        mini_batch = first[start:start + cfg.mini_batch_prompts]
+        count = [0] * world
+        for g, owner in mini_batch:  # first every rank keeps its own, up to its share...
+            if count[owner] < share:
+                destination[g], count[owner] = owner, count[owner] + 1
+        for g, _ in mini_batch:  # ...then the rest go where there is room
+            if g not in destination:
+                r = min(range(world), key=lambda r: count[r])
+                destination[g], count[r] = r, count[r] + 1
+    outgoing = {g: kept[g].to("cpu") for g, r in destination.items() if g in kept and r != rank}
+    incoming = {}
+    if world > 1:
+        for sent in distributed.all_gather_object(outgoing, name="groups rebalanced"):
+            incoming |= {g: b for g, b in sent.items() if destination[g] == rank}
+    device = cfg.device
+    return Batch.cat([kept[g] if g in kept else incoming[g].to(device)
+                      for g, _ in first if destination[g] == rank])
+
+
+def rollout_metrics(seen: Batch, cfg) -> dict:
     """What the policy did this step, over every response generated (before the filter), summed
-    over ranks."""
+    over ranks. verl logs its rollout statistics over the trained batch only (see
+    training_batch_metrics); these names are this project's own."""
     acc = seen.acc.float().view(-1, cfg.group_size)  # (groups, G)
     lengths = seen.response_lengths.float()
     sums = {
-        "n": float(len(seen)), "score": seen.score.sum().item(),
-        "reward": seen.reward.sum().item(), "right": acc.sum().item(),
-        "length": lengths.sum().item(), "truncated": seen.truncated.float().sum().item(),
-        "kept": float(n_kept), "all_right": (acc.min(1).values == 1).sum().item(),
+        "n": len(seen), "score": seen.score.sum().item(), "reward": seen.reward.sum().item(),
+        "right": acc.sum().item(), "length": lengths.sum().item(),
+        "truncated": seen.truncated.sum().item(), "all_right": (acc.min(1).values == 1).sum().item(),
         "all_wrong": (acc.max(1).values == 0).sum().item(),
     }
-    s = dict(zip(sums, distributed.all_reduce(list(sums.values()), device=cfg.device)))
-    longest = distributed.all_reduce(lengths.max().item(), "max", cfg.device)
-    n, group_size = s["n"], cfg.group_size
+    s = dict(zip(sums, distributed.all_reduce([float(v) for v in sums.values()], device=cfg.device)))
+    n, groups = s["n"], s["n"] / cfg.group_size
     return {
-        "critic/score/mean": s["score"] / n, "critic/rewards/mean": s["reward"] / n,
-        "acc": s["right"] / n, "response_length/mean": s["length"] / n,
-        "response_length/max": longest, "response_length/clip_ratio": s["truncated"] / n,
-        "train/num_gen_batches": n_gen, "train/groups_kept": int(s["kept"]),
-        "train/groups_filtered": int(n / group_size - s["kept"]),
-        "train/frac_all_correct": s["all_right"] * group_size / n,
-        "train/frac_all_wrong": s["all_wrong"] * group_size / n,
+        "rollout/acc": s["right"] / n, "rollout/score/mean": s["score"] / n,
+        "rollout/reward/mean": s["reward"] / n, "rollout/response_length/mean": s["length"] / n,
+        "rollout/response_length/max": distributed.all_reduce(lengths.max().item(), "max",
+                                                              cfg.device),
+        "rollout/clip_ratio": s["truncated"] / n,
+        "rollout/frac_all_correct": s["all_right"] / groups,
+        "rollout/frac_all_wrong": s["all_wrong"] / groups,
     }
+
+
+def training_batch_metrics(batch: Batch, cfg) -> dict:
+    """verl's data metrics, with verl's meanings: over the batch that is trained on, the score is
+    the reward the advantage is computed from (the overlong penalty included); with no KL term
+    the "rewards" are the same."""
+    lengths = batch.response_lengths.float()
+    n, score, length, truncated = distributed.all_reduce(
+        [len(batch), batch.reward.sum().item(), lengths.sum().item(),
+         batch.truncated.sum().item()], device=cfg.device)
+    return {"critic/score/mean": score / n, "critic/rewards/mean": score / n,
+            "response_length/mean": length / n, "response_length/clip_ratio": truncated / n,
+            "response_length/max": distributed.all_reduce(lengths.max().item(), "max", cfg.device)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -325,34 +389,33 @@ def update_policy(model, opt, batch: Batch, cfg, eps_high) -> dict:
     mini-batch. Returns the step's training metrics, summed over ranks."""
     model.train()
     world = distributed.world_size()
-    mini = cfg.mini_batch_prompts // world * cfg.group_size  # this rank's rows per optimizer step
-    if cfg.overlong_filtering:  # an ablation row: truncated responses stay out of the loss
-        loss_mask = batch.response_mask & ~batch.truncated[:, None]  # (N, R)
-    else:
-        loss_mask = batch.response_mask
+    mini_rows = cfg.mini_batch_prompts // world * cfg.group_size  # this rank's rows per step
+    sums = dict.fromkeys(STAT_NAMES, 0.0)
     # pi_old (Algorithm 1, line 4): with several optimizer steps per rollout the policy moves
     # between them, so the log-probs of the policy that sampled the batch are recomputed now by
     # the training model (the sampler's own differ in the last bits: its cached path sums in
     # another order). With one step, pi_old = pi_theta.detach() and this forward is skipped.
-    if len(batch) > mini:
-        batch = replace(batch, old_logp=old_logprobs(model, batch, cfg))
-    sums, grad_norms, n_tokens_total, n_updates, n_skipped, trained = {}, [], 0, 0, 0, 0
-    for start in range(0, len(batch), mini):
-        rows = slice(start, start + mini)
-        mini_batch, mini_mask = batch.rows(rows), loss_mask[rows]
+    if len(batch) > mini_rows:
+        old_logp, sums["entropy"] = old_logprobs(model, batch, cfg)
+        batch = replace(batch, old_logp=old_logp)
+    grad_norms, n_updates, n_skipped = [], 0, 0
+    for mini_batch in batch.split(mini_rows):
         # --- DAPO technique 3: the token-level loss's denominator, counted over the whole
         # mini-batch on every rank before it is split into micro-batches, so that the gradient
         # does not depend on the split (verl PR #623, TRL #5619: dividing per micro-batch) ---
+        mask = loss_mask(mini_batch, cfg)  # (B, R)
         n_tokens, n_seqs = distributed.all_reduce(
-            [mini_mask.sum().item(), mini_mask.any(-1).sum().item()], device=cfg.device)
+            [mask.sum().item(), mask.any(-1).sum().item()], device=cfg.device)
         if n_tokens == 0:
             continue
-        for micro_start in range(0, len(mini_batch), cfg.micro_batch_size):
-            micro_rows = slice(micro_start, micro_start + cfg.micro_batch_size)
-            micro = mini_batch.rows(micro_rows)
-            mask = mini_mask[micro_rows][:, :micro.response_ids.shape[1]]  # (B, R)
+        for micro in mini_batch.split(cfg.micro_batch_size):
+            mask = loss_mask(micro, cfg)  # (B, R)
             logp, entropy = response_logprobs(model, micro, cfg.temperature)  # (B, R) x 2
-            old_logp = logp.detach() if micro.old_logp is None else micro.old_logp
+            if micro.old_logp is None:  # one optimizer step: this forward is pi_old's
+                old_logp = logp.detach()
+                sums["entropy"] += (entropy.detach() * micro.response_mask).sum().item()
+            else:
+                old_logp = micro.old_logp
             if cfg.token_level_loss:
                 denom = n_tokens
             else:  # naive GRPO: each sequence's mean, then the mean over sequences
@@ -361,11 +424,9 @@ def update_policy(model, opt, batch: Batch, cfg, eps_high) -> dict:
             loss, stats = policy_loss(logp, old_logp, micro.adv, mask, cfg.eps_low, eps_high,
                                       denom, cfg.dual_clip)
             (loss * world).backward()  # FSDP averages gradients over ranks; the loss is global
-            stats["actor/entropy"] = (entropy.detach() * mask).sum()
             for k, v in stats.items():
-                sums[k] = sums.get(k, 0.0) + v.item()
-            trained += (micro.prompt_mask.sum() + micro.response_mask.sum()).item()
-        n_tokens_total += n_tokens
+                sums[k] += v.item()
+            sums["tokens"] += mask.sum().item()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         grad_norm = distributed.as_local(grad_norm)
         if torch.isfinite(grad_norm):
@@ -376,28 +437,53 @@ def update_policy(model, opt, batch: Batch, cfg, eps_high) -> dict:
             say(f"non-finite gradient norm ({grad_norm.item()}): update skipped")
         opt.zero_grad(set_to_none=True)
         grad_norms.append(grad_norm.item())
-    keys = sorted(sums)
-    totals = distributed.all_reduce([sums[k] for k in keys] + [float(trained)], device=cfg.device)
-    out = {k: v / max(n_tokens_total, 1) for k, v in zip(keys, totals)}
-    out["actor/pg_clipfrac"] = out.get("actor/pg_clipfrac_high", 0.0) + \
-        out.get("actor/pg_clipfrac_low", 0.0)
+    sums["all_tokens"] = batch.response_mask.sum().item()
+    sums["trained_tokens"] = (batch.prompt_mask.sum() + batch.response_mask.sum()).item()
+    s = dict(zip(sums, distributed.all_reduce(list(sums.values()), device=cfg.device)))
     finite = [g for g in grad_norms if math.isfinite(g)]
-    out.update({"actor/grad_norm": sum(finite) / len(finite) if finite else float("nan"),
-                "train/updates": n_updates, "train/skipped_updates": n_skipped,
-                "train/tokens": totals[-1]})
-    return out
+    tokens, all_tokens = max(s["tokens"], 1), max(s["all_tokens"], 1)
+    return {
+        # verl's names and meanings (verl/trainer/ppo/core_algos.py, dp_actor.py)
+        "actor/pg_loss": s["pg_loss"] / tokens,
+        "actor/pg_clipfrac": (s["clip_high"] + s["clip_low"]) / tokens,  # either bound binds
+        "actor/pg_clipfrac_lower": s["dual_clip"] / tokens,  # the dual clip binds
+        "actor/ppo_kl": s["kl"] / tokens,
+        "actor/entropy": s["entropy"] / all_tokens,  # of pi_old, before the update
+        "actor/grad_norm": sum(finite) / len(finite) if finite else float("nan"),
+        # this project's: each clip bound on its own, and what the paper plots in Fig. 3a, 7d
+        "dapo/clipfrac_high": s["clip_high"] / tokens, "dapo/clipfrac_low": s["clip_low"] / tokens,
+        "dapo/up_clipped_prob": s["up_clipped_prob"] / max(s["clip_high"], 1),
+        "dapo/token_prob": s["token_prob"] / tokens,
+        "train/updates": n_updates, "train/skipped_updates": n_skipped,
+        "train/tokens": s["trained_tokens"],
+    }
+
+
+STAT_NAMES = ("pg_loss", "clip_high", "clip_low", "dual_clip", "kl", "up_clipped_prob",
+              "token_prob", "entropy", "tokens")
+
+
+def loss_mask(batch: Batch, cfg):
+    """The response tokens in the loss: all of them, or (overlong filtering, an ablation row of
+    the paper's Table 1) those of the responses that were not truncated. (B, R) bool."""
+    if cfg.overlong_filtering:
+        return batch.response_mask & ~batch.truncated[:, None]
+    return batch.response_mask
 
 
 @torch.no_grad()
 def old_logprobs(model, batch: Batch, cfg):
-    """log pi_old of every response token, in micro-batches: (N, R) fp32, 0 on padding."""
+    """log pi_old of every response token, in micro-batches: (N, R) fp32, 0 on padding; and
+    the sum of pi_old's entropy over those tokens."""
     old_logp = torch.zeros(batch.response_ids.shape, device=batch.response_ids.device)
-    for start in range(0, len(batch), cfg.micro_batch_size):
-        micro = batch.rows(slice(start, start + cfg.micro_batch_size))
-        logp, _ = response_logprobs(model, micro, cfg.temperature)  # (B, R_micro)
-        rows = slice(start, start + len(micro))
-        old_logp[rows, :logp.shape[1]] = logp.float().masked_fill(~micro.response_mask, 0.0)
-    return old_logp
+    entropy_sum, start = 0.0, 0
+    for micro in batch.split(cfg.micro_batch_size):
+        logp, entropy = response_logprobs(model, micro, cfg.temperature)  # (B, R_micro) x 2
+        logp = logp.float().masked_fill(~micro.response_mask, 0.0)
+        old_logp[start:start + len(micro), :logp.shape[1]] = logp
+        entropy_sum += (entropy * micro.response_mask).sum().item()
+        start += len(micro)
+    return old_logp, entropy_sum
 
 
 # ------------------------------------------------------------------------------------------------
@@ -435,9 +521,10 @@ def train(cfg: Config):
         t0 = time.time()
         set_lr(opt, cfg, step)
         # --- Algorithm 1, lines 2-8: sample, reward, filter, until the batch is full ---
-        batch, metrics = collect_batch(model, prompt_iter, tok, cfg, generator, step)
+        batch, metrics = collect_batch(model, prompt_iter, tok, cfg, generator)
         t_gen = time.time() - t0
         if batch is not None:
+            metrics |= training_batch_metrics(batch, cfg)
             # --- Algorithm 1, line 9: group advantages (paper Eq. 9), one per response ---
             batch = replace(batch, adv=group_advantages(batch.reward, cfg.group_size))
             # --- Algorithm 1, lines 10-11: optimizer steps on the batch (Eq. 8) ---
@@ -464,9 +551,10 @@ def train(cfg: Config):
 
 
 def set_lr(opt, cfg, step):
-    """Linear warm-up over the first rollout steps, then constant (paper Sec. 4.1)."""
+    """A linear warm-up over the first rollout steps, then constant (paper Sec. 4.1), from 0 at
+    step 0 as verl's constant-with-warm-up schedule."""
     for group in opt.param_groups:
-        group["lr"] = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
+        group["lr"] = cfg.lr * min(1.0, step / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
 
 
 def eval_generator(cfg):
@@ -481,9 +569,9 @@ def log_metrics(path, metrics: dict):
 
 
 def progress_summary(m: dict) -> dict:
-    return {"reward": f"{m['critic/rewards/mean']:.2f}", "acc": f"{m['acc']:.2f}",
+    return {"acc": f"{m['rollout/acc']:.2f}", "reward": f"{m['rollout/reward/mean']:.2f}",
             "entropy": f"{m.get('actor/entropy', float('nan')):.2f}",
-            "len": f"{m['response_length/mean']:.1f}"}
+            "len": f"{m['rollout/response_length/mean']:.1f}"}
 
 
 def say(text):

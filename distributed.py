@@ -156,3 +156,14 @@ def load_local_optimizer_state(opt, sd):
 def as_local(t):
     """A DTensor (a sharded parameter's norm, say) as a plain tensor; a plain tensor as is."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def all_gather_object(obj, name: str | None = None) -> list:
+    """[rank 0's obj, rank 1's obj, ...]: any picklable object (tensors on the CPU: a CUDA tensor
+    would be unpickled on the sender's device). [obj] in one process."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * world_size()
+    with _named("all_gather_object", name, sys._getframe(1)):
+        dist.all_gather_object(out, obj)
+    return out

@@ -11,11 +11,11 @@ import json
 import os
 
 PANELS = [  # (title, [(metric, line style)])
-    ("reward", [("critic/rewards/mean", "-"), ("critic/score/mean", ":")]),
-    ("accuracy", [("val/acc", "-o"), ("acc", ":")]),
+    ("reward", [("critic/score/mean", "-"), ("rollout/reward/mean", ":")]),
+    ("accuracy", [("val/acc", "-o"), ("rollout/acc", ":")]),
     ("entropy (nats/token)", [("actor/entropy", "-")]),
-    ("response length (tokens)", [("response_length/mean", "-"), ("response_length/max", ":")]),
-    ("clip fraction", [("actor/pg_clipfrac_high", "-"), ("actor/pg_clipfrac_low", ":")]),
+    ("response length (tokens)", [("rollout/response_length/mean", "-"), ("rollout/response_length/max", ":")]),
+    ("clip fraction", [("dapo/clipfrac_high", "-"), ("dapo/clipfrac_low", ":")]),
     ("dynamic sampling", [("train/groups_kept", "-"), ("train/groups_filtered", ":")]),
 ]
 

@@ -25,3 +25,23 @@ def random_batch(vocab, n=8, group_size=4, seed=0) -> Batch:
         batch.response_ids[i, :len(r)], batch.response_mask[i, :len(r)] = r, True
         batch.old_logp[i, :len(r)] = torch.randn(len(r), generator=g) * 0.1 - 4.0
     return batch
+
+
+def scripted_rollout(model, rows, tok, cfg, *, group_size, **sampling) -> Batch:
+    """A stand-in for dapo.rollout whose responses depend on the row alone, the same in every
+    process: row k's prompt is [k + 3], and its group is all right (k % 4 == 0), all wrong
+    (k % 4 == 1) or right once (otherwise)."""
+    index = torch.tensor([row["extra_info"]["index"] for row in rows for _ in range(group_size)])
+    first = (torch.arange(len(index)) % group_size) == 0  # the first response of its group
+    acc = (index % 4 == 0) | ((index % 4 > 1) & first)
+    n = len(index)
+    return Batch(prompt_ids=(index + 3)[:, None], prompt_mask=torch.ones(n, 1, dtype=torch.bool),
+                 response_ids=torch.tensor([[7, 8, 9]] * n),
+                 response_mask=torch.ones(n, 3, dtype=torch.bool), score=acc.float() * 2 - 1,
+                 acc=acc, truncated=torch.zeros(n, dtype=torch.bool), group_size=group_size)
+
+
+def indexed_rows(n):
+    """n rows that scripted_rollout tells apart by their extra_info index."""
+    return [{"data_source": "toy_sum", "prompt": [{"role": "user", "content": f"{k}"}],
+             "reward_model": {"ground_truth": "0"}, "extra_info": {"index": k}} for k in range(n)]

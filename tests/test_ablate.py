@@ -14,10 +14,10 @@ def fake_metrics(acc, val=(0.3, 0.5), kept=2, filtered=1, group_size=4):
     """A run's metrics.jsonl rows as dapo.py logs them: an evaluation at step 0 and at the end, a rollout per step."""
     rows = [{"step": 0, "val/acc": val[0], "val/pass@4": 0.5}]
     for i, a in enumerate(acc):
-        rows.append({"step": i + 1, "acc": a, "actor/entropy": 1.0 - 0.1 * i, "response_length/mean": 20.0 + i,
-                     "actor/pg_clipfrac_high": 0.01 * i, "actor/pg_clipfrac_low": 0.02,
-                     "response_length/clip_ratio": 0.1, "train/groups_kept": kept, "train/groups_filtered": filtered,
-                     "train/frac_all_correct": 0.25, "train/frac_all_wrong": 0.125})
+        rows.append({"step": i + 1, "rollout/acc": a, "actor/entropy": 1.0 - 0.1 * i, "rollout/response_length/mean": 20.0 + i,
+                     "dapo/clipfrac_high": 0.01 * i, "dapo/clipfrac_low": 0.02,
+                     "rollout/clip_ratio": 0.1, "train/groups_kept": kept, "train/groups_filtered": filtered,
+                     "rollout/frac_all_correct": 0.25, "rollout/frac_all_wrong": 0.125})
     rows.append({"step": len(acc), "val/acc": val[1], "val/pass@4": 0.9})
     return add_derived(rows, group_size)
 
@@ -103,7 +103,7 @@ def test_report_writes_the_table_and_the_figure_and_refuses_mixed_settings(tmp_p
             os.makedirs(path)
             with open(os.path.join(path, "metrics.jsonl"), "w") as f:
                 f.writelines(json.dumps({k: v for k, v in m.items() if k not in ("responses_generated",
-                                                                                  "train/frac_no_signal")}) + "\n"
+                                                                                  "rollout/frac_no_signal")}) + "\n"
                              for m in fake_metrics([0.4, 0.5, 0.6, 0.7], val=(0.3, 0.4 + 0.1 * row / 6)))
             with open(os.path.join(path, "run.json"), "w") as f:
                 json.dump({"row": row, "seed": seed, "wall_s": 60.0, "threads": 1,

@@ -4,6 +4,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,7 +12,8 @@ import torch
 import dapo
 from batch import Batch
 from dapo import Config, group_advantages, keep_groups, policy_loss, update_policy
-from batches import random_batch
+from batches import indexed_rows, random_batch, scripted_rollout
+from data import PromptIterator
 from model import Qwen2, preset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,7 +88,7 @@ def test_clipped_tokens_get_no_gradient():
                               0.2, 0.28, 2.0)
     loss.backward()
     assert logp.grad[0, 0] == 0 and logp.grad[0, 1] == pytest.approx(-1.1 / 2)
-    assert stats["actor/pg_clipfrac_high"] == 1 and stats["actor/pg_clipfrac_low"] == 0
+    assert stats["clip_high"] == 1 and stats["clip_low"] == 0
 
 
 def test_token_level_loss_weighs_every_token_equally():
@@ -143,11 +145,14 @@ def _cfg(model_dir, out_dir, **kw):
 
 def test_three_steps_write_metrics_and_a_transformers_loadable_checkpoint(tiny_model_dir, tmp_path):
     transformers = pytest.importorskip("transformers")
-    dapo.main(_cfg(tiny_model_dir, tmp_path))
+    # a random model never writes "Answer:", so every group is all wrong: without dynamic
+    # sampling the steps still train (on zero advantages)
+    dapo.main(_cfg(tiny_model_dir, tmp_path, dynamic_sampling=False))
     lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
-    train = [l for l in lines if "acc" in l]
+    train = [l for l in lines if "rollout/acc" in l]
     assert [l["step"] for l in train] == [1, 2, 3]
-    assert {"critic/score/mean", "response_length/mean", "train/num_gen_batches", "timing/gen_s"} <= set(train[0])
+    assert {"critic/score/mean", "response_length/mean", "train/num_gen_batches", "timing/gen_s",
+            "actor/entropy", "train/updates"} <= set(train[0])
     assert [l["step"] for l in lines if "val/acc" in l] == [0, 2, 3]
     ckpt = tmp_path / "checkpoints" / "step_000003" / "model"
     hf = transformers.Qwen2ForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
@@ -168,26 +173,120 @@ def test_resume_continues_exactly(tiny_model_dir, tmp_path):
         assert torch.equal(p, q), name
 
 
-def fake_rollout(model, rows, tok, cfg, *, group_size, **sampling):
-    """Every other prompt all-correct (a useless group); the others right once in G."""
-    n = len(rows) * group_size
-    acc = torch.tensor([g % 2 == 0 or i == 0 for g in range(len(rows)) for i in range(group_size)])
-    return Batch(prompt_ids=torch.tensor([[5, 6]] * n), prompt_mask=torch.ones(n, 2, dtype=bool),
-                 response_ids=torch.tensor([[7, 8, 9]] * n),
-                 response_mask=torch.ones(n, 3, dtype=bool), score=acc.float() * 2 - 1, acc=acc,
-                 truncated=torch.zeros(n, dtype=bool), group_size=group_size)
-
-
-def test_dynamic_sampling_cap_trains_on_what_was_kept(tiny_model_dir, tmp_path, monkeypatch,
-                                                      capsys):
-    monkeypatch.setattr(dapo, "rollout", fake_rollout)
-    dapo.main(_cfg(tiny_model_dir, tmp_path, steps=1, eval_every=0, train_prompts=4, gen_prompts=2,
-                   max_gen_batches=3))
+def test_dynamic_sampling_cap_trains_whole_mini_batches_and_says_so(tiny_model_dir, tmp_path,
+                                                                     monkeypatch, capsys):
+    # rows 0-3 in a generation batch of 2 prompts: all right, all wrong, right once, right once
+    monkeypatch.setattr(dapo, "rollout", scripted_rollout)
+    monkeypatch.setattr(dapo, "toy_rows", lambda n, seed, split: indexed_rows(8))
+    dapo.main(_cfg(tiny_model_dir, tmp_path, steps=1, eval_every=0, train_prompts=4,
+                   gen_prompts=2, max_gen_batches=3, mini_batch_prompts=2))
     m = json.loads(open(tmp_path / "metrics.jsonl").readline())
-    assert m["train/num_gen_batches"] == 3 and m["train/groups_kept"] == 3
-    assert m["train/groups_filtered"] == 3
-    assert m["train/frac_all_correct"] == pytest.approx(0.5) and m["train/updates"] == 2
-    assert "max_gen_batches=3 with 3/4 informative groups" in "".join(capsys.readouterr())
+    assert m["train/num_gen_batches"] == 3 and m["train/gen_cap_hit"] == 1
+    kept = 6 - m["train/groups_filtered"]  # groups with signal among the 3 x 2 generated
+    assert m["train/groups_kept"] == kept - kept % 2 and m["train/groups_surplus"] == kept % 2
+    assert m["train/updates"] == m["train/groups_kept"] // 2  # whole mini-batches only
+    assert f"with {kept} of 4 groups with signal; training on" in "".join(capsys.readouterr())
+
+
+def test_dynamic_sampling_cap_stops_with_an_error_when_asked(monkeypatch):
+    monkeypatch.setattr(dapo, "rollout", scripted_rollout)
+    cfg = Config(train_prompts=4, gen_prompts=4, group_size=2, mini_batch_prompts=2,
+                 max_gen_batches=1, on_gen_cap="error")
+    iterator = PromptIterator([indexed_rows(4)[k] for k in (0, 1, 2, 3)], 4, seed=0)
+    with pytest.raises(RuntimeError, match="found 2 of 4 groups with signal in --max-gen-batches 1"):
+        dapo.collect_batch(torch.nn.Linear(1, 1), iterator, None, cfg, None)
+
+
+def test_filtered_counts_groups_without_signal_not_the_surplus(monkeypatch):
+    # 3 groups with signal and 1 all-correct, for a batch of 2: 1 filtered, 1 surplus
+    monkeypatch.setattr(dapo, "rollout", scripted_rollout)
+    rows = [indexed_rows(8)[k] for k in (0, 2, 3, 6)]  # all right, right once (x3)
+    cfg = Config(train_prompts=2, gen_prompts=4, group_size=2, mini_batch_prompts=2)
+    batch, m = dapo.collect_batch(torch.nn.Linear(1, 1), PromptIterator(rows, 4, 0), None, cfg,
+                                  None)
+    assert m["train/groups_filtered"] == 1 and m["train/groups_surplus"] == 1
+    assert m["train/groups_kept"] == batch.num_groups == 2
+
+
+def test_two_ranks_keep_the_groups_one_process_keeps(tmp_path, monkeypatch):
+    """From the same (scripted) generations, 2 ranks train each mini-batch on the same groups as
+    one process, although the ranks found groups with signal at different rates."""
+    import collect_worker
+    monkeypatch.setattr(dapo, "rollout", scripted_rollout)
+    one, one_metrics = collect_worker.collect()
+    torchrun_collect(tmp_path)
+    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
+    two = [sorted(a + b) for a, b in zip(ranks[0]["mini_batches"], ranks[1]["mini_batches"])]
+    assert two == [sorted(m) for m in one]
+    assert all(len(a) == 2 for r in ranks for a in r["mini_batches"])  # an even split
+    assert ranks[0]["metrics"]["train/num_gen_batches"] == one_metrics["train/num_gen_batches"]
+    # the case is not trivial: rank 0 took prompts 0, 2, 4 of each generation batch, rank 1 the
+    # others, and one of them held more than its half of the groups with signal
+    owned = {r: {g for m in one for g in m if collect_worker.position(g) % 2 == r} for r in (0, 1)}
+    assert len(owned[0]) != len(owned[1])
+
+
+def torchrun_collect(out_dir):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "tests/collect_worker.py", str(out_dir)]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def test_log_ratio_is_clamped_so_an_overflowing_ratio_keeps_the_gradient_finite():
+    # log-ratio 90: exp overflows to inf and the whole gradient would be NaN; clamped to 20 as
+    # verl does, the token is clipped (no gradient) and the other keeps its gradient -A / denom
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    loss, _ = policy_loss(logp, torch.tensor([[-91.0, -2.0]]), torch.tensor([1.0]),
+                          torch.ones(1, 2, dtype=torch.bool), 0.2, 0.28, denom=2.0)
+    loss.backward()
+    assert torch.isfinite(loss) and logp.grad.tolist() == [[0.0, -0.5]]
+
+
+def test_clip_statistics_mean_what_verl_means():
+    # tokens: up-clipped (A > 0, r = 1.5), low-clipped (A < 0, r = 0.5), dual-clipped (A < 0,
+    # r = 5 with c = 3), inside (r = 1)
+    ratio = torch.tensor([[1.5], [0.5], [5.0], [1.0]])
+    old_logp = torch.full((4, 1), math.log(0.1))
+    _, stats = policy_loss(old_logp + ratio.log(), old_logp, torch.tensor([1.0, -1.0, -1.0, 1.0]),
+                           torch.ones(4, 1, dtype=torch.bool), 0.2, 0.28, denom=4.0, dual_clip=3.0)
+    assert stats["clip_high"] == 1 and stats["clip_low"] == 1 and stats["dual_clip"] == 1
+    assert stats["up_clipped_prob"].item() == pytest.approx(0.1)  # pi_old of the up-clipped one
+    assert stats["token_prob"].item() == pytest.approx(0.4)
+
+
+def test_training_batch_score_includes_the_overlong_penalty():
+    batch = random_batch(50, n=4, group_size=2)
+    batch = replace(batch, reward=torch.tensor([1.0, -1.5, -1.0, 0.5]))  # score + penalty
+    m = dapo.training_batch_metrics(batch, Config(group_size=2))
+    assert m["critic/score/mean"] == pytest.approx(-0.25) == m["critic/rewards/mean"]
+    assert m["response_length/mean"] == batch.response_mask.sum().item() / 4
+
+
+def test_entropy_is_pi_olds_before_the_update():
+    torch.manual_seed(0)
+    model = Qwen2(preset("tiny", vocab_size=50))
+    batch = replace(random_batch(50), old_logp=None)  # as collect_batch returns it
+    with torch.no_grad():
+        _, entropy = dapo.response_logprobs(model, batch, 1.0)
+    expected = (entropy * batch.response_mask).sum() / batch.response_mask.sum()
+    for mini_batch_prompts in (1, 2):  # 2 optimizer steps (pi_old's own forward), then 1
+        torch.manual_seed(0)
+        model = Qwen2(preset("tiny", vocab_size=50))
+        m = update_policy(model, torch.optim.SGD(model.parameters(), lr=10.0), batch,
+                          Config(group_size=4, mini_batch_prompts=mini_batch_prompts), 0.28)
+        assert m["actor/entropy"] == pytest.approx(expected.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("warmup,expected", [(3, [0, 1 / 3, 2 / 3, 1, 1]), (0, [1] * 5)])
+def test_learning_rate_warms_up_from_zero(warmup, expected):
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    lrs = []
+    for step in range(5):
+        dapo.set_lr(opt, Config(lr=1.0, warmup_steps=warmup), step)
+        lrs.append(opt.param_groups[0]["lr"])
+    assert lrs == pytest.approx(expected)
 
 
 def test_eval_only_prints_avg_and_pass_at_k(tiny_model_dir, tmp_path, capsys):

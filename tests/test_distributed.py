@@ -88,8 +88,8 @@ def test_two_rank_run_resumes_exactly(tiny_model_dir, tmp_path):
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(p, q), name
     lines = [json.loads(l) for l in open(tmp_path / "resumed" / "metrics.jsonl")]
-    assert [l["step"] for l in lines if "acc" in l] == [1, 2, 3]
-    assert all(l["train/updates"] == 2 for l in lines if "acc" in l)  # both ranks trained every step
+    assert [l["step"] for l in lines if "rollout/acc" in l] == [1, 2, 3]
+    assert all(l["train/updates"] == 2 for l in lines if "rollout/acc" in l)  # both ranks trained every step
 
 
 # --- a rank that goes wrong: two plain processes (tests/dist_fail_worker.py), a few seconds each ---------------------
