@@ -24,7 +24,7 @@ $(VENV)/.extra: requirements-extra.txt $(VENV)/.runtime
 # The embedded demo: a tiny Qwen2 is warmed up on a toy task (once; cached in runs/demo-base), then trained with
 # DAPO; prints val/acc before -> after and writes runs/demo/metrics.jsonl (`python plot.py` draws it).
 run: $(VENV)/.runtime
-	$(PY) dapo.py --out-dir runs/demo
+	$(PY) dapo.py --out-dir runs/demo --overwrite
 
 # pytest exits 5 when it collects no test: that is a failure of the suite here, not a pass, so it is left as is.
 test: $(VENV)/.test

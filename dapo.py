@@ -15,14 +15,13 @@ No KL term and no reference model. Entropy is measured and logged, never added t
     python dapo.py --help           # every flag; the README has the paper's full command line
     python dapo.py --eval-only --model PATH --val-data aime-2024.parquet --eval-samples 32
 """
-import argparse
 import contextlib
 import json
 import logging
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, replace
 
 import torch
 from tqdm import tqdm
@@ -30,85 +29,14 @@ from tqdm import tqdm
 import checkpoint
 import distributed
 from batch import Batch
-from data import PromptIterator, Tokenizer, encode_prompts, load_rows, load_tokenizer
+from config import Config, check_flags, parse_args
+from data import (PromptIterator, Tokenizer, check_vocab, encode_prompts, load_rows,
+                  load_tokenizer)
 from kernels import logprobs_and_entropy
 from model import Qwen2
 from reward import overlong_penalty, score_response
 from sampler import generate
 from toy import demo_base_model, make_toy_tokenizer, toy_rows
-
-
-def _flag(default, help_text, choices=None):
-    return field(default=default, metadata={"help": help_text, "choices": choices})
-
-
-@dataclass
-class Config:
-    # what to train (the defaults are the embedded CPU demo; the README gives the paper's settings)
-    model: str = _flag("", "Hugging Face Qwen2 directory; empty: the demo's tiny model")
-    train_data: str = _flag("", "DAPO-Math-17k .parquet/.jsonl; empty: the toy task")
-    val_data: str = _flag("", "AIME-2024 .parquet/.jsonl; empty: the toy task's test split")
-    out_dir: str = _flag("runs/demo", "metrics.jsonl and checkpoints go here")
-    resume: bool = _flag(False, "continue from out_dir's latest checkpoint")
-    eval_only: bool = _flag(False, "evaluate --model on --val-data and exit")
-    seed: int = _flag(0, "seeds the model init, the data order and the sampling")
-    device: str = _flag("cuda" if torch.cuda.is_available() else "cpu", "cpu or cuda")
-    # rollout
-    steps: int = _flag(40, "rollout steps")
-    train_prompts: int = _flag(32, "prompts per rollout step (paper: 512)")
-    gen_prompts: int = _flag(48, "prompts per generation batch (paper: 1536 = 3x)")
-    group_size: int = _flag(8, "responses per prompt, G (paper: 16)")
-    max_gen_batches: int = _flag(4, "dynamic-sampling cap per step; 0 = no cap")
-    on_gen_cap: str = _flag("train", "at the cap: train on the whole mini-batches kept, or stop "
-                                     "with an error (verl)", choices=("train", "error"))
-    max_prompt_len: int = _flag(64, "prompt tokens; longer prompts lose their start")
-    max_response_len: int = _flag(40, "response tokens, L_max (paper: 20480)")
-    overlong_buffer: int = _flag(16, "soft-penalty zone before L_max, L_cache (4096)")
-    overlong_factor: float = _flag(1.0, "scale of the overlong penalty")
-    temperature: float = _flag(1.0, "rollout sampling temperature")
-    top_p: float = _flag(1.0, "rollout nucleus sampling (1 = off)")
-    top_k: int = _flag(0, "rollout top-k (0 = off)")
-    rollout_batch_size: int = _flag(512, "sequences generated at once per process: bounds the "
-                                         "KV cache's memory (0 = all)")
-    # update
-    mini_batch_prompts: int = _flag(8, "prompts per optimizer step (paper: 32)")
-    micro_batch_size: int = _flag(64, "sequences per forward/backward")
-    lr: float = _flag(3e-4, "AdamW learning rate (paper: 1e-6)")
-    weight_decay: float = _flag(0.0, "AdamW weight decay (paper: 0.1)")
-    grad_clip: float = _flag(1.0, "max grad norm")
-    warmup_steps: int = _flag(3, "linear lr warm-up from 0, in rollout steps (paper: 20)")
-    eps_low: float = _flag(0.2, "lower clip range: ratio >= 1 - eps_low")
-    eps_high: float = _flag(0.28, "upper clip range with clip-higher")
-    dual_clip: float = _flag(0.0, "dual-clip bound c for A < 0 (verl's DAPO: 10); 0 = off")
-    # the four techniques, each switchable for the paper's ablation (all off = naive GRPO)
-    clip_higher: bool = _flag(True, "technique 1: eps_high; off: symmetric eps_low")
-    dynamic_sampling: bool = _flag(True, "technique 2: keep groups with mixed accuracy")
-    token_level_loss: bool = _flag(True, "technique 3; off: mean per sequence first")
-    overlong_shaping: bool = _flag(True, "technique 4: soft overlong punishment")
-    overlong_filtering: bool = _flag(False, "mask truncated responses out of the loss")
-    # evaluation and checkpoints
-    eval_every: int = _flag(10, "evaluate every N steps (and at step 0); 0 = never")
-    eval_samples: int = _flag(4, "k of avg@k and pass@k (AIME: 32)")
-    eval_temperature: float = _flag(1.0, "evaluation temperature (AIME: 1.0)")
-    eval_top_p: float = _flag(1.0, "evaluation top-p (AIME: 0.7)")
-    eval_prompts: int = _flag(128, "held-out problems to evaluate (0 = all)")
-    save_every: int = _flag(0, "checkpoint every N steps (and at the end); 0 = end only")
-    activation_checkpointing: bool = _flag(False, "recompute block activations in the backward: "
-                                                  "less memory, ~30% more time")
-
-
-def parse_args(argv=None) -> Config:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in fields(Config):
-        help_text = f.metadata["help"].replace("%", "%%") + " (default: %(default)r)"
-        if isinstance(f.default, bool):  # --flag / --no-flag
-            kind = dict(action=argparse.BooleanOptionalAction)
-        else:
-            kind = dict(type=type(f.default), choices=f.metadata["choices"])
-        parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=help_text,
-                            **kind)
-    return Config(**vars(parser.parse_args(argv)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -432,6 +360,8 @@ def update_policy(model, opt, batch: Batch, cfg, eps_high) -> dict:
         if torch.isfinite(grad_norm):
             opt.step()
             n_updates += 1
+            # NaN weights would train on (every group then looks all-wrong) into every checkpoint
+            checkpoint.check_finite(model, "after an optimizer step")
         else:  # a NaN/inf anywhere in the gradient: skip the update, the weights stay finite
             n_skipped += 1
             say(f"non-finite gradient norm ({grad_norm.item()}): update skipped")
@@ -492,7 +422,7 @@ def old_logprobs(model, batch: Batch, cfg):
 def train(cfg: Config):
     rank = distributed.rank()
     model, tok, tok_dir, resume_dir = load_policy(cfg)
-    train_rows, val_rows = load_data(cfg)
+    train_rows, val_rows = load_data(cfg, tok)
     eps_high = cfg.eps_high if cfg.clip_higher else cfg.eps_low  # technique 1 off: PPO's clip
     if cfg.eval_only:
         result = evaluate(model, val_rows, tok, cfg, eval_generator(cfg))
@@ -508,8 +438,8 @@ def train(cfg: Config):
     if resume_dir:
         start = checkpoint.load_trainer_state(resume_dir, opt, prompt_iter, generator)
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
-    if rank == 0 and not resume_dir:
-        open(metrics_path, "w").close()  # a new run starts a new log
+    if rank == 0 and resume_dir:  # rows logged after the checkpoint was saved are logged again
+        checkpoint.trim_metrics(metrics_path, start)
     first_val = last_val = None
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="dapo",
                dynamic_ncols=True, disable=rank != 0)
@@ -538,7 +468,7 @@ def train(cfg: Config):
         bar.set_postfix(progress_summary(metrics))
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
             checkpoint.save(cfg.out_dir, step + 1, model, tok_dir, opt, prompt_iter, generator,
-                            asdict(cfg))
+                            asdict(cfg), keep_last=cfg.keep_checkpoints)
     if cfg.eval_every and start < cfg.steps:
         last_val = evaluate(model, val_rows, tok, cfg, eval_generator(cfg))
         log_metrics(metrics_path, {"step": cfg.steps, **last_val})
@@ -587,17 +517,24 @@ def load_policy(cfg) -> tuple[Qwen2, Tokenizer, str, str | None]:
     checkpoint with --resume, or the demo's base model; sharded with FSDP2 on several processes.
     Returns (model, tokenizer, the tokenizer's directory, the checkpoint to resume or None)."""
     torch.manual_seed(cfg.seed)
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    resume_dir = checkpoint.latest(cfg.out_dir) if cfg.resume else None
+    if cfg.eval_only:  # writes nothing to out_dir
+        resume_dir = checkpoint.latest(cfg.out_dir) if cfg.resume else None
+    else:  # never silently reuse a directory that holds a run
+        resume_dir = checkpoint.prepare_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite)
+    if resume_dir:  # refuse settings that would change the algorithm halfway through a run
+        checkpoint.check_resume_config(checkpoint.saved_config(resume_dir), asdict(cfg),
+                                       where=resume_dir)
     if resume_dir or cfg.model:
         tok_dir = os.path.join(resume_dir, "model") if resume_dir else cfg.model
         model = Qwen2.from_pretrained(tok_dir, dtype=torch.float32, device=cfg.device)
     else:
         tok_dir, model = build_demo_policy(cfg)
+    tok = load_tokenizer(tok_dir)
+    check_vocab(model.config.vocab_size, tok, tok_dir)
     model.activation_checkpointing = cfg.activation_checkpointing
     if distributed.world_size() > 1:  # on GPUs: bf16 compute, fp32 master weights and reductions
         distributed.shard(model, mixed_precision=cfg.device.startswith("cuda"))
-    return model, load_tokenizer(tok_dir), tok_dir, resume_dir
+    return model, tok, tok_dir, resume_dir
 
 
 def build_demo_policy(cfg) -> tuple[str, Qwen2]:
@@ -613,26 +550,31 @@ def build_demo_policy(cfg) -> tuple[str, Qwen2]:
     return tok_dir, model
 
 
-def load_data(cfg) -> tuple[list[dict], list[dict]]:
-    """Training and held-out rows: DAPO-Math-17k / AIME-2024 files, or the toy task's splits."""
+def load_data(cfg, tok) -> tuple[list[dict], list[dict]]:
+    """Training and held-out rows: DAPO-Math-17k / AIME-2024 files, or the toy task's splits.
+    Every row of a file is checked now (a reward function for it, a prompt that renders and
+    encodes), not when a step first draws it."""
     if cfg.train_data:
-        train_rows = load_rows(cfg.train_data)
+        train_rows = load_rows(cfg.train_data, tok)
     else:
         train_rows = toy_rows(20000, seed=cfg.seed, split="train")
     if cfg.val_data:
-        val_rows = load_rows(cfg.val_data)
+        val_rows = load_rows(cfg.val_data, tok)
     else:
         val_rows = toy_rows(1000, seed=cfg.seed, split="test")
+    gen_prompts = cfg.gen_prompts if cfg.dynamic_sampling else cfg.train_prompts
+    if not cfg.eval_only and len(train_rows) < gen_prompts:
+        flag = "--gen-prompts" if cfg.dynamic_sampling else "--train-prompts"
+        raise ValueError(f"{cfg.train_data}: {len(train_rows)} usable rows, fewer than {flag} "
+                         f"{gen_prompts} (the prompts of one generation batch)")
     return train_rows, val_rows[:cfg.eval_prompts or None]
 
 
 def main(cfg: Config):
-    rank, world, cfg.device = distributed.init(cfg.device)
+    check_flags(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
+    rank, world, cfg.device = distributed.init(cfg.device, timeout_s=cfg.dist_timeout)
     # data.py reports through logging: rank 0 shows it, the others only warnings
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
-    if cfg.train_prompts % world or cfg.mini_batch_prompts % world or cfg.gen_prompts % world:
-        raise ValueError(f"--train-prompts, --mini-batch-prompts and --gen-prompts must be "
-                         f"multiples of the {world} processes (each rank trains whole groups)")
     # one GPU: fp32 weights, bf16 compute by autocast (under FSDP the mixed-precision policy)
     autocast = contextlib.nullcontext()
     if cfg.device.startswith("cuda") and world == 1:
@@ -645,4 +587,4 @@ def main(cfg: Config):
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    main(parse_args(description=__doc__))

@@ -1,0 +1,125 @@
+"""
+dapo.py's settings: one dataclass, every field a command-line flag (`python dapo.py --help`).
+
+The defaults run the embedded CPU demo; each flag's help gives the paper's value where it has one,
+and the README has the paper's full command line. check_flags() refuses nonsense before anything
+is loaded, naming the flag.
+"""
+import argparse
+from dataclasses import dataclass, field, fields
+
+import torch
+
+
+def _flag(default, help_text, choices=None):
+    return field(default=default, metadata={"help": help_text, "choices": choices})
+
+
+@dataclass
+class Config:
+    # what to train (the defaults are the embedded CPU demo; the README gives the paper's settings)
+    model: str = _flag("", "Hugging Face Qwen2 directory; empty: the demo's tiny model")
+    train_data: str = _flag("", "DAPO-Math-17k .parquet/.jsonl; empty: the toy task")
+    val_data: str = _flag("", "AIME-2024 .parquet/.jsonl; empty: the toy task's test split")
+    out_dir: str = _flag("runs/demo", "metrics.jsonl and checkpoints go here")
+    resume: bool = _flag(False, "continue from out_dir's latest checkpoint")
+    eval_only: bool = _flag(False, "evaluate --model on --val-data and exit")
+    seed: int = _flag(0, "seeds the model init, the data order and the sampling")
+    device: str = _flag("cuda" if torch.cuda.is_available() else "cpu", "cpu or cuda")
+    # rollout
+    steps: int = _flag(40, "rollout steps")
+    train_prompts: int = _flag(32, "prompts per rollout step (paper: 512)")
+    gen_prompts: int = _flag(48, "prompts per generation batch (paper: 1536 = 3x)")
+    group_size: int = _flag(8, "responses per prompt, G (paper: 16)")
+    max_gen_batches: int = _flag(4, "dynamic-sampling cap per step; 0 = no cap")
+    on_gen_cap: str = _flag("train", "at the cap: train on the whole mini-batches kept, or stop "
+                                     "with an error (verl)", choices=("train", "error"))
+    max_prompt_len: int = _flag(64, "prompt tokens; longer prompts lose their start")
+    max_response_len: int = _flag(40, "response tokens, L_max (paper: 20480)")
+    overlong_buffer: int = _flag(16, "soft-penalty zone before L_max, L_cache (4096)")
+    overlong_factor: float = _flag(1.0, "scale of the overlong penalty")
+    temperature: float = _flag(1.0, "rollout sampling temperature")
+    top_p: float = _flag(1.0, "rollout nucleus sampling (1 = off)")
+    top_k: int = _flag(0, "rollout top-k (0 = off)")
+    rollout_batch_size: int = _flag(512, "sequences generated at once per process: bounds the "
+                                         "KV cache's memory (0 = all)")
+    # update
+    mini_batch_prompts: int = _flag(8, "prompts per optimizer step (paper: 32)")
+    micro_batch_size: int = _flag(64, "sequences per forward/backward")
+    lr: float = _flag(3e-4, "AdamW learning rate (paper: 1e-6)")
+    weight_decay: float = _flag(0.0, "AdamW weight decay (paper: 0.1)")
+    grad_clip: float = _flag(1.0, "max grad norm")
+    warmup_steps: int = _flag(3, "linear lr warm-up from 0, in rollout steps (paper: 20)")
+    eps_low: float = _flag(0.2, "lower clip range: ratio >= 1 - eps_low")
+    eps_high: float = _flag(0.28, "upper clip range with clip-higher")
+    dual_clip: float = _flag(0.0, "dual-clip bound c for A < 0 (verl's DAPO: 10); 0 = off")
+    # the four techniques, each switchable for the paper's ablation (all off = naive GRPO)
+    clip_higher: bool = _flag(True, "technique 1: eps_high; off: symmetric eps_low")
+    dynamic_sampling: bool = _flag(True, "technique 2: keep groups with mixed accuracy")
+    token_level_loss: bool = _flag(True, "technique 3; off: mean per sequence first")
+    overlong_shaping: bool = _flag(True, "technique 4: soft overlong punishment")
+    overlong_filtering: bool = _flag(False, "mask truncated responses out of the loss")
+    # evaluation and checkpoints
+    eval_every: int = _flag(10, "evaluate every N steps (and at step 0); 0 = never")
+    eval_samples: int = _flag(4, "k of avg@k and pass@k (AIME: 32)")
+    eval_temperature: float = _flag(1.0, "evaluation temperature (AIME: 1.0)")
+    eval_top_p: float = _flag(1.0, "evaluation top-p (AIME: 0.7)")
+    eval_prompts: int = _flag(128, "held-out problems to evaluate (0 = all)")
+    save_every: int = _flag(0, "checkpoint every N steps (and at the end); 0 = end only")
+    keep_checkpoints: int = _flag(0, "keep only the last N checkpoints; 0 = all")
+    overwrite: bool = _flag(False, "start again in an --out-dir that holds a run (deletes its "
+                                   "metrics and checkpoints)")
+    dist_timeout: float = _flag(1800.0, "seconds a rank waits for the others before failing")
+    activation_checkpointing: bool = _flag(False, "recompute block activations in the backward: "
+                                                  "less memory, ~30% more time")
+
+
+def check_flags(cfg: Config, world: int = 1):
+    """Refuse flags that make no sense before anything is loaded, naming the flag."""
+    at_least = {"steps": 0, "train_prompts": 1, "gen_prompts": 1, "group_size": 1,
+                "max_gen_batches": 0, "max_prompt_len": 1, "max_response_len": 1,
+                "top_k": 0, "rollout_batch_size": 0, "mini_batch_prompts": 1,
+                "micro_batch_size": 1, "lr": 0, "warmup_steps": 0, "eps_low": 0, "eps_high": 0,
+                "eval_every": 0, "eval_samples": 1, "eval_temperature": 0, "eval_prompts": 0,
+                "save_every": 0, "keep_checkpoints": 0, "weight_decay": 0}
+    problems = [f"--{k.replace('_', '-')} must be >= {low}, got {getattr(cfg, k)}"
+                for k, low in at_least.items() if getattr(cfg, k) < low]
+    for name, value, ok, need in [
+        ("temperature", cfg.temperature, cfg.temperature > 0,
+         "> 0 (the policy's log-probs are those of softmax(logits / T))"),
+        ("top-p", cfg.top_p, 0 < cfg.top_p <= 1, "in (0, 1]"),
+        ("eval-top-p", cfg.eval_top_p, 0 < cfg.eval_top_p <= 1, "in (0, 1]"),
+        ("eps-low", cfg.eps_low, cfg.eps_low < 1, "< 1"),
+        ("grad-clip", cfg.grad_clip, cfg.grad_clip > 0, "> 0"),
+        ("dual-clip", cfg.dual_clip, cfg.dual_clip == 0 or cfg.dual_clip > 1, "0 (off) or > 1"),
+        ("dist-timeout", cfg.dist_timeout, cfg.dist_timeout > 0, "> 0"),
+        ("overlong-buffer", cfg.overlong_buffer,
+         not cfg.overlong_shaping or 0 < cfg.overlong_buffer <= cfg.max_response_len,
+         f"in (0, --max-response-len={cfg.max_response_len}] with overlong shaping on"),
+        ("train-prompts", cfg.train_prompts, cfg.train_prompts % cfg.mini_batch_prompts == 0,
+         f"a multiple of --mini-batch-prompts={cfg.mini_batch_prompts} (whole optimizer steps)"),
+    ]:
+        if not ok:
+            problems.append(f"--{name} must be {need}, got {value}")
+    for name in ("train_prompts", "mini_batch_prompts", "gen_prompts"):
+        if getattr(cfg, name) % world:
+            problems.append(f"--{name.replace('_', '-')} must be a multiple of the {world} "
+                            f"processes (each rank trains whole groups), got {getattr(cfg, name)}")
+    if cfg.resume and cfg.overwrite:
+        problems.append("--resume continues the run in --out-dir, --overwrite deletes it: pick one")
+    if problems:
+        raise ValueError("bad flags:\n  " + "\n  ".join(problems))
+
+
+def parse_args(argv=None, description: str = "") -> Config:
+    parser = argparse.ArgumentParser(description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in fields(Config):
+        help_text = f.metadata["help"].replace("%", "%%") + " (default: %(default)r)"
+        if isinstance(f.default, bool):  # --flag / --no-flag
+            kind = dict(action=argparse.BooleanOptionalAction)
+        else:
+            kind = dict(type=type(f.default), choices=f.metadata["choices"])
+        parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=help_text,
+                            **kind)
+    return Config(**vars(parser.parse_args(argv)))

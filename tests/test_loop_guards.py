@@ -1,0 +1,91 @@
+"""dapo.py refuses what would waste or destroy a run, before loading anything: bad flags, a
+directory that holds another run, a resume that changes the algorithm; and it stops at NaN weights."""
+import json
+
+import pytest
+import torch
+
+import dapo
+from batches import random_batch
+from model import Qwen2, preset
+from test_dapo import _cfg, torch_kernel_path  # noqa: F401 (an autouse fixture)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(group_size=0), "--group-size must be >= 1, got 0"),
+    (dict(eval_samples=0), "--eval-samples must be >= 1, got 0"),
+    (dict(micro_batch_size=0), "--micro-batch-size must be >= 1, got 0"),
+    (dict(max_response_len=0), "--max-response-len must be >= 1, got 0"),
+    (dict(max_prompt_len=0), "--max-prompt-len must be >= 1, got 0"),
+    (dict(max_prompt_len=-3), "--max-prompt-len must be >= 1, got -3"),
+    (dict(overlong_buffer=50, max_response_len=40), "--overlong-buffer must be in (0, "
+                                                    "--max-response-len=40]"),
+    (dict(temperature=0.0), "--temperature must be > 0"),
+    (dict(train_prompts=5, mini_batch_prompts=2), "--train-prompts must be a multiple of "
+                                                  "--mini-batch-prompts=2"),
+    (dict(top_p=0.0), "--top-p must be in (0, 1]"),
+    (dict(resume=True, overwrite=True), "pick one"),
+])
+def test_a_bad_flag_is_named_before_anything_is_loaded(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match="bad flags") as e:
+        dapo.main(dapo.Config(out_dir=str(tmp_path / "run"), **overrides))
+    assert message in str(e.value)
+    assert not (tmp_path / "run").exists()  # nothing was created, loaded or trained
+
+
+def test_fewer_rows_than_a_generation_batch_names_the_flag(tiny_model_dir, tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({
+        "data_source": "math_dapo", "prompt": [{"role": "user", "content": f"{k} + 1?"}],
+        "reward_model": {"ground_truth": str(k + 1)}}) + "\n" for k in range(3)))
+    with pytest.raises(ValueError, match="3 usable rows, fewer than --gen-prompts 4"):
+        dapo.main(_cfg(tiny_model_dir, tmp_path / "run", train_data=str(rows)))
+
+
+def test_a_new_run_never_destroys_the_run_in_its_directory(tiny_model_dir, tmp_path):
+    dapo.main(_cfg(tiny_model_dir, tmp_path, steps=1, eval_every=0))
+    before = (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(FileExistsError, match="--resume .* or --overwrite"):
+        dapo.main(_cfg(tiny_model_dir, tmp_path, steps=1, eval_every=0, lr=1.0))
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000001"
+    dapo.main(_cfg(tiny_model_dir, tmp_path, steps=1, eval_every=0, overwrite=True))
+
+
+def test_a_resume_that_changes_the_algorithm_is_refused(tiny_model_dir, tmp_path):
+    dapo.main(_cfg(tiny_model_dir, tmp_path, steps=1, eval_every=0))
+    with pytest.raises(ValueError, match="--group-size: 4 in the checkpoint, 2 now"):
+        dapo.main(_cfg(tiny_model_dir, tmp_path, steps=2, eval_every=0, resume=True,
+                       group_size=2))
+    dapo.main(_cfg(tiny_model_dir, tmp_path, steps=2, eval_every=0, resume=True))  # --steps may
+
+
+def test_a_step_logged_but_not_saved_is_logged_once_after_the_resume(tiny_model_dir, tmp_path):
+    dapo.main(_cfg(tiny_model_dir, tmp_path, steps=2, eval_every=0, save_every=1))
+    with open(tmp_path / "metrics.jsonl", "a") as f:  # step 3 logged, then a crash before its save
+        f.write(json.dumps({"step": 3, "rollout/acc": 0.0}) + "\n")
+    dapo.main(_cfg(tiny_model_dir, tmp_path, steps=4, eval_every=0, save_every=1, resume=True))
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")]
+    assert steps == [1, 2, 3, 4]
+
+
+def test_keep_checkpoints_keeps_the_last_ones(tiny_model_dir, tmp_path):
+    dapo.main(_cfg(tiny_model_dir, tmp_path, steps=3, eval_every=0, save_every=1,
+                   keep_checkpoints=2))
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir())
+    assert kept == ["step_000002", "step_000003"]
+
+
+def test_a_nan_weight_after_an_optimizer_step_stops_the_update():
+    torch.manual_seed(0)
+    model = Qwen2(preset("tiny", vocab_size=50))
+
+    class Poisoned(torch.optim.SGD):
+        def step(self, closure=None):
+            super().step(closure)
+            with torch.no_grad():
+                model.model.layers[1].mlp.up_proj.weight[0, 0] = float("nan")
+
+    with pytest.raises(FloatingPointError, match="model.layers.1.mlp.up_proj.weight"):
+        dapo.update_policy(model, Poisoned(model.parameters(), lr=0.1), random_batch(50),
+                           dapo.Config(group_size=4), 0.28)
