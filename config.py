@@ -46,6 +46,8 @@ class Config:
     # update
     mini_batch_prompts: int = _flag(8, "prompts per optimizer step (paper: 32)")
     micro_batch_size: int = _flag(64, "sequences per forward/backward")
+    micro_batch_tokens: int = _flag(0, "instead: micro-batches of length-sorted sequences up to "
+                                       "this many padded tokens (0 = off)")
     lr: float = _flag(3e-4, "AdamW learning rate (paper: 1e-6)")
     weight_decay: float = _flag(0.0, "AdamW weight decay (paper: 0.1)")
     grad_clip: float = _flag(1.0, "max grad norm")
@@ -77,11 +79,11 @@ class Config:
 def check_flags(cfg: Config, world: int = 1):
     """Refuse flags that make no sense before anything is loaded, naming the flag."""
     at_least = {"steps": 0, "train_prompts": 1, "gen_prompts": 1, "group_size": 1,
-                "max_gen_batches": 0, "max_prompt_len": 1, "max_response_len": 1,
-                "top_k": 0, "rollout_batch_size": 0, "mini_batch_prompts": 1,
-                "micro_batch_size": 1, "lr": 0, "warmup_steps": 0, "eps_low": 0, "eps_high": 0,
-                "eval_every": 0, "eval_samples": 1, "eval_temperature": 0, "eval_prompts": 0,
-                "save_every": 0, "keep_checkpoints": 0, "weight_decay": 0}
+                "max_gen_batches": 0, "max_prompt_len": 1, "max_response_len": 1, "top_k": 0,
+                "rollout_batch_size": 0, "mini_batch_prompts": 1, "micro_batch_size": 1,
+                "micro_batch_tokens": 0, "lr": 0, "warmup_steps": 0, "eps_low": 0,
+                "eps_high": 0, "eval_every": 0, "eval_samples": 1, "eval_temperature": 0,
+                "eval_prompts": 0, "save_every": 0, "keep_checkpoints": 0, "weight_decay": 0}
     problems = [f"--{k.replace('_', '-')} must be >= {low}, got {getattr(cfg, k)}"
                 for k, low in at_least.items() if getattr(cfg, k) < low]
     for name, value, ok, need in [

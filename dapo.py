@@ -336,12 +336,13 @@ def update_policy(model, opt, batch: Batch, cfg, eps_high) -> dict:
             [mask.sum().item(), mask.any(-1).sum().item()], device=cfg.device)
         if n_tokens == 0:
             continue
-        for micro in mini_batch.split(cfg.micro_batch_size):
-            mask = loss_mask(micro, cfg)  # (B, R)
+        for rows, real in micro_batches(mini_batch, cfg):
+            micro = mini_batch.rows(rows)
+            mask = loss_mask(micro, cfg) & real  # (B, R); a stand-in micro-batch trains nothing
             logp, entropy = response_logprobs(model, micro, cfg.temperature)  # (B, R) x 2
             if micro.old_logp is None:  # one optimizer step: this forward is pi_old's
                 old_logp = logp.detach()
-                sums["entropy"] += (entropy.detach() * micro.response_mask).sum().item()
+                sums["entropy"] += (entropy.detach() * micro.response_mask * real).sum().item()
             else:
                 old_logp = micro.old_logp
             if cfg.token_level_loss:
@@ -406,14 +407,45 @@ def old_logprobs(model, batch: Batch, cfg):
     """log pi_old of every response token, in micro-batches: (N, R) fp32, 0 on padding; and
     the sum of pi_old's entropy over those tokens."""
     old_logp = torch.zeros(batch.response_ids.shape, device=batch.response_ids.device)
-    entropy_sum, start = 0.0, 0
-    for micro in batch.split(cfg.micro_batch_size):
+    entropy_sum = 0.0
+    for rows, real in micro_batches(batch, cfg):
+        micro = batch.rows(rows)
         logp, entropy = response_logprobs(model, micro, cfg.temperature)  # (B, R_micro) x 2
-        logp = logp.float().masked_fill(~micro.response_mask, 0.0)
-        old_logp[start:start + len(micro), :logp.shape[1]] = logp
-        entropy_sum += (entropy * micro.response_mask).sum().item()
-        start += len(micro)
+        if real:
+            old_logp[rows, :logp.shape[1]] = logp.float().masked_fill(~micro.response_mask, 0.0)
+            entropy_sum += (entropy * micro.response_mask).sum().item()
     return old_logp, entropy_sum
+
+
+def micro_batches(batch: Batch, cfg, pad: bool = True) -> list[tuple[torch.Tensor, bool]]:
+    """(row indices, real) of each micro-batch: --micro-batch-size rows at a time or, with
+    --micro-batch-tokens, rows sorted by length and packed while the micro-batch's padded size
+    (rows x its longest prompt + longest response) stays within the budget, so that little of
+    the forward and backward is spent on padding and memory is bounded by tokens (verl's
+    use_dynamic_bsz). A longer row goes alone. The loss's denominator is counted before the
+    split, so the split changes no gradient. Every rank makes as many as the one with the most
+    (each forward is a collective under FSDP), with stand-ins (real=False) that train nothing."""
+    if cfg.micro_batch_tokens:
+        prompt_len, response_len = batch.prompt_mask.sum(-1), batch.response_lengths  # (N,)
+        order = (prompt_len + response_len).argsort(descending=True, stable=True).tolist()
+        parts, current, widest_prompt, widest_response = [], [], 0, 0
+        for i in order:
+            p, r = max(widest_prompt, int(prompt_len[i])), max(widest_response, int(response_len[i]))
+            if current and (len(current) + 1) * (p + r) > cfg.micro_batch_tokens:
+                parts.append(current)
+                current, p, r = [], int(prompt_len[i]), int(response_len[i])
+            current.append(i)
+            widest_prompt, widest_response = p, r
+        parts.append(current)
+    else:
+        parts = [list(range(i, min(i + cfg.micro_batch_size, len(batch))))
+                 for i in range(0, len(batch), cfg.micro_batch_size)]
+    device = batch.prompt_ids.device
+    out = [(torch.tensor(rows, device=device), True) for rows in parts]
+    if not pad:
+        return out
+    most = int(distributed.all_reduce(len(out), "max", cfg.device, name="micro-batch count"))
+    return out + [(out[0][0][:1], False)] * (most - len(out))
 
 
 # ------------------------------------------------------------------------------------------------

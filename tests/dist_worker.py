@@ -2,15 +2,17 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/dist_worker.py MODEL_DIR OUT_DIR sgd|adamw
 """
+import json
 import os
 import sys
+from dataclasses import replace
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import checkpoint  # noqa: E402
 import distributed  # noqa: E402
-from dapo import Config, update_policy  # noqa: E402
+from dapo import Config, micro_batches, update_policy  # noqa: E402
 from data import PromptIterator, load_tokenizer  # noqa: E402
 from model import Qwen2  # noqa: E402
 from batch import Batch  # noqa: E402
@@ -34,7 +36,13 @@ def my_share(batch, rank, world):
 
 
 def make_optimizer(name, params):
-    return torch.optim.SGD(params, lr=1.0) if name == "sgd" else torch.optim.AdamW(params, lr=1e-3)
+    return torch.optim.SGD(params, lr=1.0) if name.startswith("sgd") else \
+        torch.optim.AdamW(params, lr=1e-3)
+
+
+def run_config(name):
+    """"...-tokens": micro-batches by token budget, which gives the ranks different numbers."""
+    return replace(CFG, micro_batch_tokens=20) if name.endswith("-tokens") else CFG
 
 
 def main(model_dir, out_dir, opt_name):
@@ -43,8 +51,12 @@ def main(model_dir, out_dir, opt_name):
     model = distributed.shard(Qwen2.from_pretrained(model_dir), mixed_precision=False)
     tok = load_tokenizer(model_dir)
     opt = make_optimizer(opt_name, model.parameters())
-    metrics = update_policy(model, opt, my_share(make_batch(tok.vocab_size), rank, world), CFG,
-                            0.28)
+    mine, cfg = my_share(make_batch(tok.vocab_size), rank, world), run_config(opt_name)
+    real = [sum(r for _, r in micro_batches(part, replace(cfg, device="cpu"), pad=False))
+            for part in mine.split(cfg.mini_batch_prompts // world * GROUP)]
+    with open(os.path.join(out_dir, f"micro_batches_rank{rank}.json"), "w") as f:
+        json.dump(real, f)  # before the stand-ins: how many each rank needed
+    metrics = update_policy(model, opt, mine, cfg, 0.28)
     with torch.no_grad():
         logits = model(PROBE)
     weights = distributed.full_state_dict(model)

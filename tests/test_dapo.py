@@ -105,21 +105,38 @@ def test_token_level_loss_weighs_every_token_equally():
 # --- the update: gradient independent of the micro-batch split ---
 
 @pytest.mark.parametrize("token_level", [True, False])
-def test_update_is_the_same_for_micro_batch_sizes_1_2_4(token_level):
+def test_update_is_the_same_for_any_micro_batch_split(token_level):
+    """1, 2 or 4 rows per micro-batch, or rows sorted by length under a budget of 1 (one row
+    each), 20 or 40 padded tokens: the same weights, because the loss's denominator is counted
+    over the mini-batch before the split."""
     results = []
-    for micro in (1, 2, 4):
+    for split in (dict(micro_batch_size=1), dict(micro_batch_size=2), dict(micro_batch_size=4),
+                  dict(micro_batch_tokens=1), dict(micro_batch_tokens=20),
+                  dict(micro_batch_tokens=40)):
         torch.manual_seed(0)
         model = Qwen2(preset("tiny", vocab_size=50))
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
-        cfg = Config(group_size=4, mini_batch_prompts=2, micro_batch_size=micro, grad_clip=1e9,
-                     token_level_loss=token_level, overlong_filtering=True)
+        cfg = Config(group_size=4, mini_batch_prompts=2, grad_clip=1e9,
+                     token_level_loss=token_level, overlong_filtering=True, **split)
         m = update_policy(model, opt, random_batch(50), cfg, eps_high=0.28)
         results.append((torch.cat([p.detach().flatten() for p in model.parameters()]), m))
     for params, m in results[1:]:
         assert (params - results[0][0]).abs().max() < 1e-6
         assert m["actor/pg_loss"] == pytest.approx(results[0][1]["actor/pg_loss"], rel=1e-5)
-    assert (results[0][0] - torch.cat([p.detach().flatten() for p in Qwen2(preset("tiny", vocab_size=50))
-                                       .parameters()])).abs().max() > 0  # the update did something
+    untrained = torch.cat([p.detach().flatten()
+                           for p in Qwen2(preset("tiny", vocab_size=50)).parameters()])
+    assert (results[0][0] - untrained).abs().max() > 0  # the update did something
+
+
+def test_micro_batches_by_tokens_pack_sorted_rows_under_the_budget():
+    batch = random_batch(50, n=8)
+    widths = batch.prompt_mask.sum(-1), batch.response_mask.sum(-1)
+    parts = dapo.micro_batches(batch, Config(micro_batch_tokens=30))
+    rows = sorted(i for part, real in parts for i in part.tolist())
+    assert rows == list(range(8)) and all(real for _, real in parts)
+    for part, _ in parts:
+        padded = len(part) * (widths[0][part].max() + widths[1][part].max())
+        assert padded <= 30 or len(part) == 1
 
 
 def test_non_finite_gradient_skips_the_update(monkeypatch):

@@ -44,7 +44,7 @@ def two_rank_step(tiny_model_dir, tmp_path_factory):
         out = tmp_path_factory.mktemp(f"two-{opt_name}")
         torchrun("tests/dist_worker.py", tiny_model_dir, str(out), opt_name)
         return out, torch.load(out / "result.pt", weights_only=True)
-    return {name: run(name) for name in ("sgd", "adamw")}
+    return {name: run(name) for name in ("sgd", "adamw", "sgd-tokens")}
 
 
 @pytest.mark.parametrize("opt_name,tol", [
@@ -53,6 +53,8 @@ def two_rank_step(tiny_model_dir, tmp_path_factory):
     # the float32 round-off of summing the same terms in another order on two ranks. Each coordinate moves by at
     # most ~lr per step, so agreement is asked to 1% of lr (lr = 1e-3)
     ("adamw", 1e-5),
+    # micro-batches by token budget on 2 ranks, against fixed-size ones in one process
+    ("sgd-tokens", 1e-6),
 ])
 def test_two_ranks_take_the_same_step_as_one(tiny_model_dir, two_rank_step, opt_name, tol):
     _, two = two_rank_step[opt_name]
@@ -64,6 +66,12 @@ def test_two_ranks_take_the_same_step_as_one(tiny_model_dir, two_rank_step, opt_
     assert worst < tol and moved > 50 * tol
     assert two["metrics"]["train/updates"] == metrics["train/updates"] == 2
     assert two["metrics"]["actor/pg_loss"] == pytest.approx(metrics["actor/pg_loss"], rel=1e-5)
+
+
+def test_ranks_needing_fewer_micro_batches_by_tokens_still_match(two_rank_step):
+    out, _ = two_rank_step["sgd-tokens"]  # ...so the stand-in micro-batches were exercised
+    counts = [json.loads((out / f"micro_batches_rank{r}.json").read_text()) for r in (0, 1)]
+    assert counts[0] != counts[1]
 
 
 def test_two_rank_checkpoint_loads_in_one_process_with_identical_logits(two_rank_step):
