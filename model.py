@@ -164,23 +164,23 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=True)
         self.o_proj = nn.Linear(self.n_head * self.head_dim, cfg.hidden_size, bias=False)  # ... and none on o
 
-    def forward(self, x, cos, sin, mask, kv_cache, cache_start):
+    def forward(self, x, cos, sin, mask, kv_cache=None, positions=None, cache_rows=None):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if kv_cache is not None:  # write this step's keys/values, attend over everything cached so far
-            k, v = kv_cache.update(self.layer_idx, cache_start, k, v)  # (B, Hkv, S, D)
+        if kv_cache is not None:  # store this step's keys/values at their positions, attend over the cached rows
+            k, v = kv_cache.update(self.layer_idx, k, v, positions, cache_rows)  # (B, Hkv, S, D)
         # GQA: each group of n_head / n_kv_head query heads shares one k/v head; enable_gqa does the sharing
         # without materialising repeated copies of k and v
         if T == 1 and kv_cache is not None:
             # one decode token: fold each group's query heads into the query-length dim, so every cached k/v head
-            # is read once per step, not once per query head (the mask is over keys only, the same for every row)
+            # is read once per step, not once per query head (the (B, 1, 1, S) mask broadcasts over the fold)
             q = q.view(B, self.n_kv_head, self.n_head // self.n_kv_head, self.head_dim)  # (B, Hkv, H/Hkv, D)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).view(B, self.n_head, 1, self.head_dim)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and kv_cache is None,
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                                enable_gqa=self.n_kv_head != self.n_head)  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
@@ -204,37 +204,48 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, kv_cache=None, cache_start=0):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, cache_start)
+    def forward(self, x, cos, sin, mask, kv_cache=None, positions=None, cache_rows=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, positions, cache_rows)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+@dataclass
 class KVCache:
-    """Preallocated keys and values for every layer: (layers, B, Hkv, max_len, D) each. Slot s of the cache holds
-    the s-th token fed to the model; with left padding, slots and RoPE positions differ, which is why forward()
-    takes both `cache_start` (a slot) and `positions`."""
+    """Preallocated keys and values, one row per sequence (the sampler's "slots"). A token's index in its row is
+    its RoPE position, so rows fill, end and refill independently: a step writes each token's keys at its own
+    position, in its own row, and reads positions [0, length) of the rows. One tensor per layer, as in gpt-fast:
+    torch.compile writes a whole tensor in place, but a slice of a bigger one as copy, write, copy back (!!)."""
+    k: list[torch.Tensor]  # per layer (B, Hkv, max_len, D)
+    v: list[torch.Tensor]  # per layer (B, Hkv, max_len, D)
+    length: int = 0  # the positions a step reads; 0 = max_len
 
-    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, dtype, device):
-        shape = (cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+    def upto(self, n: int) -> "KVCache":
+        """The same cache, read up to position n: a step whose tokens sit below n costs n, not max_len."""
+        return KVCache(self.k, self.v, n)
 
-    def update(self, layer, start, k, v):  # k, v (B, Hkv, T, D) -> all keys/values so far (B, Hkv, start+T, D)
-        end = start + k.shape[2]
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+    def update(self, layer, k, v, positions, rows=None):
+        """k, v (n, Hkv, T, D) of tokens at positions (n, T) in cache rows `rows` (n,) (None: all rows, in order)
+        -> those rows' keys and values, (n, Hkv, S, D) each, S = self.length."""
+        index = torch.arange(k.shape[0], device=k.device) if rows is None else rows  # (n,)
+        # index[:, None] and positions index dims 0 and 2 together: the indexed shape is (n, T, Hkv, D)
+        self.k[layer][index[:, None], :, positions] = k.transpose(1, 2)
+        self.v[layer][index[:, None], :, positions] = v.transpose(1, 2)
+        S = self.length or self.k[layer].shape[2]
+        if rows is None:  # every row in order (a decode step): views, no copy
+            return self.k[layer][:, :, :S], self.v[layer][:, :, :S]
+        return self.k[layer][rows, :, :S], self.v[layer][rows, :, :S]  # a prefill into some rows: a gather
 
 
-def attention_mask_4d(key_mask, T, start):
-    """key_mask (B, S) bool, True on real tokens, S = start + T -> (B, 1, T, S) bool: query slot i sees key slot j
-    iff j <= i and j is real. A padding query also sees itself, so no row is empty (an all-False row gives NaN on
-    some SDPA backends, which would then leak through 0 * NaN into any masked loss)."""
-    S = start + T
-    q_slot = torch.arange(start, S, device=key_mask.device)[:, None]  # (T, 1)
-    k_slot = torch.arange(S, device=key_mask.device)[None, :]  # (1, S)
-    mask = (k_slot <= q_slot) & key_mask[:, None, :].bool()  # (B, T, S)
-    return (mask | (k_slot == q_slot))[:, None]
+def attention_mask_4d(q_index, S, key_mask=None):
+    """q_index (B, T): the key index each query sits at (its column without a cache, its position with one);
+    key_mask (B, S) bool or None: False on padding keys -> (B, 1, T, S) bool: a query sees key j iff j <= its
+    own index and j is no padding. A padding query also sees itself, so no row is empty (an all-False row gives
+    NaN on some SDPA backends, which would then leak through 0 * NaN into any masked loss)."""
+    k_index = torch.arange(S, device=q_index.device)  # (S,)
+    mask = k_index <= q_index[..., None]  # (B, T, S)
+    if key_mask is not None:
+        mask = (mask & key_mask[:, None, :].bool()) | (k_index == q_index[..., None])
+    return mask[:, None]
 
 
 class Qwen2(nn.Module):
@@ -272,29 +283,31 @@ class Qwen2(nn.Module):
         w = self.model.embed_tokens.weight  # under autocast, keys and values come out in the autocast dtype
         on = w.device.type
         dtype = torch.get_autocast_dtype(on) if torch.is_autocast_enabled(on) else w.dtype
-        return KVCache(self.config, batch_size, max_len, dtype, w.device)
+        shape = (batch_size, self.config.num_key_value_heads, max_len, self.config.head_dim)
+        layers = range(self.config.num_hidden_layers)
+        return KVCache([torch.zeros(shape, dtype=dtype, device=w.device) for _ in layers],
+                       [torch.zeros(shape, dtype=dtype, device=w.device) for _ in layers])
 
-    def forward(self, input_ids, positions=None, attention_mask=None, kv_cache=None, cache_start=0,
-                return_hidden=False, head=None):
+    def forward(self, input_ids, positions=None, attention_mask=None, kv_cache=None, cache_rows=None, head=None):
         """
-        input_ids (B, T). positions (B, T): RoPE positions, default cache_start + arange(T); pass them for left-padded
-        batches so each sequence's first real token sits at position 0. attention_mask (B, S) bool, True on real
-        tokens, over every key the step sees (S = cache_start + T with a cache, T without). kv_cache: write this
-        step's k/v at slots [cache_start, cache_start + T) and attend to slots [0, cache_start + T).
-        Returns logits (B, T, V) in fp32... or the final hidden states (B, T, C) with return_hidden=True, or
-        head(hidden, lm_head_weight) when a head function is given: a loss that applies the output layer in chunks
-        (and, under FSDP, while the root's weights are gathered) instead of holding all (B*T, V) logits.
+        input_ids (B, T). positions (B, T): RoPE positions, default arange(T); pass them for left-padded batches so
+        each sequence's first real token sits at position 0. attention_mask (B, T) bool, True on real tokens.
+        kv_cache (a KVCache, or a view of one from kv_cache.upto(S)): write this step's keys/values at index
+        `positions` of cache rows `cache_rows` (B,) (default: rows 0..B-1), then let each query attend to the keys
+        of its row at indices <= its position (an attention_mask is then over those S keys).
+        Returns logits (B, T, V) in fp32, or head(hidden, lm_head_weight) when a head function is given: a loss that
+        applies the output layer in chunks (and, under FSDP, while the root's weights are gathered) instead of
+        holding all (B*T, V) logits, or a sampler that needs the last position only.
         """
         B, T = input_ids.shape
         if positions is None:
-            positions = torch.arange(cache_start, cache_start + T, device=input_ids.device).expand(B, T)
-        if attention_mask is not None:
-            mask = attention_mask_4d(attention_mask, T, cache_start)
-        elif kv_cache is not None and T > 1:  # a cached prefill without padding still needs causality in slot space
-            mask = attention_mask_4d(torch.ones(B, cache_start + T, dtype=torch.bool, device=input_ids.device),
-                                     T, cache_start)
+            positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        if kv_cache is not None:  # keys are cache indices, and a token's index is its position
+            mask = attention_mask_4d(positions, kv_cache.length or kv_cache.k[0].shape[2], attention_mask)
+        elif attention_mask is not None:  # keys are this call's columns
+            mask = attention_mask_4d(torch.arange(T, device=input_ids.device).expand(B, T), T, attention_mask)
         else:
-            mask = None  # full causal (is_causal) without a cache; a single decode token sees every cached slot
+            mask = None  # full causal (is_causal)
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)  # computed once, shared by all layers
         for block in self.model.layers:
@@ -302,12 +315,10 @@ class Qwen2(nn.Module):
                 # keep only each block's input; recompute its activations in the backward (memory for compute)
                 x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, mask, use_reentrant=False)
             else:
-                x = block(x, cos, sin, mask, kv_cache, cache_start)
+                x = block(x, cos, sin, mask, kv_cache, positions, cache_rows)
         x = self.model.norm(x)  # (B, T, C)
         if head is not None:
             return head(x, self.lm_head.weight)
-        if return_hidden:
-            return x
         return self.lm_head(x).float()  # (B, T, V)
 
     # ------------------------------------------------------------------------------------------------------------------

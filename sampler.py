@@ -1,25 +1,35 @@
 """
-The rollout engine: batched, KV-cached sampling from model.Qwen2, returning what RL training needs.
+The rollout engine: KV-cached sampling from model.Qwen2 with continuous batching, returning what RL training needs.
 
-DAPO spends most of its wall time here (16 responses per prompt, hundreds of prompts per step). In the spirit of
-gpt-fast's generate.py, generation is a few small functions that compose:
+DAPO spends most of its wall time here (16 responses per prompt, hundreds of prompts per step, lengths from a few
+tokens to the limit). In the spirit of gpt-fast's generate.py, generation is a few small functions that compose:
 
-    prefill()           one forward over the left-padded prompts: fills the KV cache, returns next-token logits
-    decode_one_token()  one forward of one new token per sequence against the cache
+    prefill_slots()     one forward over new prompts: writes their keys/values into free cache slots
+    decode_one_token()  one forward of one new token per slot against the cache
     filter_logits()     top-k, then top-p (nucleus) truncation
     sample()            temperature, truncation, the draw, and the log-prob of the drawn token
-    generate()          runs them: one prefill, then one decode step per new token for the whole batch
+    generate()          runs them: fills the slots, then decodes; a slot whose sequence ends takes the next one
 
-The batch layout, by KV-cache slot (P = the longest prompt):
+Continuous batching: the KV cache has B rows ("slots") of max_len positions, however many sequences there are. A
+token's index in its slot is its RoPE position, and a query sees the keys of its own slot up to its position, so
+every slot keeps its own length. Below, B = 3 and the sequences a, b, c, d, e wait in this order (lower case: prompt
+tokens, upper case: response tokens, `.`: stale keys no query can see):
 
-    slot:     0    1    2    3  |  4    5    6    7  ...
-    row 0:   pad  pad  p0   p1  |  r0   r1  EOS  pad ...     a short prompt, left-padded; a response that ended
-    row 1:   p0   p1   p2   p3  |  r0   r1   r2   r3 ...
+    position:   0  1  2  3  4  5  6
+    slot 0:     a  a  a  A  A  A               a samples an EOS: its slot is free...
+    slot 1:     b  b  B  B  B
+    slot 2:     c  c  c  c  C
 
-Left padding puts every prompt's last token in the same slot, so each decode step writes one slot for the whole
-batch. RoPE positions count real tokens only (row 0's p0 sits at position 0, its r0 at position 2), and the key mask
-hides the pads, so every row computes exactly what it would alone.
+    slot 0:     d  d  d  d  .  .               ...and d's prompt is prefilled into it while b and c decode on
+    slot 1:     b  b  B  B  B  B
+    slot 2:     c  c  c  c  C  C
+
+Rows that end in the same step are refilled with one batched prefill; copies of one prompt (the G samples of a
+group) are prefilled once and their keys copied. The cache is allocated once, B x max_len; a slot never decodes
+padding while a sequence waits, which is what lockstep batching (every row until the longest ends) wastes.
 """
+import math
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -30,29 +40,21 @@ from tqdm import tqdm
 
 @dataclass
 class Rollout:
-    """One batch of prompts and their sampled responses, row i answering prompts[i].
+    """Sampled responses, row i answering prompts[i] (whatever slot it ran in).
 
-    The trainer's full-sequence forward takes `sequences()`: prompt and response side by side, (B, P + T). The
-    logits that predict response token t sit in column P - 1 + t of that forward."""
-    prompt_ids: torch.Tensor  # (B, P) long: the prompts, left-padded with pad_token_id
-    prompt_mask: torch.Tensor  # (B, P) bool: True on real prompt tokens
-    response_ids: torch.Tensor  # (B, T) long: sampled tokens, pad_token_id after the EOS; T = lengths.max()
-    response_mask: torch.Tensor  # (B, T) bool: True on every generated token up to and including the EOS
-    logprobs: torch.Tensor  # (B, T) fp32: log-prob of each sampled token (see sample()); 0 where masked
-    lengths: torch.Tensor  # (B,) long: response tokens, EOS included (= response_mask.sum(-1))
-    truncated: torch.Tensor  # (B,) bool: cut by max_new_tokens before any EOS
-
-    def sequences(self):
-        """prompt + response as one batch -> input_ids, attention_mask, positions, each (B, P + T). The real tokens
-        of a row are contiguous (pads, prompt, response, pads), so a position is the count of real tokens before."""
-        input_ids = torch.cat([self.prompt_ids, self.response_ids], 1)  # (B, P + T)
-        attention_mask = torch.cat([self.prompt_mask, self.response_mask], 1)  # (B, P + T)
-        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, P + T)
-        return input_ids, attention_mask, positions
+    For a full-sequence forward, a row's real tokens are prompt_ids[i][prompt_mask[i]] then
+    response_ids[i, :lengths[i]]."""
+    prompt_ids: torch.Tensor  # (N, P) long: the prompts, left-padded with pad_token_id
+    prompt_mask: torch.Tensor  # (N, P) bool: True on real prompt tokens
+    response_ids: torch.Tensor  # (N, T) long: sampled tokens, pad_token_id after the EOS; T = lengths.max()
+    response_mask: torch.Tensor  # (N, T) bool: True on every generated token up to and including the EOS
+    logprobs: torch.Tensor  # (N, T) fp32: log-prob of each sampled token (see sample()); 0 where masked
+    lengths: torch.Tensor  # (N,) long: response tokens, EOS included (= response_mask.sum(-1))
+    truncated: torch.Tensor  # (N,) bool: cut by max_new_tokens before any EOS
 
 
 def left_pad(prompts: list[list[int]], pad_token_id: int, device):
-    """Token-id lists of different lengths -> ids (B, P) long left-padded with pad_token_id, mask (B, P) bool."""
+    """Token-id lists of different lengths -> ids (N, P) long left-padded with pad_token_id, mask (N, P) bool."""
     P = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), P), pad_token_id, dtype=torch.long)
     mask = torch.zeros(len(prompts), P, dtype=torch.bool)
@@ -63,23 +65,43 @@ def left_pad(prompts: list[list[int]], pad_token_id: int, device):
 
 
 def last_token_logits(hidden, lm_head_weight):
-    """The model's `head`: project only the last slot, the one that predicts the next token. Applying the output
-    layer to all P prompt slots would cost P times more than the rest of a decode step at a large vocab."""
-    return F.linear(hidden[:, -1], lm_head_weight).float()  # (B, V)
+    """The decode step's `head`: the output layer on the one new position -> (B, V) fp32."""
+    return F.linear(hidden[:, -1], lm_head_weight).float()
 
 
-def prefill(model, prompt_ids, prompt_mask, kv_cache):
-    """Run the left-padded prompts (B, P) through the model, writing cache slots [0, P) -> next-token logits (B, V)."""
-    positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, P): each prompt's first real token at 0
-    return model(prompt_ids, positions=positions, attention_mask=prompt_mask, kv_cache=kv_cache, cache_start=0,
-                 head=last_token_logits)
+def prefill_slots(model, prompts: list[list[int]], slots: list[int], kv_cache):
+    """Write the keys/values of prompts (n token lists) into cache rows `slots` at positions [0, len) and return
+    each prompt's next-token logits (n, V). Copies of one prompt share one forward (its keys are copied)."""
+    device = kv_cache.k[0].device
+    first = {}  # prompt -> index of its first copy in `prompts`
+    source = [first.setdefault(tuple(p), i) for i, p in enumerate(prompts)]  # (n,): the copy each one reuses
+    unique = list(first.values())  # (u,)
+    P = max(len(prompts[i]) for i in unique)
+    # right-padded: every prompt starts at position 0 of its slot, and the causal rule (a key at most at the
+    # query's position) keeps the pads at the end out of every real token's view
+    ids = torch.zeros(len(unique), P, dtype=torch.long)  # (u, P)
+    for row, i in enumerate(unique):
+        ids[row, :len(prompts[i])] = torch.tensor(prompts[i])
+    last = torch.tensor([len(prompts[i]) - 1 for i in unique], device=device)  # (u,): each prompt's last token
+
+    def head(hidden, w):  # the output layer on each prompt's last real token only
+        return F.linear(hidden[torch.arange(len(unique), device=device), last], w).float()  # (u, V)
+
+    slots_t = torch.tensor(slots, device=device)  # (n,)
+    logits = model(ids.to(device), kv_cache=kv_cache.upto(P), cache_rows=slots_t[unique], head=head)  # (u, V)
+    copies = [i for i in range(len(prompts)) if source[i] != i]
+    if copies:  # the other samples of a group: the same keys and values, copied into their own slots
+        dst, src = slots_t[copies], slots_t[[source[i] for i in copies]]
+        for cache in kv_cache.k + kv_cache.v:  # one (B, Hkv, max_len, D) tensor per layer
+            cache[dst, :, :P] = cache[src, :, :P]
+    row_of = {i: row for row, i in enumerate(unique)}
+    return logits[[row_of[source[i]] for i in range(len(prompts))]]  # (n, V)
 
 
-def decode_one_token(model, token, positions, key_mask, kv_cache, slot):
-    """token (B,) at RoPE positions (B,), written to cache slot `slot`; key_mask (B, slot + 1) marks the real keys
-    -> next-token logits (B, V)."""
-    return model(token[:, None], positions=positions[:, None], attention_mask=key_mask, kv_cache=kv_cache,
-                 cache_start=slot, head=last_token_logits)
+def decode_one_token(model, tokens, positions, kv_cache):
+    """tokens (B,), one per slot, at positions (B,) -> next-token logits (B, V). kv_cache: the positions every
+    slot may read this step (a view, kv_cache.upto(S)); each slot attends to its own keys up to its position."""
+    return model(tokens[:, None], positions=positions[:, None], kv_cache=kv_cache, head=last_token_logits)
 
 
 def filter_logits(logits, top_k: int = 0, top_p: float = 1.0):
@@ -112,43 +134,99 @@ def sample(logits, temperature: float, top_k: int, top_p: float, generator=None)
     else:
         scaled = logits / temperature  # (B, V)
         probs = filter_logits(scaled, top_k, top_p).softmax(-1)  # (B, V)
-        # draw from probs as argmax(probs / q), q ~ Exp(1) (the exponential race, gpt-fast's no-sync multinomial)
-        q = torch.empty_like(probs).exponential_(1, generator=generator)
-        token = (probs / q).argmax(-1)  # (B,)
+        # invert the CDF with one uniform per row: V draws per row (torch.multinomial, the exponential race) cost
+        # 15 ns each on a CPU core, more than the rest of a decode step at a large vocab. In float64, so that no
+        # token's share of the mass is rounded away; u in (0, total] never lands on a token of zero probability.
+        cdf = probs.double().cumsum(-1)  # (B, V)
+        u = 1 - torch.rand(len(cdf), 1, dtype=torch.float64, device=cdf.device, generator=generator)  # (B, 1)
+        token = torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(-1)  # (B,): first token whose cdf reaches u
     logp = scaled.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)  # (B,); one pass, unlike logsumexp's four
     return token, logp
 
 
-def all_ranks_done(done) -> bool:
-    """True once every sequence on every rank has finished. Under torch.distributed the all-reduce keeps ranks in
-    lockstep: each forward is a collective under FSDP, so no rank may stop while another still decodes."""
+def agree_across_ranks(working: bool, refilling: bool) -> tuple[bool, bool]:
+    """(does any rank still have sequences, does any rank refill a slot this step). Under torch.distributed each
+    forward is a collective (FSDP), so every rank runs the same forwards: a rank with nothing left decodes dummy
+    rows, and joins another rank's prefill with a dummy one, until all are done."""
     if not (dist.is_available() and dist.is_initialized()):
-        return bool(done.all())
-    running = (~done).any().to(torch.int32)  # () 1 while this rank has an unfinished sequence
-    dist.all_reduce(running, op=dist.ReduceOp.MAX)  # 1 while any rank has one
-    return not running.item()
+        return working, refilling
+    flags = torch.tensor([working, refilling], dtype=torch.int32)
+    if dist.get_backend() == "nccl":
+        flags = flags.cuda()
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return bool(flags[0]), bool(flags[1])
+
+
+class CUDAGraphDecode:
+    """The compiled decode step replayed as CUDA graphs, one per length bucket (powers of two): a step is one launch
+    instead of a few hundred kernels. torch.compile's mode="reduce-overhead" records graphs too, but for a cache at
+    one fixed address for the whole run (gpt-fast keeps it as a model buffer); ours is allocated per call and freed
+    for training, so the graphs are recorded here, for this call's cache."""
+
+    def __init__(self, step, B, max_len, device):
+        self.step, self.max_len = step, max_len
+        self.tokens = torch.zeros(B, dtype=torch.long, device=device)  # the static inputs the graphs read
+        self.positions = torch.zeros(B, dtype=torch.long, device=device)
+        self.graphs, self.pool = {}, torch.cuda.graph_pool_handle()  # bucket -> (graph, its logits output)
+
+    def __call__(self, model, tokens, positions, kv_cache):
+        S = min(self.max_len, max(64, 2 ** math.ceil(math.log2(kv_cache.length))))  # round the keys up
+        self.tokens.copy_(tokens)
+        self.positions.copy_(positions)
+        if S not in self.graphs:
+            view = kv_cache.upto(S)  # the recorded graph reads and writes this call's cache, at these addresses
+            side = torch.cuda.Stream()  # warm up (compile, allocate) outside the capture, as CUDA graphs need
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.step(model, self.tokens, self.positions, view)  # rewrites this step's keys: harmless
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = self.step(model, self.tokens, self.positions, view)  # (B, V)
+            self.graphs[S] = graph, logits
+        graph, logits = self.graphs[S]
+        graph.replay()
+        return logits.clone()  # the next replay overwrites the graph's output
+
+
+_compiled_decode = None  # compiled once per process: torch.compile caches per function, guards on shapes
+
+
+def compiled_decode_step(B, max_len, device):
+    """decode_one_token compiled once for every batch size and length (dynamic shapes); on CUDA, recorded as
+    CUDA graphs for this call's cache."""
+    global _compiled_decode
+    if _compiled_decode is None:
+        _compiled_decode = torch.compile(decode_one_token, dynamic=True, fullgraph=True)
+    if device.type == "cuda":
+        return CUDAGraphDecode(_compiled_decode, B, max_len, device)
+    return _compiled_decode
 
 
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
              top_k: int = 0, eos_token_ids=None, pad_token_id: int = 0, generator: torch.Generator | None = None,
-             progress: bool = False) -> Rollout:
-    """Sample one response per prompt (repeat a prompt G times in `prompts` for a group).
+             progress: bool = False, slots: int | None = None, compile: bool = False) -> Rollout:
+    """Sample one response per prompt (repeat a prompt G times in `prompts` for a group), any number of prompts.
 
     prompts: token-id lists of any (non-zero) lengths. max_new_tokens: the cap on response tokens, EOS included.
     temperature 0 is greedy. top_k=0 and top_p=1.0 turn truncation off. eos_token_ids: an id or a list of ids that
     end a response (a Qwen chat model: <|im_end|> and <|endoftext|>); None takes the model config's eos_token_id,
     an empty list never stops early. generator: a torch.Generator on the model's device, for reproducible samples.
-    progress: a tqdm bar over decode steps (under torch.distributed, pass it on one rank only).
+    progress: a tqdm bar over finished sequences (under torch.distributed, pass it on one rank only).
+    slots: how many sequences decode at once, the rows of the KV cache (slots x (longest prompt + max_new_tokens));
+    default one per prompt. Fewer slots than prompts bound the memory; a slot whose sequence ends takes the next.
+    compile: decode with a torch.compile'd step (CUDA graphs on a GPU); the first call compiles (seconds to
+    minutes), later calls in the process reuse it.
 
-    Under torch.distributed every rank must call this with the same max_new_tokens: ranks then run the same number
-    of forward calls, a finished rank decoding padding until all are done. T of the result is this rank's longest
-    response, so it can differ between ranks."""
+    Under torch.distributed every rank must call this with the same max_new_tokens and compile flag, any number of
+    prompts: ranks then run the same forward calls until the last rank is done. T of the result is this rank's
+    longest response, so it can differ between ranks."""
     if not prompts or min(len(p) for p in prompts) == 0:
         raise ValueError("generate needs at least one prompt, and no empty prompt")
-    if max_new_tokens < 1 or temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+    if max_new_tokens < 1 or temperature < 0 or top_k < 0 or not 0 < top_p <= 1 or (slots is not None and slots < 1):
         raise ValueError(f"bad sampling settings: max_new_tokens={max_new_tokens} (>= 1), temperature={temperature} "
-                         f"(>= 0), top_k={top_k} (>= 0), top_p={top_p} (in (0, 1])")
+                         f"(>= 0), top_k={top_k} (>= 0), top_p={top_p} (in (0, 1]), slots={slots} (>= 1)")
     if eos_token_ids is None:
         eos_token_ids = model.config.eos_token_id
     eos_token_ids = [] if eos_token_ids is None else [eos_token_ids] if isinstance(eos_token_ids, int) \
@@ -157,40 +235,67 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: 
     model.eval()  # no dropout in Qwen2, but generation is inference: say so
     device = model.model.embed_tokens.weight.device
 
-    prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, device)  # (B, P)
-    B, P = prompt_ids.shape
-    kv_cache = model.new_kv_cache(B, P + max_new_tokens)
-    key_mask = torch.ones(B, P + max_new_tokens, dtype=torch.bool, device=device)  # cache slots that hold real tokens
-    key_mask[:, :P] = prompt_mask  # response slots are all real (a finished row sees its pads; its output is unused)
-    prompt_lengths = prompt_mask.sum(-1)  # (B,): the RoPE position of the first response token
+    N = len(prompts)
+    B = slots or N
+    max_len = max(len(p) for p in prompts) + max_new_tokens
+    kv_cache = model.new_kv_cache(B, max_len)  # the one big allocation: B rows, however many prompts
+    decode = compiled_decode_step(B, max_len, device) if compile else decode_one_token
     eos = torch.tensor(eos_token_ids, dtype=torch.long, device=device)
+    # per sequence, written as tokens come; row N is scratch for the slots that hold no sequence
+    response_ids = torch.full((N + 1, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros(N + 1, max_new_tokens, dtype=torch.float32, device=device)
+    lengths, truncated = [0] * N, [False] * N
+    # per slot, on the host: the sequence it holds (N: none), its next position, its response tokens so far
+    holds, position, n_new = [N] * B, [0] * B, [0] * B
+    waiting = deque(range(N))
+    logits = torch.zeros(B, model.config.vocab_size, device=device)  # (B, V): each slot's next-token logits
 
-    response_ids = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
-    logprobs = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device)
-    lengths = torch.zeros(B, dtype=torch.long, device=device)
-    done = torch.zeros(B, dtype=torch.bool, device=device)  # (B,) True once a row has emitted an EOS
-    # asking "all done?" reads a device value back to the host: free on CPU, a pipeline stall per token on a GPU
-    check_every = 1 if device.type == "cpu" else 8
+    def refill():  # prefill waiting sequences into the free slots, all in one forward
+        free = [s for s in range(B) if holds[s] == N][:len(waiting)]
+        for s in free:
+            holds[s] = waiting.popleft()
+            position[s], n_new[s] = len(prompts[holds[s]]), 0
+        logits[free] = prefill_slots(model, [prompts[holds[s]] for s in free], free, kv_cache)
 
-    bar = tqdm(total=max_new_tokens, desc="generate", unit="tok", disable=not progress)
+    bar = tqdm(total=N, desc="generate", unit="seq", disable=not progress)
     try:
-        logits = prefill(model, prompt_ids, prompt_mask, kv_cache)  # (B, V)
-        for t in range(max_new_tokens):
+        refill()  # every rank has at least one prompt, so this first forward is on every rank
+        while True:
             token, logp = sample(logits, temperature, top_k, top_p, generator)  # (B,), (B,)
-            response_ids[:, t] = token.masked_fill(done, pad_token_id)  # a finished row keeps emitting padding
-            logprobs[:, t] = logp.masked_fill(done, 0.0)
-            lengths += ~done
-            done |= torch.isin(token, eos)
-            bar.update(1)
-            if t == max_new_tokens - 1 or ((t + 1) % check_every == 0 and all_ranks_done(done)):
+            response_ids[holds, n_new] = token  # free slots write their draws to the scratch row
+            logprobs[holds, n_new] = logp
+            ended = torch.isin(token, eos).tolist()  # the host learns which rows ended: one sync per step
+            for s in range(B):
+                if holds[s] == N:
+                    continue
+                n_new[s] += 1
+                if ended[s] or n_new[s] == max_new_tokens:
+                    lengths[holds[s]], truncated[holds[s]] = n_new[s], not ended[s]
+                    holds[s], n_new[s] = N, 0
+                    bar.update(1)
+            working, refilling = agree_across_ranks(bool(waiting) or any(h < N for h in holds),
+                                                    bool(waiting) and N in holds)
+            if not working:
                 break
-            logits = decode_one_token(model, response_ids[:, t], prompt_lengths + t, key_mask[:, :P + t + 1],
-                                      kv_cache, slot=P + t)
+            # every slot decodes, so the step's shapes never change; a free slot feeds its draw at position 0,
+            # which its next prefill overwrites
+            positions = [position[s] if holds[s] < N else 0 for s in range(B)]
+            S = max(positions) + 1  # the keys this step reads: up to the furthest slot
+            logits = decode(model, token, torch.tensor(positions, device=device), kv_cache.upto(S))  # (B, V)
+            for s in range(B):
+                position[s] += holds[s] < N
+            if waiting and N in holds:
+                refill()
+            elif refilling:  # another rank prefills: the same number of forwards here, on a dummy token
+                model(torch.zeros(1, 1, dtype=torch.long, device=device), head=last_token_logits)
     finally:
         bar.close()
         model.train(was_training)
 
-    T = int(lengths.max())  # drop the all-padding columns decoded after the last row finished
-    response_mask = torch.arange(T, device=device) < lengths[:, None]  # (B, T)
-    return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids[:, :T],
-                   response_mask=response_mask, logprobs=logprobs[:, :T], lengths=lengths, truncated=~done)
+    prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, device)  # (N, P)
+    lengths_t = torch.tensor(lengths, device=device)  # (N,)
+    T = max(lengths)  # drop the columns no sequence reached
+    response_mask = torch.arange(T, device=device) < lengths_t[:, None]  # (N, T)
+    return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids[:N, :T],
+                   response_mask=response_mask, logprobs=logprobs[:N, :T], lengths=lengths_t,
+                   truncated=torch.tensor(truncated, device=device))

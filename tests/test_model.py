@@ -78,9 +78,9 @@ def test_cached_decode_matches_full_forward(tmp_path):
     with torch.no_grad():
         full = ours(x)
         cache = ours.new_kv_cache(2, 32)
-        steps = [ours(x[:, :8], kv_cache=cache, cache_start=0)]  # prefill 8, then one token at a time
+        steps = [ours(x[:, :8], kv_cache=cache.upto(8))]  # prefill 8, then one token at a time
         for t in range(8, 20):
-            steps.append(ours(x[:, t:t + 1], kv_cache=cache, cache_start=t))
+            steps.append(ours(x[:, t:t + 1], positions=torch.full((2, 1), t), kv_cache=cache.upto(t + 1)))
     assert (torch.cat(steps, 1) - full).abs().max() < TOL
 
 
@@ -89,7 +89,7 @@ def test_hidden_and_head_paths_give_the_logits(tmp_path):
     x = torch.randint(0, 300, (2, 10))
     with torch.no_grad():
         logits = ours(x)
-        hidden = ours(x, return_hidden=True)
+        hidden = ours(x, head=lambda h, w: h)  # a head that leaves the final hidden states as they are
         via_head = ours(x, head=lambda h, w: h @ w.T)
     assert hidden.shape == (2, 10, 64)
     assert (ours.lm_head(hidden) - logits).abs().max() < TOL

@@ -1,4 +1,5 @@
-"""sampler.py on a tiny random Qwen2: cached decoding against full forwards, log-probs, EOS, truncation, lockstep."""
+"""sampler.py on a tiny random Qwen2: cached decoding against full forwards and transformers, log-probs, EOS,
+truncation, continuous batching over fewer slots than sequences, distributed lockstep."""
 import math
 import os
 import socket
@@ -10,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from model import Qwen2, preset
-from sampler import filter_logits, generate
+from sampler import filter_logits, generate, sample
 
 TOL = 1e-5  # fp32: cached decoding and a full forward add the same numbers in a slightly different order
 VOCAB = 97
@@ -112,7 +113,12 @@ def test_rows_are_filtered_independently():
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# generate
+# generate: one batch of slots
+
+def full_sequences(r):
+    """prompt + response of each row, left-padded as one batch -> input_ids, attention_mask (N, P + T)."""
+    return torch.cat([r.prompt_ids, r.response_ids], 1), torch.cat([r.prompt_mask, r.response_mask], 1)
+
 
 def test_greedy_cached_decoding_matches_a_full_forward_at_every_step():
     model = tiny_model()
@@ -127,30 +133,17 @@ def test_greedy_cached_decoding_matches_a_full_forward_at_every_step():
     assert len(set(r.response_ids[:, 0].tolist())) > 1  # the prompts really lead to different continuations
 
 
-def test_greedy_batch_matches_each_prompt_decoded_alone_while_rows_finish_early():
-    model = tiny_model()
-    free = generate(model, PROMPTS, max_new_tokens=10, temperature=0, eos_token_ids=[])
-    eos = free.response_ids[0, 2].item()  # row 0 stops at its 3rd token at the latest, some other rows go on
-    r = generate(model, PROMPTS, max_new_tokens=10, temperature=0, eos_token_ids=[eos])
-    assert r.lengths.min() <= 3 and r.lengths.max() == 10
-    for i, p in enumerate(PROMPTS):
-        alone = generate(model, [p], max_new_tokens=10, temperature=0, eos_token_ids=[eos])
-        n = alone.lengths.item()
-        assert r.lengths[i] == n
-        assert torch.equal(r.response_ids[i, :n], alone.response_ids[0, :n])
-        assert (r.logprobs[i, :n] - alone.logprobs[0, :n]).abs().max() < TOL
-
-
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_are_those_of_a_full_forward_at_the_temperature_before_truncation(temperature):
-    model = tiny_model()
-    r = generate(model, PROMPTS * 2, max_new_tokens=16, temperature=temperature, top_k=20, top_p=0.9,
-                 eos_token_ids=[3], generator=torch.Generator().manual_seed(0))
-    input_ids, attention_mask, _ = r.sequences()
+    model = tiny_model(head_scale=4.0)  # broad enough that EOS ids come up
+    r = generate(model, PROMPTS * 3, max_new_tokens=16, temperature=temperature, top_k=20, top_p=0.9,
+                 eos_token_ids=[3, 9, 11], generator=torch.Generator().manual_seed(0), slots=5)
+    input_ids, attention_mask = full_sequences(r)
     P, T = r.prompt_ids.shape[1], r.response_ids.shape[1]
     logits = full_forward(model, input_ids, attention_mask)[:, P - 1:P - 1 + T]  # the columns predicting responses
-    ref = torch.log_softmax(logits / temperature, -1).gather(-1, r.response_ids[..., None]).squeeze(-1)  # (B, T)
+    ref = torch.log_softmax(logits / temperature, -1).gather(-1, r.response_ids[..., None]).squeeze(-1)  # (N, T)
     m = r.response_mask
+    assert r.lengths.min() < r.lengths.max()  # rows ended at different steps, so slots were refilled mid-way
     assert (r.logprobs[m] - ref[m]).abs().max() < TOL
     assert (r.logprobs[~m] == 0).all()
 
@@ -158,7 +151,7 @@ def test_logprobs_are_those_of_a_full_forward_at_the_temperature_before_truncati
 def test_greedy_logprobs_are_log_softmax_of_the_raw_logits():
     model = tiny_model()
     r = generate(model, PROMPTS, max_new_tokens=6, temperature=0, eos_token_ids=[])
-    input_ids, attention_mask, _ = r.sequences()
+    input_ids, attention_mask = full_sequences(r)
     P = r.prompt_ids.shape[1]
     logits = full_forward(model, input_ids, attention_mask)[:, P - 1:P - 1 + 6]
     ref = torch.log_softmax(logits, -1).gather(-1, r.response_ids[..., None]).squeeze(-1)
@@ -170,7 +163,7 @@ def test_eos_ends_a_response_and_sets_mask_lengths_and_truncated(pad):
     model = tiny_model(vocab=32, head_scale=1.0)  # near-uniform: each EOS id about 1/32 per token
     eos_ids, max_new = [5, 9], 24
     r = generate(model, [[1, 2, 3]] * 12 + [[4] * 7] * 12, max_new_tokens=max_new, eos_token_ids=eos_ids,
-                 pad_token_id=pad, generator=torch.Generator().manual_seed(0))
+                 pad_token_id=pad, generator=torch.Generator().manual_seed(0), slots=7)
     B, T = r.response_ids.shape
     assert T == r.lengths.max() <= max_new
     assert r.truncated.any() and not r.truncated.all()  # this seed exercises both ends of a response
@@ -226,6 +219,15 @@ def test_sampling_follows_the_truncated_distribution():
     assert abs(freq - p2[0].item()) < 4 * math.sqrt(p2[0] * p2[1] / 400)  # 4 binomial standard deviations
 
 
+def test_sampling_never_draws_a_token_of_zero_probability():
+    logits = torch.full((2000, 6), float("-inf"))
+    logits[:, 2] = 0.0  # every row: all the mass on token 2, the tokens before and after it impossible
+    logits[1::2, 4] = 0.0  # odd rows: tokens 2 and 4, half each
+    token, _ = sample(logits, 1.0, 0, 1.0, torch.Generator().manual_seed(0))
+    assert (token[0::2] == 2).all()
+    assert set(token[1::2].tolist()) == {2, 4}
+
+
 def test_progress_bar_changes_nothing_and_training_mode_is_restored(capsys):
     model = tiny_model().train()
     kw = dict(max_new_tokens=5, eos_token_ids=[])
@@ -242,27 +244,141 @@ def test_empty_prompt_is_refused():
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# distributed lockstep: two gloo ranks, one done after its first token, the other never
+# continuous batching: more sequences than slots
 
-def _lockstep_worker(rank, world_size, init_method, out_dir):
+RAGGED = [[5, 17, 3], [8, 2, 44, 61, 9, 23, 30, 71, 1], [60], [12, 12, 40, 88, 7], [90, 4], [33] * 11, [1, 2, 3, 4]]
+
+
+@pytest.fixture(scope="module")
+def hf_and_ours(tmp_path_factory):
+    """The same random weights in transformers' Qwen2ForCausalLM and ours, with an EOS id that greedy decoding
+    reaches early in some rows and never in others, and transformers' greedy generation of each prompt alone."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, rope_theta=1e6,
+                                   tie_word_embeddings=False, max_position_embeddings=512)
+    hf = transformers.Qwen2ForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # random biases and norms; a sharp head keeps greedy argmaxes far from float ties
+        for name, p in hf.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+        hf.lm_head.weight.mul_(20.0)
+    d = tmp_path_factory.mktemp("hf")
+    hf.save_pretrained(d)
+    ours = Qwen2.from_pretrained(str(d), dtype=torch.float32).eval()
+    eos = generate(ours, RAGGED[:1], max_new_tokens=3, temperature=0, eos_token_ids=[]).response_ids[0, 2].item()
+    alone = []
+    with torch.no_grad():
+        for p in RAGGED:
+            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=0)
+            alone.append(out[0, len(p):].tolist())
+    return ours, eos, alone
+
+
+@pytest.mark.parametrize("slots,compile", [(1, False), (3, False), (None, False), (1, True), (3, True)])
+def test_greedy_rows_equal_transformers_generate_on_each_prompt_alone(hf_and_ours, slots, compile):
+    ours, eos, alone = hf_and_ours
+    r = generate(ours, RAGGED, max_new_tokens=12, temperature=0, eos_token_ids=[eos], slots=slots,
+                 compile=compile)
+    assert min(len(a) for a in alone) < 12 == max(len(a) for a in alone)  # some rows end early, some never
+    for i, expected in enumerate(alone):
+        assert r.response_ids[i, :r.lengths[i]].tolist() == expected
+        assert bool(r.truncated[i]) == (expected[-1] != eos)
+
+
+def test_kv_cache_is_allocated_once_for_the_slots_whatever_the_number_of_sequences():
+    model = tiny_model()
+    shapes = []
+    new_kv_cache = model.new_kv_cache
+    model.new_kv_cache = lambda B, max_len: shapes.append((B, max_len)) or new_kv_cache(B, max_len)
+    prompts = PROMPTS * 6  # 24 sequences, the longest prompt 9 tokens
+    r = generate(model, prompts, max_new_tokens=5, eos_token_ids=[3], slots=4,
+                 generator=torch.Generator().manual_seed(0))
+    assert shapes == [(4, 9 + 5)]
+    assert r.response_ids.shape[0] == len(prompts)
+
+
+def test_copies_of_a_prompt_share_one_prefill():
+    model = tiny_model()
+    rows_per_forward = []
+    model.register_forward_pre_hook(lambda m, args: rows_per_forward.append(args[0].shape))
+    r = generate(model, [PROMPTS[0]] * 3 + [PROMPTS[1]] * 3, max_new_tokens=4, temperature=0, eos_token_ids=[])
+    assert rows_per_forward[0] == (2, len(PROMPTS[1]))  # two distinct prompts, one row each
+    alone = generate(model, [PROMPTS[0], PROMPTS[1]], max_new_tokens=4, temperature=0, eos_token_ids=[])
+    assert torch.equal(r.response_ids, alone.response_ids[[0, 0, 0, 1, 1, 1]])  # the copied keys are the keys
+
+
+def test_draws_do_not_depend_on_the_slot():
+    """1400 copies of one prompt, 2 tokens each, in 7 slots: every sequence lasts exactly 2 steps, so sequence i
+    runs in slot i % 7. With top_k=2 each sequence is one of 4 token pairs. Pearson's chi-square test of the
+    7 x 4 table of counts against the exact pair probabilities (from full forwards): 7 * 3 = 21 degrees of
+    freedom, rejected above 46.8 (p = 0.001). A slot that read stale keys, or a refill that lost a prompt's keys,
+    shifts its pairs' frequencies."""
+    model = tiny_model(head_scale=2.0)  # flat enough that all four pairs are common
+    prompt, n, slots = [7, 8], 1400, 7
+    r = generate(model, [prompt] * n, max_new_tokens=2, top_k=2, eos_token_ids=[], slots=slots,
+                 generator=torch.Generator().manual_seed(0))
+    first = filter_logits(full_forward(model, torch.tensor([prompt]), torch.ones(1, 2, dtype=torch.bool))[0, -1],
+                          top_k=2).softmax(-1)  # (V,)
+    pairs, probs = [], []
+    for a in first.nonzero().flatten().tolist():
+        ids = torch.tensor([prompt + [a]])
+        second = filter_logits(full_forward(model, ids, torch.ones(1, 3, dtype=torch.bool))[0, -1], top_k=2)
+        for b, p_b in enumerate(second.softmax(-1).tolist()):
+            if p_b > 0:
+                pairs.append((a, b))
+                probs.append(first[a].item() * p_b)
+    assert len(pairs) == 4 and min(probs) > 0.1
+    drawn = [tuple(row) for row in r.response_ids.tolist()]
+    chi2 = 0.0
+    for s in range(slots):
+        in_slot = drawn[s::slots]
+        for pair, p in zip(pairs, probs):
+            expected = p * len(in_slot)
+            chi2 += (in_slot.count(pair) - expected) ** 2 / expected
+    assert sum(drawn.count(pair) for pair in pairs) == n  # every draw is one of the four pairs
+    assert chi2 < 46.8
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# distributed: two gloo ranks run the same forwards however their work differs
+
+def _two_rank_worker(rank, world_size, init_method, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     try:
         model = tiny_model()
         calls = count_forwards(model)
-        eos = list(range(VOCAB)) if rank == 0 else []  # rank 0: every token ends a response
+        # 1. rank 0's rows all end at their first token (every token is an EOS), rank 1's never end
+        eos = list(range(VOCAB)) if rank == 0 else []
         r = generate(model, PROMPTS, max_new_tokens=6, eos_token_ids=eos, generator=torch.Generator().manual_seed(0))
-        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-            f.write(f"{len(calls)} {r.response_ids.shape[1]} {int(r.truncated.sum())}")
+        lockstep = dict(forwards=len(calls), T=r.response_ids.shape[1], truncated=int(r.truncated.sum()))
+        # 2. three times more sequences on rank 0 than on rank 1, in 2 slots each, ending at different steps
+        calls.clear()
+        r = generate(model, unequal_work(rank), max_new_tokens=8, temperature=0, eos_token_ids=[UNEQUAL_EOS], slots=2)
+        torch.save(dict(lockstep=lockstep, forwards=len(calls), response_ids=r.response_ids, lengths=r.lengths),
+                   os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def test_ranks_run_the_same_number_of_forwards(tmp_path):
+UNEQUAL_EOS = 4  # greedy on PROMPTS: rows end after 2, 4 and 8 tokens
+
+
+def unequal_work(rank):
+    return PROMPTS * 3 if rank == 0 else PROMPTS
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Both scenarios of _two_rank_worker in one spawn of two processes -> {rank: what it saved}."""
+    out = tmp_path_factory.mktemp("ranks")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.spawn(_lockstep_worker, args=(2, f"tcp://127.0.0.1:{port}", str(tmp_path)), nprocs=2, join=False)
+    ctx = mp.spawn(_two_rank_worker, args=(2, f"tcp://127.0.0.1:{port}", str(out)), nprocs=2, join=False)
     deadline = time.monotonic() + 120  # a rank that stops early leaves the other blocked in a collective
     try:
         finished = False  # join() returns each time one process exits: True once all have
@@ -273,6 +389,20 @@ def test_ranks_run_the_same_number_of_forwards(tmp_path):
             if p.is_alive():
                 p.kill()
     assert finished, "a rank hung: the ranks fell out of lockstep"
-    rank0, rank1 = ((tmp_path / f"rank{r}.txt").read_text().split() for r in range(2))
-    assert rank0 == ["6", "1", "0"]  # 6 forwards although its rows ended at token 1; nothing truncated
-    assert rank1 == ["6", "6", str(len(PROMPTS))]
+    return {r: torch.load(out / f"rank{r}.pt") for r in range(2)}
+
+
+def test_ranks_run_the_same_number_of_forwards(two_ranks):
+    assert two_ranks[0]["lockstep"] == dict(forwards=6, T=1, truncated=0)  # 6 forwards though its rows ended at 1
+    assert two_ranks[1]["lockstep"] == dict(forwards=6, T=6, truncated=len(PROMPTS))
+
+
+def test_ranks_with_unequal_work_finish_with_the_results_of_one_process(two_ranks):
+    assert two_ranks[0]["forwards"] == two_ranks[1]["forwards"]
+    model = tiny_model()
+    for rank in range(2):
+        alone = generate(model, unequal_work(rank), max_new_tokens=8, temperature=0, eos_token_ids=[UNEQUAL_EOS],
+                         slots=2)
+        assert torch.equal(two_ranks[rank]["lengths"], alone.lengths)
+        assert torch.equal(two_ranks[rank]["response_ids"], alone.response_ids)
+    assert two_ranks[0]["lengths"].min() < two_ranks[0]["lengths"].max()  # rows end at different steps
