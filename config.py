@@ -41,8 +41,9 @@ class Config:
     temperature: float = _flag(1.0, "rollout sampling temperature")
     top_p: float = _flag(1.0, "rollout nucleus sampling (1 = off)")
     top_k: int = _flag(0, "rollout top-k (0 = off)")
-    rollout_batch_size: int = _flag(512, "sequences generated at once per process: bounds the "
-                                         "KV cache's memory (0 = all)")
+    rollout_batch_size: int = _flag(512, "sequences decoding at once per process, the KV cache's "
+                                         "rows: bounds its memory (0 = all)")
+    compile: bool = _flag(False, "decode with a torch.compile'd step (CUDA graphs on a GPU)")
     # update
     mini_batch_prompts: int = _flag(8, "prompts per optimizer step (paper: 32)")
     micro_batch_size: int = _flag(64, "sequences per forward/backward")

@@ -121,31 +121,26 @@ def shape_rewards(lengths, score, cfg):
 def rollout(model, rows, tok: Tokenizer, cfg, *, group_size, temperature, top_p, top_k,
             generator) -> Batch:
     """Sample group_size responses to each row's prompt and score them with the row's verifier.
-    At most cfg.rollout_batch_size sequences go through generate() at once: the KV cache is
-    preallocated for all of them at full length, so this bounds the rollout's memory."""
+    All of them go to the sampler at once; --rollout-batch-size of them decode at a time (the
+    rows of the KV cache, which bound the rollout's memory), a finished one making room for the
+    next."""
     prompts, _ = encode_prompts(rows, tok, cfg.max_prompt_len)
-    per_call = len(prompts)
-    if cfg.rollout_batch_size:
-        per_call = max(1, cfg.rollout_batch_size // group_size)
-    parts = []
-    for start in range(0, len(prompts), per_call):
-        part_rows = rows[start:start + per_call]
-        out = generate(model, [p for p in prompts[start:start + per_call] for _ in range(group_size)],
-                       cfg.max_response_len, temperature=temperature, top_p=top_p, top_k=top_k,
-                       eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id,
-                       generator=generator)
-        scores = [score_response(row["data_source"], tok.decode(ids[:n].tolist()),
-                                 row["reward_model"]["ground_truth"])
-                  for row, ids, n in zip([r for r in part_rows for _ in range(group_size)],
-                                         out.response_ids, out.lengths.tolist())]
-        device = out.response_ids.device
-        parts.append(Batch(
-            prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask,
-            response_ids=out.response_ids, response_mask=out.response_mask,
-            score=torch.tensor([s["score"] for s in scores], device=device),
-            acc=torch.tensor([bool(s["acc"]) for s in scores], device=device),
-            truncated=out.truncated, group_size=group_size))
-    return Batch.cat(parts)
+    sequences = [p for p in prompts for _ in range(group_size)]
+    out = generate(model, sequences, cfg.max_response_len, temperature=temperature, top_p=top_p,
+                   top_k=top_k, eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id,
+                   generator=generator, slots=min(cfg.rollout_batch_size or len(sequences),
+                                                  len(sequences)), compile=cfg.compile)
+    # decoded only for the verifier, which reads text
+    scores = [score_response(row["data_source"], tok.decode(ids[:n].tolist()),
+                             row["reward_model"]["ground_truth"])
+              for row, ids, n in zip([r for r in rows for _ in range(group_size)],
+                                     out.response_ids, out.lengths.tolist())]
+    device = out.response_ids.device
+    return Batch(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask,
+                 response_ids=out.response_ids, response_mask=out.response_mask,
+                 score=torch.tensor([s["score"] for s in scores], device=device),
+                 acc=torch.tensor([bool(s["acc"]) for s in scores], device=device),
+                 truncated=out.truncated, group_size=group_size)
 
 
 def response_logprobs(model, batch: Batch, temperature):
@@ -171,20 +166,14 @@ def evaluate(model, rows, tok, cfg, generator) -> dict:
     (any of the k right). Under torch.distributed each rank takes every world_size-th problem
     and the counts are summed."""
     rank, world, k = distributed.rank(), distributed.world_size(), cfg.eval_samples
-    mine, chunk = rows[rank::world], 64  # problems per rollout() call
-    calls = math.ceil(math.ceil(len(rows) / world) / chunk)  # the same on every rank (lockstep)
-    right = any_right = 0.0
-    for c in range(calls):
-        part = mine[c * chunk:(c + 1) * chunk]
-        with distributed.gathered(model):  # a rank out of problems decodes one and ignores it
-            batch = rollout(model, part or rows[:1], tok, cfg, group_size=k,
-                            temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, top_k=0,
-                            generator=generator)
-        if part:
-            acc = batch.acc.float().view(-1, k)  # (problems, k)
-            right += acc.sum().item()
-            any_right += acc.amax(1).sum().item()
-    right, any_right = distributed.all_reduce([right, any_right], device=cfg.device)
+    mine = rows[rank::world]
+    with distributed.gathered(model):  # a rank without a problem samples one and ignores it
+        batch = rollout(model, mine or rows[:1], tok, cfg, group_size=k,
+                        temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, top_k=0,
+                        generator=generator)
+    acc = batch.acc.float().view(-1, k)[:len(mine)]  # (problems, k)
+    right, any_right = distributed.all_reduce([acc.sum().item(), acc.amax(1).sum().item()],
+                                              device=cfg.device)
     return {"val/acc": right / (len(rows) * k), f"val/pass@{k}": any_right / len(rows)}
 
 
