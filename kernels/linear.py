@@ -169,8 +169,9 @@ def linear_logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targ
     if targets.shape != hidden.shape[:-1]:
         raise ValueError(f"targets {tuple(targets.shape)} must have hidden's shape without its last dimension, "
                          f"{tuple(hidden.shape[:-1])}")
-    if mask is not None and mask.shape != targets.shape:
-        raise ValueError(f"mask {tuple(mask.shape)} must have the targets' shape, {tuple(targets.shape)}")
+    if mask is not None and (mask.shape != targets.shape or mask.dtype != torch.bool):
+        raise ValueError(f"mask must be bool with the targets' shape {tuple(targets.shape)}, got {mask.dtype} "
+                         f"{tuple(mask.shape)}")  # an integer mask would index rows instead of masking them
     if targets.is_floating_point() or targets.is_complex():
         raise TypeError(f"expected integer targets, got {targets.dtype}")
     if not temperature > 0:

@@ -126,6 +126,14 @@ def test_masked_positions_are_skipped():
     assert rel_err(d_hidden[mask], real[2]) < GRAD_RTOL and rel_err(d_weight, real[3]) < GRAD_RTOL
 
 
+def test_an_all_padding_micro_batch_gives_zero_gradients():
+    # a stand-in micro-batch, which every FSDP rank must still run through forward and backward
+    hidden, weight, targets, upstream = inputs(n=4, seed=10)
+    mask = torch.zeros(4, dtype=torch.bool)
+    logp, entropy, d_hidden, d_weight = outputs_and_grads(fused, hidden, weight, targets, upstream, mask=mask)
+    assert (logp == 0).all() and (entropy == 0).all() and (d_hidden == 0).all() and (d_weight == 0).all()
+
+
 def test_outputs_are_their_own_tensors_not_views():
     # FSDP2 hooks the root's forward outputs, and warns that in-place ops on a view would lose the hooks
     hidden, weight, targets, _ = inputs(n=12)
@@ -246,6 +254,8 @@ def test_rejects_mismatched_shapes():
         fused(hidden, weight[:, :-1], targets)
     with pytest.raises(ValueError, match="targets"):
         fused(hidden, weight, targets[:-1])
+    with pytest.raises(ValueError, match="mask must be bool"):
+        fused(hidden, weight, targets, mask=torch.ones(N, dtype=torch.long))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
