@@ -242,7 +242,8 @@ def trim_metrics(path: str, step: int) -> int:
 MAY_CHANGE_ON_RESUME = {
     "steps", "out_dir", "resume", "overwrite", "eval_only", "device", "dist_timeout", "save_every",
     "keep_checkpoints", "eval_every", "eval_samples", "eval_temperature", "eval_top_p", "eval_prompts", "val_data",
-    "rollout_batch_size", "compile", "micro_batch_size", "micro_batch_tokens", "activation_checkpointing",
+    "rollout_batch_size", "compile", "micro_batch_size", "micro_batch_tokens", "fused_head",
+    "activation_checkpointing",
 }
 
 

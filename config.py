@@ -47,6 +47,8 @@ class Config:
     # update
     mini_batch_prompts: int = _flag(8, "prompts per optimizer step (paper: 32)")
     micro_batch_size: int = _flag(64, "sequences per forward/backward")
+    fused_head: bool = _flag(True, "the output layer inside the log-prob kernel, a chunk of tokens "
+                                   "at a time; off: the (B, R, V) logits, for comparison")
     micro_batch_tokens: int = _flag(0, "instead: micro-batches of length-sorted sequences up to "
                                        "this many padded tokens (0 = off)")
     lr: float = _flag(3e-4, "AdamW learning rate (paper: 1e-6)")

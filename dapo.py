@@ -32,7 +32,7 @@ from batch import Batch
 from config import Config, check_flags, parse_args
 from data import (PromptIterator, Tokenizer, check_vocab, encode_prompts, load_rows,
                   load_tokenizer)
-from kernels import logprobs_and_entropy
+from kernels import linear_logprobs_and_entropy, logprobs_and_entropy
 from model import Qwen2
 from reward import overlong_penalty, score_response
 from sampler import generate
@@ -143,18 +143,24 @@ def rollout(model, rows, tok: Tokenizer, cfg, *, group_size, temperature, top_p,
                  truncated=out.truncated, group_size=group_size)
 
 
-def response_logprobs(model, batch: Batch, temperature):
+def response_logprobs(model, batch: Batch, temperature, fused_head=True):
     """log pi(o_t | q, o_<t) and the entropy of that distribution, for every response token:
-    (B, R) each, fp32. The output layer runs inside the model's forward (so that FSDP has it
-    gathered) on response positions only, and the fused kernel never materialises fp32 softmax
-    copies of the (B, R, V) logits."""
+    (B, R) each, fp32 (0 on padding with the fused head). The output layer runs inside the model's
+    forward (so that FSDP has it gathered) on response positions only. Fused (the default), it
+    runs chunk by chunk inside the log-prob kernel and the (B, R, V) logits never exist; unfused,
+    they do (6 GB for one 20k-token response at Qwen2.5's vocabulary), and the kernel still never
+    materialises their fp32 softmax."""
     ids = torch.cat([batch.prompt_ids, batch.response_ids], 1)  # (B, P + R)
     mask = torch.cat([batch.prompt_mask, batch.response_mask], 1)  # (B, P + R)
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # RoPE counts real tokens only
     P = batch.prompt_ids.shape[1]
 
     def head(hidden, weight):  # hidden (B, P + R, C); column P - 1 + t predicts response token t
-        logits = hidden[:, P - 1:-1] @ weight.T  # (B, R, V)
+        hidden = hidden[:, P - 1:-1]  # (B, R, C)
+        if fused_head:
+            return linear_logprobs_and_entropy(hidden, weight, batch.response_ids, temperature,
+                                               mask=batch.response_mask)
+        logits = hidden @ weight.T  # (B, R, V)
         logp, entropy = logprobs_and_entropy(logits, batch.response_ids, temperature)
         return logp.clone(), entropy.clone()  # not views: FSDP2 loses the hooks of in-place views
 
@@ -328,7 +334,7 @@ def update_policy(model, opt, batch: Batch, cfg, eps_high) -> dict:
         for rows, real in micro_batches(mini_batch, cfg):
             micro = mini_batch.rows(rows)
             mask = loss_mask(micro, cfg) & real  # (B, R); a stand-in micro-batch trains nothing
-            logp, entropy = response_logprobs(model, micro, cfg.temperature)  # (B, R) x 2
+            logp, entropy = response_logprobs(model, micro, cfg.temperature, cfg.fused_head)  # (B, R) x 2
             if micro.old_logp is None:  # one optimizer step: this forward is pi_old's
                 old_logp = logp.detach()
                 sums["entropy"] += (entropy.detach() * micro.response_mask * real).sum().item()
@@ -399,7 +405,7 @@ def old_logprobs(model, batch: Batch, cfg):
     entropy_sum = 0.0
     for rows, real in micro_batches(batch, cfg):
         micro = batch.rows(rows)
-        logp, entropy = response_logprobs(model, micro, cfg.temperature)  # (B, R_micro) x 2
+        logp, entropy = response_logprobs(model, micro, cfg.temperature, cfg.fused_head)  # (B, R_micro) x 2
         if real:
             old_logp[rows, :logp.shape[1]] = logp.float().masked_fill(~micro.response_mask, 0.0)
             entropy_sum += (entropy * micro.response_mask).sum().item()

@@ -23,9 +23,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def torch_kernel_path(monkeypatch):
     """The loop on CPU takes the kernel's PyTorch path (what `make run` does); conftest.py turns on Triton's
     interpreter for the kernel's own tests, which would make these end-to-end runs needlessly slow."""
-    from kernels import logprobs_and_entropy
+    from kernels import linear_logprobs_and_entropy, logprobs_and_entropy
     monkeypatch.setattr(dapo, "logprobs_and_entropy",
                         lambda *a, **k: logprobs_and_entropy(*a, **k, backend="torch"))
+    monkeypatch.setattr(dapo, "linear_logprobs_and_entropy",
+                        lambda *a, **k: linear_logprobs_and_entropy(*a, **k, backend="torch"))
 
 
 # --- group advantages (Eq. 9) ---
@@ -126,6 +128,19 @@ def test_update_is_the_same_for_any_micro_batch_split(token_level):
     untrained = torch.cat([p.detach().flatten()
                            for p in Qwen2(preset("tiny", vocab_size=50)).parameters()])
     assert (results[0][0] - untrained).abs().max() > 0  # the update did something
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_update_is_the_same_with_the_fused_and_the_unfused_head(tied):
+    results = []
+    for fused in (True, False):
+        torch.manual_seed(0)
+        model = Qwen2(preset("tiny", vocab_size=50, tie_word_embeddings=tied))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        cfg = Config(group_size=4, mini_batch_prompts=1, micro_batch_size=3, fused_head=fused)
+        update_policy(model, opt, random_batch(50), cfg, eps_high=0.28)
+        results.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert ((results[0] - results[1]).abs() / results[1].abs().clamp(min=1e-3)).max() < 1e-6
 
 
 def test_micro_batches_by_tokens_pack_sorted_rows_under_the_budget():
@@ -324,6 +339,7 @@ def test_response_logprobs_equal_each_sequence_alone():
     model = Qwen2(preset("tiny", vocab_size=50))
     batch = random_batch(50, n=3)
     logp, entropy = dapo.response_logprobs(model, batch, temperature=0.7)
+    assert (logp[~batch.response_mask] == 0).all()  # the fused head skips the padding
     with torch.no_grad():
         for i in range(len(batch)):
             p = batch.prompt_ids[i][batch.prompt_mask[i]].tolist()
