@@ -1,21 +1,26 @@
 """
-Training checkpoints: data, not code, written so that a crash at any moment leaves the previous one intact.
+Training checkpoints: data, not code, written so that a crash at any moment leaves the previous one
+intact.
 
-    out_dir/checkpoints/step_000040/model/            a Hugging Face model directory (config.json, safetensors,
-                                                      tokenizer files): transformers, vLLM and dapo.py load it
-    out_dir/checkpoints/step_000040/trainer.json      step, data-iterator position, config, world size
-    out_dir/checkpoints/step_000040/trainer_rank0.pt  optimizer state (this rank's shard under FSDP), RNG states:
-                                                      tensors and numbers only, read with torch.load(weights_only=True)
-    out_dir/checkpoints/latest                        the name of the newest complete checkpoint
+    out_dir/checkpoints/
+        step_000040/
+            model/            a Hugging Face model directory (config.json, safetensors, tokenizer
+                              files): transformers, vLLM and dapo.py load it
+            trainer.json      step, data-iterator position, config, world size
+            trainer_rank0.pt  optimizer state (this rank's shard under FSDP), RNG states: tensors
+                              and numbers only, read with torch.load(weights_only=True)
+        latest                the name of the newest complete checkpoint
 
-Everything is written into step_N.tmp/, flushed to disk (fsync) and renamed to step_N/ once complete; `latest` is
-replaced atomically after. A failed write (a full disk) removes step_N.tmp/ and raises on every rank, naming the
-file; `latest` still points to the previous checkpoint. A checkpoint never holds a NaN or an inf.
-Under FSDP, rank 0 writes the full model and every rank its own optimizer shard (resume needs the same world size;
-the model directory itself loads anywhere). Several nodes need a shared filesystem for out_dir.
+Everything is written into step_N.tmp/, flushed to disk (fsync) and renamed to step_N/ once
+complete; `latest` is replaced atomically after. A failed write (a full disk) removes step_N.tmp/
+and raises on every rank, naming the file; `latest` still points to the previous checkpoint. A
+checkpoint never holds a NaN or an inf. Under FSDP, rank 0 writes the full model and every rank its
+own optimizer shard (resume needs the same world size; the model directory itself loads anywhere).
+Several nodes need a shared filesystem for out_dir.
 
-The run directory: prepare_out_dir() refuses to start a new run over an old one unless told to, trim_metrics() drops
-the metrics a resumed run will log again, check_resume_config() refuses a resume that would change the algorithm.
+The run directory: prepare_out_dir() refuses to start a new run over an old one unless told to,
+trim_metrics() drops the metrics a resumed run will log again, check_resume_config() refuses a
+resume that would change the algorithm.
 """
 import json
 import os
@@ -27,31 +32,38 @@ import torch
 import distributed
 from model import first_nonfinite, fsync, save_hf_checkpoint, write_json, writing
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "vocab.json", "merges.txt",
-                   "special_tokens_map.json", "chat_template.jinja")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                   "vocab.json", "merges.txt", "special_tokens_map.json", "chat_template.jinja")
 
 
 def check_finite(model, where: str):
-    """Raise on every rank, naming the first parameter that holds a NaN or an inf: such weights would train on,
-    reporting only groups without signal, and reach every later checkpoint. Cheap enough for every optimizer step:
-    one fused norm over this rank's shards and, under torch.distributed, one all-reduce of the first bad index."""
+    """Raise on every rank, naming the first parameter that holds a NaN or an inf: such weights
+    would train on, reporting only groups without signal, and reach every later checkpoint. Cheap
+    enough for every optimizer step: one fused norm over this rank's shards and, under
+    torch.distributed, one all-reduce of the first bad index."""
     params = dict(model.named_parameters())  # a tied weight once
-    local = {n: (p.to_local() if hasattr(p, "to_local") else p).detach() for n, p in params.items()}  # FSDP shards
+    # FSDP shards
+    local = {n: (p.to_local() if hasattr(p, "to_local") else p).detach() for n, p in params.items()}
     names = list(local)
     bad = first_nonfinite(local)
     device = next(iter(local.values())).device
-    first = int(distributed.all_reduce(names.index(bad) if bad else len(names), "min", device, name="check_finite"))
+    index = names.index(bad) if bad else len(names)
+    first = int(distributed.all_reduce(index, "min", device, name="check_finite"))
     if first < len(names):
         name = names[first]
         counts = local[name].isnan().sum().item(), local[name].isinf().sum().item()
-        held = f"{counts[0]} NaN and {counts[1]} inf value(s)" if any(counts) else "NaN/inf values on another rank"
-        raise FloatingPointError(f"{where}: parameter {name!r} holds {held}. Stopping before they reach a "
-                                 "checkpoint: the last one saved is finite (resume from it, with a lower --lr?)")
+        held = (f"{counts[0]} NaN and {counts[1]} inf value(s)" if any(counts)
+                else "NaN/inf values on another rank")
+        raise FloatingPointError(f"{where}: parameter {name!r} holds {held}. Stopping before they "
+                                 "reach a checkpoint: the last one saved is finite (resume from "
+                                 "it, with a lower --lr?)")
 
 
-def save(out_dir, step, model, tok_dir, opt, prompt_iter, generator, config: dict, keep_last: int = 0) -> str:
-    """Write checkpoint step_N (every rank calls this: the full weights are gathered collectively). keep_last > 0
-    then deletes the oldest complete checkpoints beyond the newest keep_last (never the one `latest` names)."""
+def save(out_dir, step, model, tok_dir, opt, prompt_iter, generator, config: dict,
+         keep_last: int = 0) -> str:
+    """Write checkpoint step_N (every rank calls this: the full weights are gathered collectively).
+    keep_last > 0 then deletes the oldest complete checkpoints beyond the newest keep_last (never
+    the one `latest` names)."""
     rank, world = distributed.rank(), distributed.world_size()
     ckpts = os.path.join(out_dir, "checkpoints")
     final = os.path.join(ckpts, f"step_{step:06d}")
@@ -63,22 +75,26 @@ def save(out_dir, step, model, tok_dir, opt, prompt_iter, generator, config: dic
     if rank == 0:
         try:
             shutil.rmtree(tmp, ignore_errors=True)  # the remains of a save that crashed
-            save_hf_checkpoint(weights, model.config, os.path.join(tmp, "model"))  # refuses NaN/inf as well
-            for name in TOKENIZER_FILES:  # a self-contained model directory: --eval-only --model can point at it
+            # refuses NaN/inf as well
+            save_hf_checkpoint(weights, model.config, os.path.join(tmp, "model"))
+            # a self-contained model directory: --eval-only --model can point at it
+            for name in TOKENIZER_FILES:
                 if os.path.isfile(os.path.join(tok_dir, name)):
                     dst = os.path.join(tmp, "model", name)
                     with writing(dst):
                         shutil.copyfile(os.path.join(tok_dir, name), dst)
                         fsync(dst)
             write_json(os.path.join(tmp, "trainer.json"),
-                       {"step": step, "world_size": world, "data": prompt_iter.state_dict(), "config": config})
+                       {"step": step, "world_size": world, "data": prompt_iter.state_dict(),
+                        "config": config})
         except (OSError, ValueError) as e:
             error = e
     _raise_together(error, out_dir, tmp, step, device)
     file = os.path.join(tmp, f"trainer_rank{rank}.pt")
     try:
         with writing(file):
-            torch.save({"optimizer": distributed.local_optimizer_state(opt), "generator": generator.get_state(),
+            torch.save({"optimizer": distributed.local_optimizer_state(opt),
+                        "generator": generator.get_state(),
                         "torch_rng": torch.get_rng_state()}, file)
             fsync(file)
     except OSError as e:
@@ -86,8 +102,10 @@ def save(out_dir, step, model, tok_dir, opt, prompt_iter, generator, config: dic
     _raise_together(error, out_dir, tmp, step, device)
     if rank == 0:
         fsync(os.path.join(tmp, "model"))
-        fsync(tmp)  # every file and name of the checkpoint is on disk before the rename makes it visible
-        if os.path.isdir(final):  # saving the same step again (a resumed run): swap, then delete the old one
+        # every file and name of the checkpoint is on disk before the rename makes it visible
+        fsync(tmp)
+        # saving the same step again (a resumed run): swap, then delete the old one
+        if os.path.isdir(final):
             os.replace(final, final + ".old")
         os.replace(tmp, final)
         fsync(ckpts)
@@ -100,16 +118,19 @@ def save(out_dir, step, model, tok_dir, opt, prompt_iter, generator, config: dic
 
 
 def _raise_together(error, out_dir, tmp, step, device):
-    """A write that failed on one rank fails the save on every rank (the others would otherwise wait for it in the
-    next collective until the timeout). The half-written step directory is removed."""
-    if not distributed.all_reduce(float(error is not None), "max", device, name=f"checkpoint step {step}"):
+    """A write that failed on one rank fails the save on every rank (the others would otherwise wait
+    for it in the next collective until the timeout). The half-written step directory is removed."""
+    if not distributed.all_reduce(float(error is not None), "max", device,
+                                  name=f"checkpoint step {step}"):
         return
     if distributed.rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     pointer = os.path.join(out_dir, "checkpoints", "latest")
-    kept = f"latest still names {_read(pointer)}" if os.path.isfile(pointer) else "there is no earlier one"
+    kept = (f"latest still names {_read(pointer)}" if os.path.isfile(pointer)
+            else "there is no earlier one")
     if error is None:
-        raise RuntimeError(f"checkpoint step {step} not saved: another rank failed to write its part ({kept})")
+        raise RuntimeError(f"checkpoint step {step} not saved: another rank failed to write "
+                           f"its part ({kept})")
     kind = OSError if isinstance(error, OSError) else ValueError
     raise kind(f"{error}. Checkpoint step {step} not saved ({kept})") from error
 
@@ -129,9 +150,11 @@ def _write_atomic(path, text):
 
 
 def _delete_old(ckpts, keep_last):
-    """Delete complete step_N directories beyond the newest keep_last, by step; never the one `latest` names."""
+    """Delete complete step_N directories beyond the newest keep_last, by step; never the one
+    `latest` names."""
     current = _read(os.path.join(ckpts, "latest"))
-    steps = sorted((n for n in os.listdir(ckpts) if re.fullmatch(r"step_\d+", n)), key=lambda n: int(n[5:]))
+    steps = sorted((n for n in os.listdir(ckpts) if re.fullmatch(r"step_\d+", n)),
+                   key=lambda n: int(n[5:]))
     for name in steps[:-keep_last]:
         if name != current:
             shutil.rmtree(os.path.join(ckpts, name))
@@ -140,29 +163,34 @@ def _delete_old(ckpts, keep_last):
 def latest(out_dir) -> str:
     pointer = os.path.join(out_dir, "checkpoints", "latest")
     if not os.path.isfile(pointer):
-        raise FileNotFoundError(f"--resume: {out_dir} holds no checkpoint to continue from ({pointer} does not "
-                                "exist); start without --resume (with --overwrite if the directory holds a run)")
+        raise FileNotFoundError(f"--resume: {out_dir} holds no checkpoint to continue from "
+                                f"({pointer} does not exist); start without --resume (with "
+                                "--overwrite if the directory holds a run)")
     ckpt = os.path.join(out_dir, "checkpoints", _read(pointer))
     if not os.path.isfile(os.path.join(ckpt, "trainer.json")):
-        raise FileNotFoundError(f"--resume: {pointer} names {ckpt}, which is not a complete checkpoint")
+        raise FileNotFoundError(f"--resume: {pointer} names {ckpt}, which is not a complete "
+                                "checkpoint")
     return ckpt
 
 
 def load_trainer_state(ckpt, opt, prompt_iter, generator) -> int:
-    """Restore the optimizer, the data position and the RNG states; returns the step to continue from."""
+    """Restore the optimizer, the data position and the RNG states; returns the step to
+    continue from."""
     with open(os.path.join(ckpt, "trainer.json")) as f:
         meta = json.load(f)
     if meta["world_size"] != distributed.world_size():
-        raise ValueError(f"{ckpt} was written by {meta['world_size']} processes; resuming it needs the same number "
-                         f"(this run has {distributed.world_size()}). Its model/ directory loads anywhere.")
+        raise ValueError(f"{ckpt} was written by {meta['world_size']} processes; resuming it "
+                         f"needs the same number (this run has {distributed.world_size()}). "
+                         "Its model/ directory loads anywhere.")
     file = os.path.join(ckpt, f"trainer_rank{distributed.rank()}.pt")
     try:
         state = torch.load(file, weights_only=True)  # tensors and numbers only: no code runs
     except FileNotFoundError:
         raise
-    except (RuntimeError, EOFError, OSError) as e:  # "PytorchStreamReader failed reading zip archive", EINVAL...
-        raise ValueError(f"{file}: not a readable checkpoint file, truncated or corrupt (a partial copy?): {e}") \
-            from None
+    except (RuntimeError, EOFError, OSError) as e:
+        # "PytorchStreamReader failed reading zip archive", EINVAL...
+        raise ValueError(f"{file}: not a readable checkpoint file, truncated or corrupt "
+                         f"(a partial copy?): {e}") from None
     distributed.load_local_optimizer_state(opt, state["optimizer"])
     generator.set_state(state["generator"])
     torch.set_rng_state(state["torch_rng"])
@@ -170,26 +198,29 @@ def load_trainer_state(ckpt, opt, prompt_iter, generator) -> int:
     return meta["step"]
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The run directory: start, overwrite or resume
 
 def prepare_out_dir(out_dir: str, resume: bool, overwrite: bool) -> str | None:
     """Make out_dir ready for a run; returns the checkpoint to resume from (with resume) or None.
 
-    A directory that holds a run (a metrics.jsonl or a checkpoints/ directory, not empty) is never reused silently:
-    resume continues it, overwrite deletes its metrics.jsonl and checkpoints/ (nothing else: a plot, notes, the
-    demo's tokenizer stay) and starts again, and with neither this raises, naming the directory and both flags."""
+    A directory that holds a run (a metrics.jsonl or a checkpoints/ directory, not empty) is never
+    reused silently: resume continues it, overwrite deletes its metrics.jsonl and checkpoints/
+    (nothing else: a plot, notes, the demo's tokenizer stay) and starts again, and with neither this
+    raises, naming the directory and both flags."""
     if resume and overwrite:
-        raise ValueError("--resume continues the run in --out-dir and --overwrite deletes it: pass one of them")
+        raise ValueError("--resume continues the run in --out-dir and --overwrite deletes it: pass "
+                         "one of them")
     if resume:
         return latest(out_dir)
     metrics, ckpts = os.path.join(out_dir, "metrics.jsonl"), os.path.join(out_dir, "checkpoints")
     held = [p for p in (metrics, ckpts) if (os.path.isfile(p) and os.path.getsize(p)) or
             (os.path.isdir(p) and os.listdir(p))]
     if held and not overwrite:
-        raise FileExistsError(f"{out_dir} already holds a run ({' and '.join(map(os.path.basename, held))}): pass "
-                              "--resume to continue it, or --overwrite to delete its metrics and checkpoints and "
-                              "start again (or choose another --out-dir)")
+        raise FileExistsError(f"{out_dir} already holds a run "
+                              f"({' and '.join(map(os.path.basename, held))}): pass --resume to "
+                              "continue it, or --overwrite to delete its metrics and checkpoints "
+                              "and start again (or choose another --out-dir)")
     distributed.barrier("prepare_out_dir")  # every rank has looked before rank 0 deletes anything
     if distributed.rank() == 0:
         if overwrite:
@@ -202,10 +233,11 @@ def prepare_out_dir(out_dir: str, resume: bool, overwrite: bool) -> str | None:
 
 
 def trim_metrics(path: str, step: int) -> int:
-    """On resume from checkpoint `step`: keep the rows of metrics.jsonl logged before that checkpoint was written, up
-    to and including the first row of `step` (its training row), and drop the rest (later steps, and an evaluation
-    logged at `step` after the save), which the resumed run logs again. A crash between logging a step and saving
-    its checkpoint would otherwise leave steps [1, 2, 2, 3]. Rewritten atomically; returns the rows dropped."""
+    """On resume from checkpoint `step`: keep the rows of metrics.jsonl logged before that
+    checkpoint was written, up to and including the first row of `step` (its training row), and drop
+    the rest (later steps, and an evaluation logged at `step` after the save), which the resumed run
+    logs again. A crash between logging a step and saving its checkpoint would otherwise leave steps
+    [1, 2, 2, 3]. Rewritten atomically; returns the rows dropped."""
     if not os.path.isfile(path):
         return 0
     with open(path, encoding="utf-8") as f:
@@ -217,9 +249,11 @@ def trim_metrics(path: str, step: int) -> int:
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
-            if lineno == len(lines):  # the last line, cut short by the crash: the resumed run rewrites it
+            # the last line, cut short by the crash: the resumed run rewrites it
+            if lineno == len(lines):
                 continue
-            raise ValueError(f"{path}:{lineno}: not a JSON row; fix or remove the line, then resume") from None
+            raise ValueError(f"{path}:{lineno}: not a JSON row; fix or remove the line, then "
+                             "resume") from None
         s = row.get("step") if isinstance(row, dict) else None
         if done or (isinstance(s, (int, float)) and s > step):
             continue
@@ -235,13 +269,15 @@ def trim_metrics(path: str, step: int) -> int:
     return dropped
 
 
-# Flags a resumed run may change: what to run for, where and how often to log, evaluate and save, and memory knobs
-# that change no number beyond rounding (micro_batch_size) or which random samples are drawn (rollout_batch_size).
-# Every other field (group size, lengths, lr, eps, batch sizes, seed, data, the technique switches, and any flag
-# added later) changes the algorithm: check_resume_config refuses a change to it.
+# Flags a resumed run may change: what to run for, where and how often to log, evaluate and save,
+# and memory knobs that change no number beyond rounding (micro_batch_size) or which random samples
+# are drawn (rollout_batch_size). Every other field (group size, lengths, lr, eps, batch sizes,
+# seed, data, the technique switches, and any flag added later) changes the algorithm:
+# check_resume_config refuses a change to it.
 MAY_CHANGE_ON_RESUME = {
     "steps", "out_dir", "resume", "overwrite", "eval_only", "device", "dist_timeout", "save_every",
-    "keep_checkpoints", "eval_every", "eval_samples", "eval_temperature", "eval_top_p", "eval_prompts", "val_data",
+    "keep_checkpoints", "eval_every", "eval_samples", "eval_temperature", "eval_top_p",
+    "eval_prompts", "val_data",
     "rollout_batch_size", "compile", "micro_batch_size", "micro_batch_tokens", "fused_head",
     "activation_checkpointing",
 }
@@ -254,11 +290,12 @@ def saved_config(ckpt: str) -> dict:
 
 
 def check_resume_config(saved: dict, current: dict, where: str = "the checkpoint"):
-    """Refuse to resume with settings that change the algorithm, naming each changed flag with both values. A field
-    the checkpoint does not have (a flag added since) is not compared."""
+    """Refuse to resume with settings that change the algorithm, naming each changed flag with both
+    values. A field the checkpoint does not have (a flag added since) is not compared."""
     changed = [f"  --{k.replace('_', '-')}: {saved[k]!r} in the checkpoint, {current[k]!r} now"
-               for k in current if k in saved and k not in MAY_CHANGE_ON_RESUME and saved[k] != current[k]]
+               for k in current
+               if k in saved and k not in MAY_CHANGE_ON_RESUME and saved[k] != current[k]]
     if changed:
-        raise ValueError(f"--resume: {where} was trained with other settings, and these change the algorithm:\n"
-                         + "\n".join(changed) + "\nResume with the checkpoint's values, or start a new run "
-                         "(--overwrite, or another --out-dir).")
+        raise ValueError(f"--resume: {where} was trained with other settings, and these change "
+                         "the algorithm:\n" + "\n".join(changed) + "\nResume with the checkpoint's "
+                         "values, or start a new run (--overwrite, or another --out-dir).")

@@ -4,11 +4,11 @@ DAPO: Decoupled Clip and Dynamic sAmpling Policy Optimization (Yu et al. 2025, a
 DAPO is GRPO (sample G answers per prompt, reward each, use the group-normalised reward as every
 token's advantage) with four changes, each a short named function below, called under a banner
 where Algorithm 1 of the paper applies it:
-  1. clip-higher         policy_loss(): the upper clip bound is decoupled and raised  (Sec. 3.1, Eq. 10)
-  2. dynamic sampling    keep_groups(): drop groups whose answers are all right or all
-                         wrong, and sample more prompts until the batch is full        (Sec. 3.2, Eq. 11)
-  3. token-level loss    policy_loss(): one mean over every token of the mini-batch   (Sec. 3.3, Eq. 12)
-  4. overlong shaping    shape_rewards(): a soft length penalty near the limit         (Sec. 3.4, Eq. 13)
+1. clip-higher       policy_loss(): the upper clip bound is decoupled and raised  (Sec. 3.1, Eq. 10)
+2. dynamic sampling  keep_groups(): drop groups whose answers are all right or
+                     all wrong, and sample more prompts until the batch is full   (Sec. 3.2, Eq. 11)
+3. token-level loss  policy_loss(): one mean over every token of the mini-batch   (Sec. 3.3, Eq. 12)
+4. overlong shaping  shape_rewards(): a soft length penalty near the limit        (Sec. 3.4, Eq. 13)
 No KL term and no reference model. Entropy is measured and logged, never added to the loss.
 
     python dapo.py                  # the embedded demo: a tiny model learns the toy task on CPU
@@ -274,10 +274,12 @@ def rollout_metrics(seen: Batch, cfg) -> dict:
     sums = {
         "n": len(seen), "score": seen.score.sum().item(), "reward": seen.reward.sum().item(),
         "right": acc.sum().item(), "length": lengths.sum().item(),
-        "truncated": seen.truncated.sum().item(), "all_right": (acc.min(1).values == 1).sum().item(),
+        "truncated": seen.truncated.sum().item(),
+        "all_right": (acc.min(1).values == 1).sum().item(),
         "all_wrong": (acc.max(1).values == 0).sum().item(),
     }
-    s = dict(zip(sums, distributed.all_reduce([float(v) for v in sums.values()], device=cfg.device)))
+    totals = distributed.all_reduce([float(v) for v in sums.values()], device=cfg.device)
+    s = dict(zip(sums, totals))
     n, groups = s["n"], s["n"] / cfg.group_size
     return {
         "rollout/acc": s["right"] / n, "rollout/score/mean": s["score"] / n,
@@ -334,7 +336,8 @@ def update_policy(model, opt, batch: Batch, cfg, eps_high) -> dict:
         for rows, real in micro_batches(mini_batch, cfg):
             micro = mini_batch.rows(rows)
             mask = loss_mask(micro, cfg) & real  # (B, R); a stand-in micro-batch trains nothing
-            logp, entropy = response_logprobs(model, micro, cfg.temperature, cfg.fused_head)  # (B, R) x 2
+            # (B, R) x 2
+            logp, entropy = response_logprobs(model, micro, cfg.temperature, cfg.fused_head)
             if micro.old_logp is None:  # one optimizer step: this forward is pi_old's
                 old_logp = logp.detach()
                 sums["entropy"] += (entropy.detach() * micro.response_mask * real).sum().item()
@@ -405,7 +408,8 @@ def old_logprobs(model, batch: Batch, cfg):
     entropy_sum = 0.0
     for rows, real in micro_batches(batch, cfg):
         micro = batch.rows(rows)
-        logp, entropy = response_logprobs(model, micro, cfg.temperature, cfg.fused_head)  # (B, R_micro) x 2
+        # (B, R_micro) x 2
+        logp, entropy = response_logprobs(model, micro, cfg.temperature, cfg.fused_head)
         if real:
             old_logp[rows, :logp.shape[1]] = logp.float().masked_fill(~micro.response_mask, 0.0)
             entropy_sum += (entropy * micro.response_mask).sum().item()
@@ -425,7 +429,8 @@ def micro_batches(batch: Batch, cfg, pad: bool = True) -> list[tuple[torch.Tenso
         order = (prompt_len + response_len).argsort(descending=True, stable=True).tolist()
         parts, current, widest_prompt, widest_response = [], [], 0, 0
         for i in order:
-            p, r = max(widest_prompt, int(prompt_len[i])), max(widest_response, int(response_len[i]))
+            p = max(widest_prompt, int(prompt_len[i]))
+            r = max(widest_response, int(response_len[i]))
             if current and (len(current) + 1) * (p + r) > cfg.micro_batch_tokens:
                 parts.append(current)
                 current, p, r = [], int(prompt_len[i]), int(response_len[i])

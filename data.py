@@ -1,20 +1,26 @@
 """
-Data: a model directory's tokenizer and chat template, the DAPO datasets, and the prompt iterator of the loop.
+Data: a model directory's tokenizer and chat template, the DAPO datasets, and the prompt
+iterator of the loop.
 
-- load_tokenizer(path): tokenizer.json through the `tokenizers` library, plus the model's own chat template rendered
-  with jinja2 the way transformers renders it, so prompt ids are the ones transformers (and verl) would produce.
-- load_rows(path, tokenizer): DAPO-Math-17k / AIME-2024 rows from parquet (needs pyarrow: requirements-extra.txt) or
-  JSONL with the same columns. The released DAPO-Math-17k parquet repeats each of its ~17.9k prompts ~100 times
-  (DAPO #15, #36), so duplicates are dropped on load. Every row is checked on load (a reward function for its
-  data_source; with the tokenizer, a prompt that renders and encodes), so a bad row stops the run before it starts,
-  with its file and line, instead of at the step that draws it.
+- load_tokenizer(path): tokenizer.json through the `tokenizers` library, plus the model's own chat
+  template rendered with jinja2 the way transformers renders it, so prompt ids are the ones
+  transformers (and verl) would produce.
+- load_rows(path, tokenizer): DAPO-Math-17k / AIME-2024 rows from parquet (needs pyarrow:
+  requirements-extra.txt) or JSONL with the same columns. The released DAPO-Math-17k parquet repeats
+  each of its ~17.9k prompts ~100 times (DAPO #15, #36), so duplicates are dropped on load. Every
+  row is checked on load (a reward function for its data_source; with the tokenizer, a prompt that
+  renders and encodes), so a bad row stops the run before it starts, with its file and line, instead
+  of at the step that draws it.
 - check_vocab(...): the model's embedding has a row for every token id the tokenizer can produce.
-- encode_prompts(...): chat template + left truncation to the prompt limit, as verl's truncation="left".
-- PromptIterator: shuffled fixed-size batches over epochs, with a state a checkpoint saves and a resume restores.
+- encode_prompts(...): chat template + left truncation to the prompt limit, as verl's
+  truncation="left".
+- PromptIterator: shuffled fixed-size batches over epochs, with a state a checkpoint saves and a
+  resume restores.
 The toy task of the CPU demo lives in toy.py.
 
-Messages go through the `logging` module (logger "data"): INFO for what a load did (rows read, duplicates dropped,
-prompts truncated), WARNING for rows skipped as unusable. The entry point decides where they go (logging.basicConfig).
+Messages go through the `logging` module (logger "data"): INFO for what a load did (rows read,
+duplicates dropped, prompts truncated), WARNING for rows skipped as unusable. The entry point
+decides where they go (logging.basicConfig).
 """
 import json
 import logging
@@ -30,36 +36,42 @@ from reward import SCORERS, has_scorer
 
 log = logging.getLogger("data")
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Tokenizer and chat template
 
-SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                       "mask_token")
 
 
 class Tokenizer:
-    """What the trainer needs from a tokenizer. vocab_size is the tokenizer's (151665 for Qwen2.5); the model's
-    embedding may be larger (151936), padded for speed."""
+    """What the trainer needs from a tokenizer. vocab_size is the tokenizer's (151665 for Qwen2.5);
+    the model's embedding may be larger (151936), padded for speed."""
 
-    def __init__(self, tok: _HFTokenizer, chat_template: str | None, eos_token_ids: list[int], pad_token_id: int,
-                 special_tokens: dict[str, str], name: str = "", template_source: str = "the chat template"):
+    def __init__(self, tok: _HFTokenizer, chat_template: str | None, eos_token_ids: list[int],
+                 pad_token_id: int, special_tokens: dict[str, str], name: str = "",
+                 template_source: str = "the chat template"):
         self._tok = tok
         self.chat_template = chat_template
         self.eos_token_ids = eos_token_ids
         self.pad_token_id = pad_token_id
-        self.special_tokens = special_tokens  # {"eos_token": "<|im_end|>", ...}: templates may refer to these
+        # {"eos_token": "<|im_end|>", ...}: templates may refer to these
+        self.special_tokens = special_tokens
         self.name = name
-        self._template = _compile_chat_template(chat_template, template_source) if chat_template else None
+        self._template = (_compile_chat_template(chat_template, template_source) if chat_template
+                          else None)
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        # no BOS/EOS added: the chat template writes every control token itself, as in transformers' chat path
+        # no BOS/EOS added: the chat template writes every control token itself, as in
+        # transformers' chat path
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """encode() of each text, in one call that runs on all cores (the tokenizers library's own threads)."""
+        """encode() of each text, in one call that runs on all cores (the tokenizers library's
+        own threads)."""
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids) -> str:
@@ -69,28 +81,37 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The chat as text, exactly as transformers' apply_chat_template(..., tokenize=False) renders it."""
+        """The chat as text, exactly as transformers' apply_chat_template(..., tokenize=False)
+        renders it."""
         if self._template is None:
-            raise ValueError(f"{self.name or 'this tokenizer'} has no chat_template (neither chat_template.jinja nor "
-                             "a chat_template entry in tokenizer_config.json)")
+            raise ValueError(f"{self.name or 'this tokenizer'} has no chat_template (neither "
+                             "chat_template.jinja nor a chat_template entry in "
+                             "tokenizer_config.json)")
         if not messages:
             raise ValueError("cannot apply a chat template to an empty list of messages")
-        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]  # transformers drops None fields
+        # transformers drops None fields
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         return self._template.render(messages=messages, tools=None, documents=None,
-                                     add_generation_prompt=add_generation_prompt, **self.special_tokens)
+                                     add_generation_prompt=add_generation_prompt,
+                                     **self.special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the rendered chat: the same ids as transformers' apply_chat_template(..., tokenize=True)."""
+    def apply_chat_template(self, messages: list[dict],
+                            add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered chat: the same ids as transformers'
+        apply_chat_template(..., tokenize=True)."""
         return self.encode(self.render_chat(messages, add_generation_prompt))
 
 
 def _compile_chat_template(source: str, where: str):
-    # The environment transformers uses: sandboxed (a template from the Hub is untrusted code), trim_blocks and
-    # lstrip_blocks (they change the whitespace, hence the ids), loop controls, and its tojson / raise_exception.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    # The environment transformers uses: sandboxed (a template from the Hub is untrusted code),
+    # trim_blocks and lstrip_blocks (they change the whitespace, hence the ids), loop controls, and
+    # its tojson / raise_exception.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
 
     def raise_exception(message):
         raise ValueError(f"chat template: {message}")
@@ -99,9 +120,10 @@ def _compile_chat_template(source: str, where: str):
     env.globals["raise_exception"] = raise_exception
     try:
         return env.from_string(source)
-    except TemplateSyntaxError as e:  # compiled on load, so a broken template stops the run before any training
-        raise ValueError(f"{where}: the chat template does not compile: {e.message} (line {e.lineno} of the "
-                         "template)") from None
+    except TemplateSyntaxError as e:
+        # compiled on load, so a broken template stops the run before any training
+        raise ValueError(f"{where}: the chat template does not compile: {e.message} (line "
+                         f"{e.lineno} of the template)") from None
 
 
 def _need_file(path, name):
@@ -124,12 +146,14 @@ def _read_json(path: str, required: bool = True) -> dict:
 
 
 def _token_text(value) -> str | None:
-    return value.get("content") if isinstance(value, dict) else value  # "<|im_end|>" or {"content": "<|im_end|>", ...}
+    # "<|im_end|>" or {"content": "<|im_end|>", ...}
+    return value.get("content") if isinstance(value, dict) else value
 
 
 def _chat_template(path: str, config: dict) -> tuple[str | None, str]:
     """(the chat template, the file it comes from)."""
-    file = os.path.join(path, "chat_template.jinja")  # newer transformers save it here; it takes priority
+    # newer transformers save it here; it takes priority
+    file = os.path.join(path, "chat_template.jinja")
     if os.path.isfile(file):
         with open(file, encoding="utf-8") as f:
             return f.read(), file
@@ -140,43 +164,49 @@ def _chat_template(path: str, config: dict) -> tuple[str | None, str]:
 
 
 def load_tokenizer(path: str) -> Tokenizer:
-    """The tokenizer of a Hugging Face model directory: tokenizer.json, tokenizer_config.json, generation_config.json.
+    """The tokenizer of a Hugging Face model directory: tokenizer.json, tokenizer_config.json,
+    generation_config.json.
 
-    EOS ids: generation_config.json's eos_token_id (an int or a list), then tokenizer_config.json's eos_token, then
-    <|im_end|> when the chat template is ChatML. Qwen2.5 base lists only <|endoftext|> in its generation config, but a
-    response formatted by its ChatML template ends with <|im_end|>: both must stop generation."""
+    EOS ids: generation_config.json's eos_token_id (an int or a list), then tokenizer_config.json's
+    eos_token, then <|im_end|> when the chat template is ChatML. Qwen2.5 base lists only
+    <|endoftext|> in its generation config, but a response formatted by its ChatML template ends
+    with <|im_end|>: both must stop generation."""
     tok = _HFTokenizer.from_file(_need_file(path, "tokenizer.json"))
     config = _read_json(os.path.join(path, "tokenizer_config.json"))
     gen = _read_json(os.path.join(path, "generation_config.json"), required=False)
     template, template_source = _chat_template(path, config)
-    special = {name: _token_text(config[name]) for name in SPECIAL_TOKEN_NAMES if _token_text(config.get(name))}
+    special = {name: _token_text(config[name]) for name in SPECIAL_TOKEN_NAMES
+               if _token_text(config.get(name))}
 
     eos = gen.get("eos_token_id")
     eos_ids = list(eos) if isinstance(eos, list) else [eos] if eos is not None else []
-    candidates = [special.get("eos_token")] + (["<|im_end|>"] if template and "<|im_end|>" in template else [])
+    chatml = ["<|im_end|>"] if template and "<|im_end|>" in template else []
+    candidates = [special.get("eos_token")] + chatml
     for token in candidates:
         tid = tok.token_to_id(token) if token else None
         if tid is not None and tid not in eos_ids:
             eos_ids.append(tid)
     if not eos_ids:
-        raise ValueError(f"{path}: no EOS token (no eos_token_id in generation_config.json, no eos_token in "
-                         "tokenizer_config.json)")
-    pad = tok.token_to_id(special["pad_token"]) if "pad_token" in special else gen.get("pad_token_id")
+        raise ValueError(f"{path}: no EOS token (no eos_token_id in generation_config.json, no "
+                         "eos_token in tokenizer_config.json)")
+    pad = (tok.token_to_id(special["pad_token"]) if "pad_token" in special
+           else gen.get("pad_token_id"))
     return Tokenizer(tok, template, eos_ids, eos_ids[0] if pad is None else pad, special, name=path,
                      template_source=template_source)
 
 
 def check_vocab(model_vocab_size: int, tokenizer: Tokenizer, model_dir: str):
-    """Every id the tokenizer can produce must have a row in the model's embedding. The model's may be larger
-    (Qwen2.5 pads 151665 tokens to 151936 rows); smaller would index past the embedding during the first rollout."""
+    """Every id the tokenizer can produce must have a row in the model's embedding. The model's may
+    be larger (Qwen2.5 pads 151665 tokens to 151936 rows); smaller would index past the embedding
+    during the first rollout."""
     needed = max(tokenizer._tok.get_vocab(with_added_tokens=True).values()) + 1
     if model_vocab_size < needed:
-        raise ValueError(f"the model in {model_dir} has vocab_size {model_vocab_size} (config.json), smaller than "
-                         f"the {needed} token ids of the tokenizer in {tokenizer.name}: are they from different "
-                         "models?")
+        raise ValueError(f"the model in {model_dir} has vocab_size {model_vocab_size} "
+                         f"(config.json), smaller than the {needed} token ids of the tokenizer in "
+                         f"{tokenizer.name}: are they from different models?")
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Datasets: DAPO-Math-17k and AIME-2024 rows (SPEC section 5)
 #   {"data_source": "math_dapo", "prompt": [{"role": "user", "content": ...}], "ability": "MATH",
 #    "reward_model": {"ground_truth": "34", "style": "rule"}, "extra_info": {"index": ...}}
@@ -186,58 +216,67 @@ def _parquet_rows(path: str):
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
-        raise ImportError(f"reading {path} needs pyarrow, an optional extra: pip install -r requirements-extra.txt "
-                          "(or convert the file to JSONL with the same columns)") from None
+        raise ImportError(f"reading {path} needs pyarrow, an optional extra: pip install -r "
+                          "requirements-extra.txt (or convert the file to JSONL with the same "
+                          "columns)") from None
     index = 0
     try:
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=65536):  # Python objects for one batch at a time
+        # Python objects for one batch at a time
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=65536):
             for row in batch.to_pylist():
                 yield f"{path}: row {index}", row
                 index += 1
-    except pa.ArrowException as e:  # ArrowInvalid, ArrowIOError...: the file, not one row, is broken
-        raise ValueError(f"{path}: not a readable parquet file after {index} rows; truncated (an interrupted "
-                         f"download?) or corrupt: {e}") from None
+    except pa.ArrowException as e:
+        # ArrowInvalid, ArrowIOError...: the file, not one row, is broken
+        raise ValueError(f"{path}: not a readable parquet file after {index} rows; truncated (an "
+                         f"interrupted download?) or corrupt: {e}") from None
 
 
 def _jsonl_rows(path: str):
-    with open(path, "rb") as f:  # bytes, decoded line by line: a bad byte is then reported with its line
+    # bytes, decoded line by line: a bad byte is then reported with its line
+    with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # -sig: a BOM some editors write
+                # -sig: a BOM some editors write
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: the file is not UTF-8 text (byte 0x{raw[e.start]:02x} at byte "
-                                 f"{e.start + 1} of the line); JSONL must be UTF-8: re-encode it, e.g. with "
-                                 "iconv") from None
+                raise ValueError(f"{path}:{lineno}: the file is not UTF-8 text (byte "
+                                 f"0x{raw[e.start]:02x} at byte {e.start + 1} of the line); JSONL "
+                                 "must be UTF-8: re-encode it, e.g. with iconv") from None
             if not line.strip():
                 continue
             try:
                 yield f"{path}:{lineno}", json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+                raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg} at column "
+                                 f"{e.colno})") from None
 
 
 def _check_row(row, where: str) -> str | None:
-    """Raise on a row that breaks the schema; return why a well-formed but unusable row is skipped, or None.
-    A JSON integer ground truth is turned into the string the verifier compares."""
+    """Raise on a row that breaks the schema; return why a well-formed but unusable row is skipped,
+    or None. A JSON integer ground truth is turned into the string the verifier compares."""
     if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected an object with data_source, prompt and reward_model, got "
-                         f"{type(row).__name__}")
+        raise ValueError(f"{where}: expected an object with data_source, prompt and reward_model, "
+                         f"got {type(row).__name__}")
     if not isinstance(row.get("data_source"), str):
         raise ValueError(f"{where}: 'data_source' is missing or not a string")
     if not has_scorer(row["data_source"]):
-        raise ValueError(f"{where}: no reward function for data_source {row['data_source']!r} (reward.py knows "
-                         f"{sorted(SCORERS)} and 'aime*')")
+        raise ValueError(f"{where}: no reward function for data_source {row['data_source']!r} "
+                         f"(reward.py knows {sorted(SCORERS)} and 'aime*')")
     prompt = row.get("prompt")
     if not isinstance(prompt, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in prompt):
-        raise ValueError(f"{where}: 'prompt' must be a list of {{'role': str, 'content': str}} messages")
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in prompt):
+        raise ValueError(f"{where}: 'prompt' must be a list of {{'role': str, 'content': str}} "
+                         "messages")
     for m in prompt:
         try:
             m["content"].encode("utf-8")
-        except UnicodeEncodeError as e:  # JSON can escape half a surrogate pair ("\ud800"); no tokenizer takes it
-            raise ValueError(f"{where}: the prompt holds {m['content'][e.start]!r} at character {e.start}, half of a "
-                             "UTF-16 surrogate pair, which is not text any tokenizer can encode") from None
+        except UnicodeEncodeError as e:
+            # JSON can escape half a surrogate pair ("\ud800"); no tokenizer takes it
+            raise ValueError(f"{where}: the prompt holds {m['content'][e.start]!r} at character "
+                             f"{e.start}, half of a UTF-16 surrogate pair, which is not text any "
+                             "tokenizer can encode") from None
     reward_model = row.get("reward_model") or {}
     if not isinstance(reward_model, dict):
         raise ValueError(f"{where}: 'reward_model' must be an object holding 'ground_truth'")
@@ -256,14 +295,16 @@ def _check_row(row, where: str) -> str | None:
 def load_rows(path: str, tokenizer: Tokenizer | None = None, dedupe: bool = True) -> list[dict]:
     """Rows from a .parquet or .jsonl file (one JSON object per line), in file order.
 
-    A row that breaks the schema (not an object, no data_source, a prompt that is not a list of messages) or that
-    cannot be used (a data_source without a reward function; with a tokenizer, a prompt its chat template cannot
-    render or it cannot encode) stops the load with an error naming the file and row: better now than at the step
-    that draws it, hours and checkpoints later. A row without a ground truth or with an empty prompt is skipped and
-    counted, with a WARNING. With dedupe, a prompt seen before is dropped (the first copy is kept) and the count is
-    logged; AIME-2024's 32 copies of each problem collapse to 30 rows, so sample k responses per row for avg@k.
-    Reading the 1.79M-row DAPO-Math-17k parquet this way takes a minute or so (200k rows: ~17 s on a busy 2-core
-    machine): it happens once per run, and a deduplicated JSONL copy loads in a second."""
+    A row that breaks the schema (not an object, no data_source, a prompt that is not a list of
+    messages) or that cannot be used (a data_source without a reward function; with a tokenizer, a
+    prompt its chat template cannot render or it cannot encode) stops the load with an error naming
+    the file and row: better now than at the step that draws it, hours and checkpoints later. A row
+    without a ground truth or with an empty prompt is skipped and counted, with a WARNING. With
+    dedupe, a prompt seen before is dropped (the first copy is kept) and the count is logged;
+    AIME-2024's 32 copies of each problem collapse to 30 rows, so sample k responses per row for
+    avg@k. Reading the 1.79M-row DAPO-Math-17k parquet this way takes a minute or so (200k rows:
+    ~17 s on a busy 2-core machine): it happens once per run, and a deduplicated JSONL copy loads in
+    a second."""
     if path.endswith(".parquet"):
         source = _parquet_rows(path)
     elif path.endswith(".jsonl"):
@@ -288,12 +329,13 @@ def load_rows(path: str, tokenizer: Tokenizer | None = None, dedupe: bool = True
         rows.append(row)
         wheres.append(where)
     for reason, places in skipped.items():
-        log.warning("%s: skipped %d row(s) with %s (first: %s)", path, len(places), reason, places[0])
+        log.warning("%s: skipped %d row(s) with %s (first: %s)", path, len(places), reason,
+                    places[0])
     if n_conflict:
-        log.warning("%s: %d duplicate prompt(s) had a different ground truth than their first copy (kept the first)",
-                    path, n_conflict)
-    log.info("%s: %d rows read, %d duplicate prompts dropped, %d skipped, %d kept", path, n_read, n_dup,
-             sum(map(len, skipped.values())), len(rows))
+        log.warning("%s: %d duplicate prompt(s) had a different ground truth than their first copy "
+                    "(kept the first)", path, n_conflict)
+    log.info("%s: %d rows read, %d duplicate prompts dropped, %d skipped, %d kept", path, n_read,
+             n_dup, sum(map(len, skipped.values())), len(rows))
     if not rows:
         raise ValueError(f"{path}: no usable rows")
     if tokenizer is not None:
@@ -302,17 +344,19 @@ def load_rows(path: str, tokenizer: Tokenizer | None = None, dedupe: bool = True
 
 
 def _check_prompts(rows, wheres, tokenizer: Tokenizer, chunk: int = 4096):
-    """Render every row's prompt with the chat template and encode it, as the rollout will; raise naming the first
-    row that fails. The ids are not kept: the rollout encodes the rows it draws. Measured: ~6 s for 20k DAPO-style
-    prompts on a busy 2-core machine, nearly all of it in the tokenizer."""
+    """Render every row's prompt with the chat template and encode it, as the rollout will; raise
+    naming the first row that fails. The ids are not kept: the rollout encodes the rows it draws.
+    Measured: ~6 s for 20k DAPO-style prompts on a busy 2-core machine, nearly all of it in the
+    tokenizer."""
     for start in range(0, len(rows), chunk):
         texts = []
         for row, where in zip(rows[start:start + chunk], wheres[start:start + chunk]):
             try:
                 texts.append(tokenizer.render_chat(row["prompt"], add_generation_prompt=True))
-            except Exception as e:  # jinja2 errors, raise_exception() of the template itself ("roles must alternate")
-                raise ValueError(f"{where}: the chat template of {tokenizer.name} cannot render this prompt: "
-                                 f"{type(e).__name__}: {e}") from None
+            except Exception as e:
+                # jinja2 errors, raise_exception() of the template itself ("roles must alternate")
+                raise ValueError(f"{where}: the chat template of {tokenizer.name} cannot render "
+                                 f"this prompt: {type(e).__name__}: {e}") from None
         try:
             tokenizer.encode_batch(texts)
         except Exception:  # the batch call does not say which text: find it
@@ -320,15 +364,17 @@ def _check_prompts(rows, wheres, tokenizer: Tokenizer, chunk: int = 4096):
                 try:
                     tokenizer.encode(text)
                 except Exception as e:
-                    raise ValueError(f"{where}: the tokenizer of {tokenizer.name} cannot encode this prompt: "
-                                     f"{type(e).__name__}: {e}") from None
+                    raise ValueError(f"{where}: the tokenizer of {tokenizer.name} cannot encode "
+                                     f"this prompt: {type(e).__name__}: {e}") from None
             raise
 
 
-def encode_prompts(rows: list[dict], tokenizer: Tokenizer, max_prompt_len: int) -> tuple[list[list[int]], int]:
-    """Each row's messages through the chat template (with the assistant header); a prompt longer than
-    max_prompt_len keeps its last max_prompt_len tokens, as verl's truncation="left" (the question and the
-    generation prompt are at the end). Returns (prompt ids per row, how many were truncated)."""
+def encode_prompts(rows: list[dict], tokenizer: Tokenizer,
+                   max_prompt_len: int) -> tuple[list[list[int]], int]:
+    """Each row's messages through the chat template (with the assistant header); a prompt longer
+    than max_prompt_len keeps its last max_prompt_len tokens, as verl's truncation="left" (the
+    question and the generation prompt are at the end). Returns (prompt ids per row, how many were
+    truncated)."""
     out, n_truncated = [], 0
     for row in rows:
         ids = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True)
@@ -337,19 +383,21 @@ def encode_prompts(rows: list[dict], tokenizer: Tokenizer, max_prompt_len: int) 
             n_truncated += 1
         out.append(ids)
     if n_truncated:
-        log.info("%d of %d prompts were longer than %d tokens and lost their beginning", n_truncated, len(rows),
-                 max_prompt_len)
+        log.info("%d of %d prompts were longer than %d tokens and lost their beginning",
+                 n_truncated, len(rows), max_prompt_len)
     return out, n_truncated
 
 
 class PromptIterator:
-    """Fixed-size batches of rows, reshuffled every epoch. The order of epoch e is a function of (seed, e) only, so
-    the state is two integers: a resumed run sees exactly the batches the interrupted one would have. The last
-    len(rows) % batch_size rows of an epoch's order are not used (they differ from epoch to epoch)."""
+    """Fixed-size batches of rows, reshuffled every epoch. The order of epoch e is a function of
+    (seed, e) only, so the state is two integers: a resumed run sees exactly the batches the
+    interrupted one would have. The last len(rows) % batch_size rows of an epoch's order are not
+    used (they differ from epoch to epoch)."""
 
     def __init__(self, rows: list[dict], batch_size: int, seed: int):
         if not 0 < batch_size <= len(rows):
-            raise ValueError(f"batch_size={batch_size} needs 1 <= batch_size <= number of rows ({len(rows)})")
+            raise ValueError(f"batch_size={batch_size} needs 1 <= batch_size <= number of rows "
+                             f"({len(rows)})")
         self.rows, self.batch_size, self.seed = rows, batch_size, seed
         self.epoch, self.position = 0, 0
         self._order = self._epoch_order(0)
@@ -366,14 +414,15 @@ class PromptIterator:
         return [self.rows[i] for i in idx]
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_rows": len(self.rows),
-                "batch_size": self.batch_size}
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "num_rows": len(self.rows), "batch_size": self.batch_size}
 
     def load_state_dict(self, state: dict):
         mine = self.state_dict()
         for k in ("seed", "num_rows", "batch_size"):
             if state[k] != mine[k]:
-                raise ValueError(f"prompt iterator state is for {k}={state[k]}, this run has {k}={mine[k]} "
-                                 "(a resume needs the same data, batch size and seed)")
+                raise ValueError(f"prompt iterator state is for {k}={state[k]}, this run has "
+                                 f"{k}={mine[k]} (a resume needs the same data, batch size "
+                                 "and seed)")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = self._epoch_order(self.epoch)

@@ -1,11 +1,13 @@
-"""
-Several processes, with nothing but PyTorch's own distributed stack. torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and the
-rendezvous address; this file turns them into a process group (nccl on GPUs, gloo on CPU) and shards the model with
-FSDP2. Every helper is a no-op in a single process, so dapo.py has one code path:
+r"""
+Several processes, with nothing but PyTorch's own distributed stack. torchrun sets RANK, WORLD_SIZE,
+LOCAL_RANK and the rendezvous address; this file turns them into a process group (nccl on GPUs, gloo
+on CPU) and shards the model with FSDP2. Every helper is a no-op in a single process, so dapo.py has
+one code path:
 
     python dapo.py ...                                   # one process
     torchrun --nproc_per_node=8 dapo.py ...              # one node, 8 GPUs
-    torchrun --nnodes=4 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 dapo.py ...
+    torchrun --nnodes=4 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
+        dapo.py ...
 """
 import contextlib
 import datetime
@@ -16,19 +18,20 @@ import sys
 import torch
 import torch.distributed as dist
 
-# How long a rank waits in a collective for the others before it gives up. Inside a step the ranks meet often: every
-# decode step of a rollout (the sampler's lockstep all-reduce), every FSDP unit of every forward and backward, so a
-# 20k-token rollout never leaves a gap of more than a few seconds. The long gaps are the ones where one rank works
-# alone: rank 0 writing a checkpoint (a 32B model's fp32 weights are 128 GB: ~4 min at 500 MB/s, ~20 min on a slow
-# network filesystem) and loading the model before the first collective. 30 minutes covers those; a small model on
-# a local disk can fail much faster with a lower value.
+# How long a rank waits in a collective for the others before it gives up. Inside a step the ranks
+# meet often: every decode step of a rollout (the sampler's lockstep all-reduce), every FSDP unit of
+# every forward and backward, so a 20k-token rollout never leaves a gap of more than a few seconds.
+# The long gaps are the ones where one rank works alone: rank 0 writing a checkpoint (a 32B model's
+# fp32 weights are 128 GB: ~4 min at 500 MB/s, ~20 min on a slow network filesystem) and loading the
+# model before the first collective. 30 minutes covers those; a small model on a local disk can fail
+# much faster with a lower value.
 DEFAULT_TIMEOUT_S = 1800
 _timeout_s = DEFAULT_TIMEOUT_S
 
 
 def init(device: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int, str]:
-    """-> (rank, world_size, this process's device). A collective that waits longer than timeout_s for another rank
-    (stopped, swapping, stuck in I/O) raises instead of blocking forever."""
+    """-> (rank, world_size, this process's device). A collective that waits longer than timeout_s
+    for another rank (stopped, swapping, stuck in I/O) raises instead of blocking forever."""
     global _timeout_s
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
@@ -36,8 +39,9 @@ def init(device: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int, s
     if device.startswith("cuda"):
         device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
         torch.cuda.set_device(device)
-    # NCCL's watchdog ends a timed-out process with SIGABRT, past any Python error handling: faulthandler then
-    # prints every thread's Python stack, which shows the line of dapo.py that was waiting
+    # NCCL's watchdog ends a timed-out process with SIGABRT, past any Python error handling:
+    # faulthandler then prints every thread's Python stack, which shows the line of dapo.py that
+    # was waiting
     faulthandler.enable()
     _timeout_s = timeout_s
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
@@ -53,16 +57,19 @@ def shutdown():
 
 @contextlib.contextmanager
 def _named(op: str, name: str | None, caller):
-    """Re-raise a failed collective naming it (or, unnamed, the line that called it): gloo says only "Timed out
-    waiting 1800000ms for recv operation to complete"."""
+    """Re-raise a failed collective naming it (or, unnamed, the line that called it): gloo says only
+    "Timed out waiting 1800000ms for recv operation to complete"."""
     try:
         yield
     except RuntimeError as e:  # DistBackendError and gloo's errors are RuntimeErrors
-        what = f"{op} {name!r}" if name else f"{op} at {os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
+        what = (f"{op} {name!r}" if name
+                else f"{op} at {os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}")
         if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-            raise RuntimeError(f"rank {rank()}: {what} timed out after {_timeout_s:g} s: another rank stopped or is "
-                               f"far behind (raise --dist-timeout if it was only slow) ({e})") from e
-        raise RuntimeError(f"rank {rank()}: {what} failed: another rank has probably exited ({e})") from e
+            raise RuntimeError(f"rank {rank()}: {what} timed out after {_timeout_s:g} s: another "
+                               "rank stopped or is far behind (raise --dist-timeout if it was only "
+                               f"slow) ({e})") from e
+        raise RuntimeError(f"rank {rank()}: {what} failed: another rank has probably exited "
+                           f"({e})") from e
 
 
 def world_size() -> int:
@@ -74,13 +81,16 @@ def rank() -> int:
 
 
 def all_reduce(values, op="sum", device="cpu", name: str | None = None):
-    """Sum (or min, max) a number or a list of numbers over ranks; returns the same kind. Identity in one process.
+    """Sum (or min, max) a number or a list of numbers over ranks; returns the same kind. Identity
+    in one process.
     name: what is reduced ("dynamic-sampling count"), for the error if a rank never arrives."""
     if not dist.is_initialized():
         return values
-    t = torch.tensor(values if isinstance(values, (list, tuple)) else [values], dtype=torch.float64, device=device)
+    t = torch.tensor(values if isinstance(values, (list, tuple)) else [values], dtype=torch.float64,
+                     device=device)
+    ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
     with _named("all_reduce", name, sys._getframe(1)):
-        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op])
+        dist.all_reduce(t, op=ops[op])
         out = t.tolist()  # on a GPU the wait ends here
     return out if isinstance(values, (list, tuple)) else type(values)(out[0])
 
@@ -92,12 +102,13 @@ def barrier(name: str | None = None):
 
 
 def shard(model, mixed_precision: bool):
-    """FSDP2: each decoder block is one unit (its weights are gathered just before it runs and freed after), the
-    root holds the embedding, the final norm and the head. With mixed precision (GPU), the gathered weights and the
-    compute are bf16 while the sharded master weights, the optimizer and the gradient reduction stay fp32."""
+    """FSDP2: each decoder block is one unit (its weights are gathered just before it runs and freed
+    after), the root holds the embedding, the final norm and the head. With mixed precision (GPU),
+    the gathered weights and the compute are bf16 while the sharded master weights, the optimizer
+    and the gradient reduction stay fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision \
-        else MixedPrecisionPolicy()
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if mixed_precision else MixedPrecisionPolicy())
     for block in model.model.layers:
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
@@ -111,8 +122,9 @@ def _fsdp_modules(model):
 
 @contextlib.contextmanager
 def gathered(model):
-    """Full weights for the whole rollout: one all-gather per unit for all the tokens generated, instead of one per
-    unit per token (which is what FSDP would otherwise do in every decode step's forward)."""
+    """Full weights for the whole rollout: one all-gather per unit for all the tokens generated,
+    instead of one per unit per token (which is what FSDP would otherwise do in every decode
+    step's forward)."""
     units = _fsdp_modules(model)
     for m in units:
         m.set_reshard_after_forward(False, recurse=False)
@@ -126,16 +138,19 @@ def gathered(model):
 
 
 def full_state_dict(model) -> dict:
-    """The model's full (unsharded) weights on CPU: on rank 0 only under FSDP (empty elsewhere), as is otherwise."""
+    """The model's full (unsharded) weights on CPU: on rank 0 only under FSDP (empty elsewhere), as
+    is otherwise."""
     if not _fsdp_modules(model):
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
 
 
 def local_optimizer_state(opt) -> dict:
-    """The optimizer state with each sharded tensor replaced by this rank's shard: plain tensors, so the file loads
-    with torch.load(weights_only=True). Restored by load_local_optimizer_state on the same world size."""
+    """The optimizer state with each sharded tensor replaced by this rank's shard: plain tensors, so
+    the file loads with torch.load(weights_only=True). Restored by load_local_optimizer_state on the
+    same world size."""
     from torch.distributed.tensor import DTensor
     sd = opt.state_dict()
     sd["state"] = {i: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in s.items()}
@@ -146,11 +161,13 @@ def local_optimizer_state(opt) -> dict:
 def load_local_optimizer_state(opt, sd):
     from torch.distributed.tensor import DTensor
     opt.load_state_dict(sd)
-    for p, s in opt.state.items():  # wrap this rank's shards back into sharded tensors like their parameters
+    # wrap this rank's shards back into sharded tensors like their parameters
+    for p, s in opt.state.items():
         if isinstance(p, DTensor):
             for k, v in s.items():
                 if torch.is_tensor(v) and not isinstance(v, DTensor) and v.dim() > 0:
-                    s[k] = DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                    s[k] = DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape,
+                                              stride=p.stride())
 
 
 def as_local(t):

@@ -14,7 +14,8 @@ PANELS = [  # (title, [(metric, line style)])
     ("reward", [("critic/score/mean", "-"), ("rollout/reward/mean", ":")]),
     ("accuracy", [("val/acc", "-o"), ("rollout/acc", ":")]),
     ("entropy (nats/token)", [("actor/entropy", "-")]),
-    ("response length (tokens)", [("rollout/response_length/mean", "-"), ("rollout/response_length/max", ":")]),
+    ("response length (tokens)", [("rollout/response_length/mean", "-"),
+                                  ("rollout/response_length/max", ":")]),
     ("clip fraction", [("dapo/clipfrac_high", "-"), ("dapo/clipfrac_low", ":")]),
     ("dynamic sampling", [("train/groups_kept", "-"), ("train/groups_filtered", ":")]),
 ]
@@ -25,7 +26,8 @@ def read_metrics(path):
         with open(path) as f:
             return [json.loads(line) for line in f if line.strip()]
     except json.JSONDecodeError as e:
-        raise SystemExit(f"{path}: line {e.lineno if hasattr(e, 'lineno') else '?'} is not JSON ({e})")
+        raise SystemExit(f"{path}: line {e.lineno if hasattr(e, 'lineno') else '?'} is not "
+                         f"JSON ({e})")
 
 
 def series(rows, key):
@@ -39,18 +41,20 @@ def plot(paths, out, labels=None, panels=PANELS):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("plot.py needs matplotlib: pip install -r requirements-extra.txt") from None
+        raise SystemExit("plot.py needs matplotlib: pip install -r "
+                         "requirements-extra.txt") from None
     runs = [read_metrics(p) for p in paths]
     labels = labels or [os.path.basename(os.path.dirname(os.path.abspath(p))) for p in paths]
     cols = 3
-    fig, axes = plt.subplots((len(panels) + cols - 1) // cols, cols, figsize=(5 * cols, 3.4 * ((len(panels) + 2) // 3)))
+    n_rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(n_rows, cols, figsize=(5 * cols, 3.4 * ((len(panels) + 2) // 3)))
     for ax, (title, keys) in zip(axes.flat, panels):
         for i, (rows, label) in enumerate(zip(runs, labels)):
             for key, style in keys:
                 x, y = series(rows, key)
                 if x:
-                    ax.plot(x, y, style, color=f"C{i}", markersize=3, label=f"{label} {key}" if len(runs) > 1
-                            else key)
+                    ax.plot(x, y, style, color=f"C{i}", markersize=3,
+                            label=f"{label} {key}" if len(runs) > 1 else key)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -64,10 +68,12 @@ def plot(paths, out, labels=None, panels=PANELS):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("metrics", nargs="+", help="metrics.jsonl files (one per run)")
     p.add_argument("-o", "--out", help="PNG to write (default: metrics.png beside the first file)")
-    p.add_argument("--labels", nargs="*", help="one label per run (default: the run directory's name)")
+    p.add_argument("--labels", nargs="*",
+                   help="one label per run (default: the run directory's name)")
     args = p.parse_args()
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.metrics[0])), "metrics.png")
     print(plot(args.metrics, out, args.labels))

@@ -1,26 +1,32 @@
 """
-The reward of a response: is its final answer right (+1 / -1), plus DAPO's overlong shaping (paper Eq. 13).
+The reward of a response: is its final answer right (+1 / -1), plus DAPO's overlong shaping
+(paper Eq. 13).
 
-The answer check is math_dapo, the verifier of the DAPO run (verl `verl/utils/reward_score/math_dapo.py`, itself
-adapted from Minerva / lm-evaluation-harness). It reads the LAST line of the form "Answer: ..." in the last 300
-characters of the response, normalises that text and the ground truth with the same fixed list of string edits, and
-compares the two as strings. No symbolic maths: "1/2" and "0.5" differ, "\\frac12" and "\\frac{1}{2}" agree.
+The answer check is math_dapo, the verifier of the DAPO run (verl
+`verl/utils/reward_score/math_dapo.py`, itself adapted from Minerva / lm-evaluation-harness). It
+reads the LAST line of the form "Answer: ..." in the last 300 characters of the response, normalises
+that text and the ground truth with the same fixed list of string edits, and compares the two as
+strings. No symbolic maths: "1/2" and "0.5" differ, "\\frac12" and "\\frac{1}{2}" agree.
 
-The edits below are data, in the order they are applied. The order is part of the semantics (removing "\\text{}"
-before "\\text{}^2" would leave a stray "^2"; dropping spaces before removing "an " would never match it), so this file
-applies them exactly as math_dapo does, and tests/test_reward.py pins the behaviour on the edge cases.
+The edits below are data, in the order they are applied. The order is part of the semantics
+(removing "\\text{}" before "\\text{}^2" would leave a stray "^2"; dropping spaces before removing
+"an " would never match it), so this file applies them exactly as math_dapo does, and
+tests/test_reward.py pins the behaviour on the edge cases.
 
-Model output is untrusted: nothing here executes or evaluates it. Only 300 characters are ever read, so every call
-is fast whatever the response (megabytes, thousands of "Answer:" lines, unbalanced braces).
+Model output is untrusted: nothing here executes or evaluates it. Only 300 characters are ever read,
+so every call is fast whatever the response (megabytes, thousands of "Answer:" lines, unbalanced
+braces).
 """
 import functools
 import re
 
 WINDOW = 300  # characters read from the end of a response (the longest MATH-500 answer has 159)
-ANSWER_RE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")  # the rest of the line after "Answer:", any case
-NO_ANSWER = "[INVALID]"  # the prediction when no "Answer:" line is found (it then goes through normalise too)
+# the rest of the line after "Answer:", any case
+ANSWER_RE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+# the prediction when no "Answer:" line is found (it then goes through normalise too)
+NO_ANSWER = "[INVALID]"
 
-# --- normalisation, step 1: literal replacements (old, new), in order -------------------------------------------------
+# --- normalisation, step 1: literal replacements (old, new), in order -----------------------------
 REPLACEMENTS = [
     ("an ", ""),  # "an integer" -> "integer" (and, as a side effect, "Logan " -> "Log")
     ("a ", ""),
@@ -34,30 +40,35 @@ REPLACEMENTS = [
     ("\\text{m}", "\\text{}"),  # metres; the empty \text{} is removed in step 2
 ]
 
-# --- step 2: substrings deleted, in order (unit words, then LaTeX leftovers) ------------------------------------------
+# --- step 2: substrings deleted, in order (unit words, then LaTeX leftovers) ----------------------
 REMOVED = [
-    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue", "points",
-    "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals", "edges", "students",
-    "childrentickets", "multiples",
-    "\\text{s}", "\\text{.}", "\\text{\ns}", "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}",  # "\n": a newline
+    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots",
+    "sue", "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds",
+    "meters", "meals", "edges", "students", "childrentickets", "multiples",
+    # "\n": a newline
+    "\\text{s}", "\\text{.}", "\\text{\ns}", "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}",
     "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;", ",\\!", "{,}", '"', "\\dots",
 ]
 
-# --- step 3: regex rewrites (pattern, replacement), in order; `.` stops at a newline, as upstream ---------------------
+# --- step 3: regex rewrites (pattern, replacement), in order --------------------------------------
+# `.` stops at a newline, as upstream
 REWRITES = [
     (re.compile(r"(.*?)(\$)(.*?)(\$)(.*)"), r"$\3$"),  # keep only the first $...$ span (per line)
     (re.compile(r"(\\text\{)(.*?)(\})"), r"\2"),  # \text{X} -> X  (X stops at the first "}")
     (re.compile(r"(\\textbf\{)(.*?)(\})"), r"\2"),
     (re.compile(r"(\\overline\{)(.*?)(\})"), r"\2"),
-    (re.compile(r"(\\boxed\{)(.*)(\})"), r"\2"),  # \boxed{X} -> X  (greedy: X runs to the last "}" of the line)
-    (re.compile(r"(frac)([^{])(.)"), r"frac{\2}{\3}"),  # \frac12 -> \frac{1}{2}, \frac123 -> \frac{1}{2}3
+    # \boxed{X} -> X  (greedy: X runs to the last "}" of the line)
+    (re.compile(r"(\\boxed\{)(.*)(\})"), r"\2"),
+    # \frac12 -> \frac{1}{2}, \frac123 -> \frac{1}{2}3
+    (re.compile(r"(frac)([^{])(.)"), r"frac{\2}{\3}"),
     (re.compile(r"(sqrt)([^{])"), r"sqrt{\2}"),  # \sqrt2 -> \sqrt{2}
 ]
 
 
 def normalize(answer: str) -> str:
-    """math_dapo's normalize_final_answer: the text after the last "=", then the three steps above, then "$" removed,
-    commas dropped from a plain number ("1,000" -> "1000"), surrounding whitespace stripped."""
+    """math_dapo's normalize_final_answer: the text after the last "=", then the three steps above,
+    then "$" removed, commas dropped from a plain number ("1,000" -> "1000"), surrounding whitespace
+    stripped."""
     s = answer.rpartition("=")[2]  # "x = 3" -> " 3"; no "=" keeps everything
     for old, new in REPLACEMENTS:
         s = s.replace(old, new)
@@ -66,21 +77,24 @@ def normalize(answer: str) -> str:
     for pattern, repl in REWRITES:
         s = pattern.sub(repl, s)
     s = s.replace("$", "")
-    if s.replace(",", "").isdigit():  # NOTE: str.isdigit, so "²" and "٣" count as digits, exactly as upstream
+    # NOTE: str.isdigit, so "²" and "٣" count as digits, exactly as upstream
+    if s.replace(",", "").isdigit():
         s = s.replace(",", "")
     return s.strip()
 
 
 def extract_answer(response: str) -> str:
-    """The text after the last "Answer:" in the last WINDOW characters, or NO_ANSWER. "Last" means the last match of a
-    left-to-right scan: a match takes the rest of its line, so "Answer: 5 Answer: 6" yields "5 Answer: 6"."""
+    """The text after the last "Answer:" in the last WINDOW characters, or NO_ANSWER. "Last" means
+    the last match of a left-to-right scan: a match takes the rest of its line, so
+    "Answer: 5 Answer: 6" yields "5 Answer: 6"."""
     found = ANSWER_RE.findall(response[-WINDOW:])
     return found[-1] if found else NO_ANSWER
 
 
 def compute_score(solution_str: str, ground_truth: str) -> dict:
-    """math_dapo.compute_score on its default (non-strict) path: {"score": +1.0 or -1.0, "acc": bool, "pred": str},
-    pred being the normalised prediction. solution_str is the decoded response without special tokens."""
+    """math_dapo.compute_score on its default (non-strict) path:
+    {"score": +1.0 or -1.0, "acc": bool, "pred": str}, pred being the normalised prediction.
+    solution_str is the decoded response without special tokens."""
     if not isinstance(solution_str, str) or not isinstance(ground_truth, str):
         raise TypeError(f"compute_score takes two strings, got {type(solution_str).__name__} and "
                         f"{type(ground_truth).__name__} (ground truths are strings, e.g. '34')")
@@ -91,9 +105,10 @@ def compute_score(solution_str: str, ground_truth: str) -> dict:
 
 @functools.lru_cache(maxsize=2**16)
 def normalized_ground_truth(ground_truth: str) -> str:
-    """normalize(ground_truth), computed once per distinct ground truth. The "$...$" regex above is quadratic in the
-    length of a line without "$" (a 10k-character ground truth takes ~0.8 s), and a group's G responses all share
-    one ground truth. A prediction needs no cache: it is cut to WINDOW characters before it is normalised."""
+    """normalize(ground_truth), computed once per distinct ground truth. The "$...$" regex above is
+    quadratic in the length of a line without "$" (a 10k-character ground truth takes ~0.8 s), and a
+    group's G responses all share one ground truth. A prediction needs no cache: it is cut to WINDOW
+    characters before it is normalised."""
     return normalize(ground_truth)
 
 
@@ -104,8 +119,8 @@ def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float =
         ((max_len - buffer_len) - length) / buffer_len   if max_len - buffer_len < length <= max_len
         -1                                      if length > max_len
 
-    length counts the response's tokens including EOS. The penalty is added to the correctness reward, so a response
-    cut at max_len that has no answer gets -2."""
+    length counts the response's tokens including EOS. The penalty is added to the correctness
+    reward, so a response cut at max_len that has no answer gets -2."""
     if not 0 < buffer_len <= max_len:
         raise ValueError(f"overlong buffer_len must be in (0, max_len={max_len}], got {buffer_len}")
     expected = max_len - buffer_len
@@ -116,8 +131,9 @@ def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float =
     return (expected - length) / buffer_len * factor
 
 
-# Which verifier scores a row, by its data_source, as verl's default_compute_score dispatches. The toy task of the
-# CPU demo goes through the same math_dapo check, so the demo exercises the real verifier.
+# Which verifier scores a row, by its data_source, as verl's default_compute_score dispatches.
+# The toy task of the CPU demo goes through the same math_dapo check, so the demo exercises the
+# real verifier.
 SCORERS = {
     "math_dapo": compute_score,  # DAPO-Math-17k
     "toy_sum": compute_score,  # data.py's toy task
@@ -125,13 +141,14 @@ SCORERS = {
 
 
 def scorer_for(data_source: str):
-    """The verifier of a data_source, or None. Any data_source starting with "aime" also goes to math_dapo, as in
-    verl (the AIME-2024 eval set)."""
+    """The verifier of a data_source, or None. Any data_source starting with "aime" also goes to
+    math_dapo, as in verl (the AIME-2024 eval set)."""
     return SCORERS.get(data_source) or (compute_score if data_source.startswith("aime") else None)
 
 
 def has_scorer(data_source: str) -> bool:
-    """Whether rows of this data_source can be rewarded: data.py checks every row on load, not when it is drawn."""
+    """Whether rows of this data_source can be rewarded: data.py checks every row on load, not when
+    it is drawn."""
     return scorer_for(data_source) is not None
 
 
@@ -139,5 +156,6 @@ def score_response(data_source: str, response_text: str, ground_truth: str) -> d
     """Score one decoded response for its row's data_source: {"score", "acc", "pred"}."""
     scorer = scorer_for(data_source)
     if scorer is None:
-        raise ValueError(f"no reward function for data_source {data_source!r}; known: {sorted(SCORERS)} and 'aime*'")
+        raise ValueError(f"no reward function for data_source {data_source!r}; known: "
+                         f"{sorted(SCORERS)} and 'aime*'")
     return scorer(response_text, ground_truth)

@@ -1,25 +1,27 @@
 """
 The toy task of the CPU demo, and the demo's "base model" trained on it.
 
-The task: sums of 2-3 digits from 0 to 5 ("3+5+2"), answered with the sum in the `Answer: ...` format that the
-real math_dapo verifier reads (reward.py routes data_source "toy_sum" to it). Rows follow the DAPO schema, so the
-loop cannot tell them from DAPO-Math-17k. Held-out problems come from a disjoint part of the problem space (a hash
-of the problem text), never seen in warm-up or RL.
+The task: sums of 2-3 digits from 0 to 5 ("3+5+2"), answered with the sum in the `Answer: ...`
+format that the real math_dapo verifier reads (reward.py routes data_source "toy_sum" to it). Rows
+follow the DAPO schema, so the loop cannot tell them from DAPO-Math-17k. Held-out problems come from
+a disjoint part of the problem space (a hash of the problem text), never seen in warm-up or RL.
 
-The base model: DAPO starts from a pretrained model that already writes in the expected format and is right now and
-then. A randomly initialised model never writes "Answer: ..." at all, so every reward would be -1 and RL would have
-nothing to learn. So, like pretraining, demo_base_model() fits a tiny Qwen2 by next-token prediction to noisy
-responses (toy_warmup_pairs()) of two kinds:
-- worked: a running sum, then the answer ("3+5=8, 8+2=10.\nAnswer: 10"). Right almost always (a step slips with
-  probability TOY_STEP_ERROR), but only a fraction TOY_WORK_PROB of the warm-up responses work it out;
+The base model: DAPO starts from a pretrained model that already writes in the expected format and
+is right now and then. A randomly initialised model never writes "Answer: ..." at all, so every
+reward would be -1 and RL would have nothing to learn. So, like pretraining, demo_base_model() fits
+a tiny Qwen2 by next-token prediction to noisy responses (toy_warmup_pairs()) of two kinds:
+- worked: a running sum, then the answer ("3+5=8, 8+2=10.\nAnswer: 10"). Right almost always (a step
+  slips with probability TOY_STEP_ERROR), but only a fraction TOY_WORK_PROB of the warm-up responses
+  work it out;
 - direct: "Answer: 12", a guess, right about 1 time in 16.
-So the base model can solve most problems (it has seen how) but mostly does not bother: held-out accuracy starts near
-0.2, while pass@k is much higher. This is what RL on a real base model does at scale: the reward teaches the model to
-use the reasoning it already has, and the gain is the RL phase's alone (more warm-up teaches the same mixture).
-A fraction TOY_RAMBLE of the responses repeat a filler sentence before the answer, so lengths vary widely and ~1 in
-6 runs past TOY_MAX_RESPONSE_LEN, where truncation cuts off the Answer line too: overlong shaping and the token-level
-loss have something to act on (paper Sec. 3.3-3.4). The warm-up is cached like a downloaded checkpoint, keyed by its
-settings, so repeated demo runs skip it.
+So the base model can solve most problems (it has seen how) but mostly does not bother: held-out
+accuracy starts near 0.2, while pass@k is much higher. This is what RL on a real base model does at
+scale: the reward teaches the model to use the reasoning it already has, and the gain is the RL
+phase's alone (more warm-up teaches the same mixture). A fraction TOY_RAMBLE of the responses repeat
+a filler sentence before the answer, so lengths vary widely and ~1 in 6 runs past
+TOY_MAX_RESPONSE_LEN, where truncation cuts off the Answer line too: overlong shaping and the
+token-level loss have something to act on (paper Sec. 3.3-3.4). The warm-up is cached like a
+downloaded checkpoint, keyed by its settings, so repeated demo runs skip it.
 """
 import json
 import math
@@ -38,7 +40,8 @@ from model import Qwen2, preset
 
 TOY_DATA_SOURCE = "toy_sum"
 TOY_MIN_TERMS, TOY_MAX_TERMS = 2, 3  # terms per problem...
-TOY_MAX_DIGIT = 5  # ...each in [0, TOY_MAX_DIGIT]: few enough addition facts for a 2-minute warm-up to learn
+# ...each in [0, TOY_MAX_DIGIT]: few enough addition facts for a 2-minute warm-up to learn
+TOY_MAX_DIGIT = 5
 TOY_WORK_PROB = 0.3  # chance that a warm-up response works the sum out step by step...
 TOY_GUESS_MAX = 15  # ...otherwise it states a guess, uniform in [0, TOY_GUESS_MAX]
 TOY_STEP_ERROR = 0.05  # chance that a step of the working slips...
@@ -47,27 +50,33 @@ TOY_RAMBLE = 0.4  # chance that a warm-up response repeats filler before its ans
 TOY_RAMBLE_REPEATS = (1, 8)  # ...this many times (inclusive range)
 TOY_FILLER = "Let me check."
 TOY_TEST_BUCKETS = 5  # 1 problem in 5 (by a hash of its text) is held out for evaluation: 54 of 252
-TOY_WORDS = ["user", "assistant", "Answer", "Let", " Let", " me", " check"]  # one token each; digits stay single
-TOY_MAX_RESPONSE_LEN, TOY_OVERLONG_BUFFER = 40, 16  # suggested demo limits: no plain response is penalised
-TOY_CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
-                     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# one token each; digits stay single
+TOY_WORDS = ["user", "assistant", "Answer", "Let", " Let", " me", " check"]
+# suggested demo limits: no plain response is penalised
+TOY_MAX_RESPONSE_LEN, TOY_OVERLONG_BUFFER = 40, 16
+TOY_CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+                     "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 # Qwen2's pre-tokenizer regex: letters group into words, every digit is its own piece
-QWEN_SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-                    r"\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN_SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+                    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map, the alphabet of every byte-level BPE (space is "Ġ", newline "Ċ")."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    """GPT-2's byte -> printable character map, the alphabet of every byte-level BPE (space is "Ġ",
+    newline "Ċ")."""
+    keep = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+            + list(range(ord("®"), 256)))
     extra = [b for b in range(256) if b not in keep]
     return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(extra)}}
 
 
 def make_toy_tokenizer(out_dir: str) -> Tokenizer:
-    """Write a Qwen-style tokenizer for the toy task into out_dir (tokenizer.json, tokenizer_config.json with the
-    chat template, generation_config.json) and load it back through load_tokenizer, the path a real checkpoint takes.
-    Byte-level BPE with Qwen2's normaliser, pre-tokenizer and decoder: the 256 bytes, a few whole-word tokens, and
-    <|endoftext|>, <|im_start|>, <|im_end|>. Any text round-trips exactly."""
+    """Write a Qwen-style tokenizer for the toy task into out_dir (tokenizer.json,
+    tokenizer_config.json with the chat template, generation_config.json) and load it back through
+    load_tokenizer, the path a real checkpoint takes. Byte-level BPE with Qwen2's normaliser,
+    pre-tokenizer and decoder: the 256 bytes, a few whole-word tokens, and <|endoftext|>,
+    <|im_start|>, <|im_end|>. Any text round-trips exactly."""
     byte_char = _bytes_to_unicode()
     vocab = {byte_char[b]: b for b in range(256)}
     merges = []
@@ -91,8 +100,10 @@ def make_toy_tokenizer(out_dir: str) -> Tokenizer:
     config = {"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
               "pad_token": "<|endoftext|>", "unk_token": None, "model_max_length": 1024,
               "chat_template": TOY_CHAT_TEMPLATE}
-    generation = {"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]], "pad_token_id": ids["<|endoftext|>"]}
-    for name, content in (("tokenizer_config.json", config), ("generation_config.json", generation)):
+    generation = {"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+                  "pad_token_id": ids["<|endoftext|>"]}
+    for name, content in (("tokenizer_config.json", config),
+                          ("generation_config.json", generation)):
         with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
             json.dump(content, f, indent=2)
     return load_tokenizer(out_dir)
@@ -103,21 +114,24 @@ def _toy_split(problem: str) -> str:
 
 
 def _toy_problems(n: int, seed: int, split: str, stream: str):
-    """n problems (lists of digits) of one split, drawn i.i.d.: a uniform number of terms, uniform digits. Each
-    stream ("rows", "warmup") has its own random sequence, so warm-up and RL problems are independent draws."""
+    """n problems (lists of digits) of one split, drawn i.i.d.: a uniform number of terms, uniform
+    digits. Each stream ("rows", "warmup") has its own random sequence, so warm-up and RL problems
+    are independent draws."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     rng = random.Random(f"toy-{stream}-{split}-{seed}")
     problems = []
     while len(problems) < n:
-        terms = [rng.randrange(TOY_MAX_DIGIT + 1) for _ in range(rng.randint(TOY_MIN_TERMS, TOY_MAX_TERMS))]
+        terms = [rng.randrange(TOY_MAX_DIGIT + 1)
+                 for _ in range(rng.randint(TOY_MIN_TERMS, TOY_MAX_TERMS))]
         if _toy_split("+".join(map(str, terms))) == split:
             problems.append(terms)
     return problems, rng
 
 
 def toy_rows(n: int, seed: int, split: str = "train") -> list[dict]:
-    """n toy rows in the DAPO row schema, data_source "toy_sum". The splits never share a problem."""
+    """n toy rows in the DAPO row schema, data_source "toy_sum". The splits never share
+    a problem."""
     problems, _ = _toy_problems(n, seed, split, "rows")
     return [{"data_source": TOY_DATA_SOURCE,
              "prompt": [{"role": "user", "content": "+".join(map(str, terms))}],
@@ -127,8 +141,8 @@ def toy_rows(n: int, seed: int, split: str = "train") -> list[dict]:
 
 
 def toy_response(terms: list[int], rng: random.Random) -> str:
-    """One "base model" response: worked (a running sum, rarely slipping) or a direct guess, maybe filler, then
-    the Answer line."""
+    """One "base model" response: worked (a running sum, rarely slipping) or a direct guess, maybe
+    filler, then the Answer line."""
     lines = []
     if rng.random() < TOY_WORK_PROB:
         total, steps = terms[0], []
@@ -147,8 +161,9 @@ def toy_response(terms: list[int], rng: random.Random) -> str:
 
 
 def toy_warmup_pairs(n: int, seed: int) -> list[tuple[list[dict], str]]:
-    """n (prompt messages, response text) pairs from the train split: the supervised warm-up that makes the demo's
-    base model. About a quarter of the answers are right (see the comment above the TOY_ constants)."""
+    """n (prompt messages, response text) pairs from the train split: the supervised warm-up that
+    makes the demo's base model. About a quarter of the answers are right (see the comment above the
+    TOY_ constants)."""
     problems, rng = _toy_problems(n, seed, "train", "warmup")
     return [([{"role": "user", "content": "+".join(map(str, terms))}], toy_response(terms, rng))
             for terms in problems]
@@ -157,34 +172,42 @@ def toy_warmup_pairs(n: int, seed: int) -> list[tuple[list[dict], str]]:
 # --------------------------------------------------------------------------------------------------
 # The demo's base model: a brief supervised warm-up, in the open
 
-WARMUP = dict(steps=400, batch_size=64, lr=5e-3, preset="demo")  # measured: loss ~0.17, held-out acc ~0.3
+# measured: loss ~0.17, held-out acc ~0.3
+WARMUP = dict(steps=400, batch_size=64, lr=5e-3, preset="demo")
 
 
 def demo_base_model(tok, device="cpu", seed=0, cache_root="runs/demo-base") -> Qwen2:
-    sample = json.dumps(toy_warmup_pairs(64, seed=seed))  # a change to the toy task's data invalidates the cache
+    # a change to the toy task's data invalidates the cache
+    sample = json.dumps(toy_warmup_pairs(64, seed=seed))
     key = dict(WARMUP, seed=seed, vocab=tok.vocab_size, data=zlib.crc32(sample.encode()))
     cache = os.path.join(cache_root, "_".join(f"{k}{v}" for k, v in key.items()))
     if os.path.isfile(os.path.join(cache, "warmup.json")):
         return Qwen2.from_pretrained(cache, dtype=torch.float32, device=device)
     torch.manual_seed(seed)
-    model = Qwen2(preset(WARMUP["preset"], vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_ids)).to(device)
+    config = preset(WARMUP["preset"], vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_ids)
+    model = Qwen2(config).to(device)
     steps, batch = WARMUP["steps"], WARMUP["batch_size"]
+    # each example seen once
     examples = [(tok.apply_chat_template(messages), tok.encode(response) + [tok.eos_token_ids[0]])
-                for messages, response in toy_warmup_pairs(steps * batch, seed=seed)]  # each example seen once
-    opt = torch.optim.AdamW(model.parameters(), lr=WARMUP["lr"], betas=(0.9, 0.95), weight_decay=0.0)
+                for messages, response in toy_warmup_pairs(steps * batch, seed=seed)]
+    opt = torch.optim.AdamW(model.parameters(), lr=WARMUP["lr"], betas=(0.9, 0.95),
+                            weight_decay=0.0)
     t0 = time.time()
     for step in range(steps):
         for group in opt.param_groups:  # 20 steps of linear warm-up, then cosine decay to 10%
-            group["lr"] = WARMUP["lr"] * min(1, (step + 1) / 20) * (0.1 + 0.45 * (1 + math.cos(math.pi * step / steps)))
+            group["lr"] = (WARMUP["lr"] * min(1, (step + 1) / 20)
+                           * (0.1 + 0.45 * (1 + math.cos(math.pi * step / steps))))
         loss = sft_loss(model, examples[step * batch:(step + 1) * batch], tok.pad_token_id, device)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if step % 50 == 0 or step == steps - 1:
-            print(f"warm-up {step:4d}/{steps}  loss {loss.item():.3f}  ({time.time() - t0:.0f}s)", flush=True)
+            print(f"warm-up {step:4d}/{steps}  loss {loss.item():.3f}  "
+                  f"({time.time() - t0:.0f}s)", flush=True)
     model.save_pretrained(cache)
-    with open(os.path.join(cache, "warmup.json"), "w") as f:  # written last: its presence marks a complete cache
+    # written last: its presence marks a complete cache
+    with open(os.path.join(cache, "warmup.json"), "w") as f:
         json.dump(key, f)
     return model
 
@@ -198,5 +221,6 @@ def sft_loss(model, examples, pad_id, device):
         ids[i, :len(p) + len(r)] = torch.tensor(p + r)
         labels[i, len(p):len(p) + len(r)] = torch.tensor(r)
     ids, labels = ids.to(device), labels.to(device)
-    logits = model(ids[:, :-1])  # right padding and a causal mask: the pads after a sequence never affect it
+    # right padding and a causal mask: the pads after a sequence never affect it
+    logits = model(ids[:, :-1])
     return F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
