@@ -1,6 +1,8 @@
-"""Run by tests/test_distributed.py under `torchrun --nproc_per_node=2`: one DAPO update on FSDP2-sharded ranks.
+r"""Run by tests/test_distributed.py under `torchrun --nproc_per_node=2`: one DAPO update on
+FSDP2-sharded ranks.
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/dist_worker.py MODEL_DIR OUT_DIR sgd|adamw
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/dist_worker.py \
+        MODEL_DIR OUT_DIR sgd|adamw
 """
 import json
 import os
@@ -19,7 +21,8 @@ from batch import Batch  # noqa: E402
 from batches import random_batch  # noqa: E402
 
 GROUP = 4
-CFG = Config(group_size=GROUP, mini_batch_prompts=2, micro_batch_size=3, grad_clip=1e9, device="cpu")
+CFG = Config(group_size=GROUP, mini_batch_prompts=2, micro_batch_size=3, grad_clip=1e9,
+             device="cpu")
 PROBE = torch.arange(2 * 9).view(2, 9) % 50 + 3  # a fixed input whose logits the tests compare
 
 
@@ -61,8 +64,10 @@ def main(model_dir, out_dir, opt_name):
         logits = model(PROBE)
     weights = distributed.full_state_dict(model)
     if rank == 0:
-        torch.save({"weights": weights, "metrics": metrics, "logits": logits}, os.path.join(out_dir, "result.pt"))
-    checkpoint.save(out_dir, 1, model, model_dir, opt, PromptIterator([{"x": 1}], 1, 0), torch.Generator(), {})
+        result = {"weights": weights, "metrics": metrics, "logits": logits}
+        torch.save(result, os.path.join(out_dir, "result.pt"))
+    checkpoint.save(out_dir, 1, model, model_dir, opt, PromptIterator([{"x": 1}], 1, 0),
+                    torch.Generator(), {})
     distributed.shutdown()
 
 

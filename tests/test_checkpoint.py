@@ -1,5 +1,6 @@
-"""checkpoint.py in one process: no NaN ever saved, a full disk loses nothing, old checkpoints pruned, and the run
-directory: a new run never destroys an old one, a resume drops the metrics it will log again and keeps the algorithm."""
+"""checkpoint.py in one process: no NaN ever saved, a full disk loses nothing, old checkpoints
+pruned, and the run directory: a new run never destroys an old one, a resume drops the metrics it
+will log again and keeps the algorithm."""
 import errno
 import json
 import os
@@ -15,8 +16,9 @@ from model import Qwen2
 
 def save(out_dir, step, model, tok_dir, keep_last=0):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return checkpoint.save(str(out_dir), step, model, tok_dir, opt, PromptIterator([{"x": 1}], 1, 0),
-                           torch.Generator(), {"lr": 1e-3}, keep_last=keep_last)
+    return checkpoint.save(str(out_dir), step, model, tok_dir, opt,
+                           PromptIterator([{"x": 1}], 1, 0), torch.Generator(), {"lr": 1e-3},
+                           keep_last=keep_last)
 
 
 def listing(out_dir):
@@ -28,14 +30,15 @@ def model(tiny_model_dir):
     return Qwen2.from_pretrained(tiny_model_dir)
 
 
-# --- non-finite weights -----------------------------------------------------------------------------------------------
+# --- non-finite weights ---------------------------------------------------------------------------
 
 def test_check_finite_names_the_first_parameter_with_a_nan(model):
     checkpoint.check_finite(model, "after step 1")  # finite: nothing happens
     with torch.no_grad():
         model.model.layers[1].self_attn.k_proj.bias[2] = float("nan")
         model.model.norm.weight[0] = float("inf")
-    with pytest.raises(FloatingPointError, match=r"after step 7: parameter 'model\.layers\.1\.self_attn\.k_proj\.bias' "
+    with pytest.raises(FloatingPointError, match=r"after step 7: parameter "
+                                                 r"'model\.layers\.1\.self_attn\.k_proj\.bias' "
                                                  r"holds 1 NaN and 0 inf value\(s\)"):
         checkpoint.check_finite(model, "after step 7")
 
@@ -50,42 +53,46 @@ def test_a_checkpoint_with_a_nan_is_never_written(tmp_path, model, tiny_model_di
     assert listing(tmp_path) == ["latest", "step_000001"]
 
 
-# --- a full disk ------------------------------------------------------------------------------------------------------
+# --- a full disk ----------------------------------------------------------------------------------
 
 def no_space(*args, **kwargs):
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
 def torch_save_on_a_full_disk(*args, **kwargs):
-    raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos 64 vs 0")  # what torch.save says
+    # what torch.save says
+    raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos 64 vs 0")
 
 
 @pytest.mark.parametrize("target,fake,file", [
     (model_module, "save_file", r"step_000002\.tmp/\.tmp-ckpt-\w+/model\.safetensors"),
     (checkpoint.torch, "save", r"step_000002\.tmp/trainer_rank0\.pt"),
 ], ids=["weights", "optimizer"])
-def test_a_full_disk_names_the_file_and_keeps_the_previous_checkpoint(tmp_path, model, tiny_model_dir, monkeypatch,
-                                                                      target, fake, file):
+def test_a_full_disk_names_the_file_and_keeps_the_previous_checkpoint(
+        tmp_path, model, tiny_model_dir, monkeypatch, target, fake, file):
     save(tmp_path, 1, model, tiny_model_dir)
-    monkeypatch.setattr(target, fake, no_space if fake == "save_file" else torch_save_on_a_full_disk)
-    with pytest.raises(OSError, match=rf"could not write .*{file}: the disk is full .*Checkpoint step 2 not saved "
-                                      r"\(latest still names step_000001\)"):
+    monkeypatch.setattr(target, fake,
+                        no_space if fake == "save_file" else torch_save_on_a_full_disk)
+    with pytest.raises(OSError, match=rf"could not write .*{file}: the disk is full .*Checkpoint "
+                                      r"step 2 not saved \(latest still names step_000001\)"):
         save(tmp_path, 2, model, tiny_model_dir)
     monkeypatch.undo()
-    assert listing(tmp_path) == ["latest", "step_000001"]  # no half-written step_000002.tmp left taking space
+    # no half-written step_000002.tmp left taking space
+    assert listing(tmp_path) == ["latest", "step_000001"]
     assert checkpoint.latest(str(tmp_path)).endswith("step_000001")
     Qwen2.from_pretrained(str(tmp_path / "checkpoints" / "step_000001" / "model"))
 
 
-def test_checkpoint_files_are_readable_and_synced_before_the_rename(tmp_path, model, tiny_model_dir, monkeypatch):
+def test_checkpoint_files_are_readable_and_synced_before_the_rename(tmp_path, model, tiny_model_dir,
+                                                                    monkeypatch):
     events = []
     fsync, replace = checkpoint.fsync, os.replace
     monkeypatch.setattr(checkpoint, "fsync", lambda p: (events.append(("fsync", p)), fsync(p)))
     monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("rename", a)), replace(a, b)))
     final = save(tmp_path, 1, model, tiny_model_dir)
     tmp = final + ".tmp"
-    assert events.index(("fsync", os.path.join(tmp, "trainer_rank0.pt"))) < events.index(("fsync", tmp)) < \
-        events.index(("rename", tmp))
+    assert (events.index(("fsync", os.path.join(tmp, "trainer_rank0.pt")))
+            < events.index(("fsync", tmp)) < events.index(("rename", tmp)))
     assert os.stat(os.path.join(final, "model", "model.safetensors")).st_mode & 0o777 == 0o644
     assert "tokenizer.json" in os.listdir(os.path.join(final, "model"))  # --model can point at it
 
@@ -94,7 +101,8 @@ def test_keep_last_deletes_old_checkpoints_but_never_the_latest(tmp_path, model,
     for step in (1, 2, 3, 4):
         save(tmp_path, step, model, tiny_model_dir, keep_last=2)
     assert listing(tmp_path) == ["latest", "step_000003", "step_000004"]
-    save(tmp_path, 2, model, tiny_model_dir, keep_last=1)  # a run resumed from an older one: `latest` is step 2
+    # a run resumed from an older one: `latest` is step 2
+    save(tmp_path, 2, model, tiny_model_dir, keep_last=1)
     assert listing(tmp_path) == ["latest", "step_000002", "step_000004"]
 
 
@@ -104,16 +112,18 @@ def test_a_truncated_optimizer_file_is_named_on_resume(tmp_path, model, tiny_mod
     with open(file, "r+b") as f:
         f.truncate(os.path.getsize(file) // 2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with pytest.raises(ValueError, match=r"step_000001/trainer_rank0\.pt: not a readable checkpoint file, truncated"):
-        checkpoint.load_trainer_state(final, opt, PromptIterator([{"x": 1}], 1, 0), torch.Generator())
+    with pytest.raises(ValueError, match=r"step_000001/trainer_rank0\.pt: not a readable "
+                                         r"checkpoint file, truncated"):
+        checkpoint.load_trainer_state(final, opt, PromptIterator([{"x": 1}], 1, 0),
+                                      torch.Generator())
 
 
-# --- the run directory ------------------------------------------------------------------------------------------------
+# --- the run directory ----------------------------------------------------------------------------
 
 def test_a_new_run_refuses_a_directory_that_holds_one(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
-    with pytest.raises(FileExistsError, match=rf"{tmp_path} already holds a run \(metrics.jsonl\): pass --resume .*"
-                                              r"or --overwrite"):
+    with pytest.raises(FileExistsError, match=rf"{tmp_path} already holds a run "
+                                              r"\(metrics.jsonl\): pass --resume .*or --overwrite"):
         checkpoint.prepare_out_dir(str(tmp_path), resume=False, overwrite=False)
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'  # untouched
 
@@ -130,13 +140,15 @@ def test_overwrite_deletes_the_old_runs_metrics_and_checkpoints_only(tmp_path):
 def test_a_fresh_or_empty_directory_needs_no_flag(tmp_path):
     assert checkpoint.prepare_out_dir(str(tmp_path / "new"), resume=False, overwrite=False) is None
     assert os.path.isdir(tmp_path / "new")
-    (tmp_path / "new" / "metrics.jsonl").write_text("")  # a run that stopped before logging anything
+    # a run that stopped before logging anything
+    (tmp_path / "new" / "metrics.jsonl").write_text("")
     assert checkpoint.prepare_out_dir(str(tmp_path / "new"), resume=False, overwrite=False) is None
 
 
 def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
-    with pytest.raises(FileNotFoundError, match=rf"--resume: {tmp_path} holds no checkpoint to continue from"):
+    with pytest.raises(FileNotFoundError, match=rf"--resume: {tmp_path} holds no checkpoint to "
+                                                r"continue from"):
         checkpoint.prepare_out_dir(str(tmp_path), resume=True, overwrite=False)
     with pytest.raises(ValueError, match="--resume .* --overwrite"):
         checkpoint.prepare_out_dir(str(tmp_path), resume=True, overwrite=True)
@@ -148,7 +160,8 @@ def test_resume_returns_the_latest_checkpoint(tmp_path, model, tiny_model_dir):
 
 
 def test_trim_metrics_drops_the_rows_a_resumed_run_logs_again(tmp_path):
-    # logged: eval 0, steps 1-2, eval at 2, step 3 (its checkpoint never written: a crash), and a torn last line
+    # logged: eval 0, steps 1-2, eval at 2, step 3 (its checkpoint never written: a crash), and a
+    # torn last line
     rows = [{"step": 0, "val/acc": 0.1}, {"step": 1, "acc": 0.2}, {"step": 2, "acc": 0.3},
             {"step": 2, "val/acc": 0.4}, {"step": 3, "acc": 0.5}]
     path = tmp_path / "metrics.jsonl"
@@ -167,14 +180,16 @@ def test_trim_metrics_names_a_broken_line_in_the_middle(tmp_path):
 
 
 def test_resume_refuses_settings_that_change_the_algorithm(tmp_path):
-    saved = {"group_size": 8, "lr": 3e-4, "eps_high": 0.28, "steps": 40, "eval_every": 10, "train_data": "a.jsonl"}
+    saved = {"group_size": 8, "lr": 3e-4, "eps_high": 0.28, "steps": 40, "eval_every": 10,
+             "train_data": "a.jsonl"}
     current = {**saved, "group_size": 16, "lr": 1e-3, "steps": 80, "eval_every": 5, "new_flag": 1}
     with pytest.raises(ValueError, match=r"--resume: ckpt was trained with other settings") as e:
         checkpoint.check_resume_config(saved, current, where="ckpt")
     assert "--group-size: 8 in the checkpoint, 16 now" in str(e.value)
     assert "--lr: 0.0003 in the checkpoint, 0.001 now" in str(e.value)
     assert "steps" not in str(e.value) and "eval" not in str(e.value)  # these may change
-    checkpoint.check_resume_config(saved, {**saved, "steps": 80, "device": "cuda", "micro_batch_size": 2})
+    checkpoint.check_resume_config(saved, {**saved, "steps": 80, "device": "cuda",
+                                           "micro_batch_size": 2})
 
 
 def test_the_saved_config_is_read_back_from_the_checkpoint(tmp_path, model, tiny_model_dir):

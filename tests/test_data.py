@@ -1,7 +1,8 @@
 """data.py: chat-template ids against transformers, dataset loading, and the prompt iterator.
 
-No downloads: the tests build a small byte-level BPE with Qwen2's pipeline and special tokens, and save it next to the
-real Qwen2.5 / Qwen2 chat templates (copied below from the models' tokenizer_config.json).
+No downloads: the tests build a small byte-level BPE with Qwen2's pipeline and special tokens, and
+save it next to the real Qwen2.5 / Qwen2 chat templates (copied below from the models'
+tokenizer_config.json).
 """
 import json
 import logging
@@ -72,16 +73,19 @@ QWEN25_TEMPLATE = r"""{%- if tools %}
 {%- endfor %}
 {%- if add_generation_prompt %}
     {{- '<|im_start|>assistant\n' }}
-{%- endif %}"""
+{%- endif %}"""  # noqa: E501
 
 # Qwen/Qwen2-7B-Instruct tokenizer_config.json "chat_template"
-QWEN2_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+QWEN2_TEMPLATE = ("{% for message in messages %}"
+                  "{% if loop.first and messages[0]['role'] != 'system' %}"
                   "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
-                  "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-                  "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+                  "{{'<|im_start|>' + message['role'] + '\n' + message['content']"
+                  " + '<|im_end|>' + '\n'}}{% endfor %}"
+                  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
-# Not a real model's: whitespace after and before block tags (trim_blocks / lstrip_blocks), `is defined` on a field
-# that is None (transformers drops None fields first), tojson on unicode, and special tokens passed to the template.
+# Not a real model's: whitespace after and before block tags (trim_blocks / lstrip_blocks),
+# `is defined` on a field that is None (transformers drops None fields first), tojson on unicode,
+# and special tokens passed to the template.
 EDGE_TEMPLATE = """{{ pad_token }}{% for message in messages %}
     {% if message.name is defined %}
 [{{ message.name }}]
@@ -93,38 +97,41 @@ EDGE_TEMPLATE = """{{ pad_token }}{% for message in messages %}
 <|im_start|>assistant
 {% endif %}"""
 
-PROMPT = ("Solve the following math problem step by step. The last line of your response should be of the form "
-          "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{}\n\n"
-          "Remember to put your answer on its own line after \"Answer:\".")
+PROMPT = ("Solve the following math problem step by step. The last line of your response should be "
+          "of the form Answer: $Answer (without quotes) where $Answer is the answer to the "
+          "problem.\n\n{}\n\nRemember to put your answer on its own line after \"Answer:\".")
 
 CHATS = [
     [{"role": "user", "content": PROMPT.format("What is $1+1$?")}],
-    [{"role": "system", "content": "You are a careful mathematician."}, {"role": "user", "content": "2+2?"}],
+    [{"role": "system", "content": "You are a careful mathematician."},
+     {"role": "user", "content": "2+2?"}],
     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! 123 456"},
      {"role": "user", "content": "  spaces\tand\n\nnewlines  "}],
     [{"role": "user", "content": "Ünïcödé: 数学 — ∑x² ≤ π 🙂"}],
     [{"role": "user", "content": "literal <|im_end|> inside user text"}],
-    [{"role": "user", "content": "named", "name": None}, {"role": "assistant", "content": "ok", "name": "bot"},
+    [{"role": "user", "content": "named", "name": None},
+     {"role": "assistant", "content": "ok", "name": "bot"},
      {"role": "user", "content": "again"}],
 ]
 
-CORPUS = [PROMPT.format(f"Find the sum of {i} and {i * 7}, then divide by 3.") for i in range(50)] + [
-    "The quick brown fox jumps over the lazy dog. 数学 ∑x² ≤ π 🙂 Ünïcödé",
-    "Hello! How can I help you today?"]
+CORPUS = ([PROMPT.format(f"Find the sum of {i} and {i * 7}, then divide by 3.") for i in range(50)]
+          + ["The quick brown fox jumps over the lazy dog. 数学 ∑x² ≤ π 🙂 Ünïcödé",
+             "Hello! How can I help you today?"])
 
 
-def qwen_like_dir(tmp_path, template, gen_eos=("<|im_end|>", "<|endoftext|>"), eos_token="<|im_end|>",
-                  template_file=False):
-    """A model directory whose tokenizer is built the way Qwen2's is (NFC, Qwen's split regex, byte-level BPE),
-    trained on a few sentences, with Qwen's three special tokens."""
+def qwen_like_dir(tmp_path, template, gen_eos=("<|im_end|>", "<|endoftext|>"),
+                  eos_token="<|im_end|>", template_file=False):
+    """A model directory whose tokenizer is built the way Qwen2's is (NFC, Qwen's split regex,
+    byte-level BPE), trained on a few sentences, with Qwen's three special tokens."""
     tok = HFTokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(toy.QWEN_SPLIT_REGEX), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=600, show_progress=False,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    trainer = trainers.BpeTrainer(vocab_size=600, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")])
     tok.save(str(tmp_path / "tokenizer.json"))
@@ -137,19 +144,22 @@ def qwen_like_dir(tmp_path, template, gen_eos=("<|im_end|>", "<|endoftext|>"), e
         config["chat_template"] = template
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     (tmp_path / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": [tok.token_to_id(t) for t in gen_eos], "pad_token_id": tok.token_to_id("<|endoftext|>")}))
+        {"eos_token_id": [tok.token_to_id(t) for t in gen_eos],
+         "pad_token_id": tok.token_to_id("<|endoftext|>")}))
     return str(tmp_path)
 
 
 def hf_ids(tokenizer, messages):
-    return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False))
+    return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                              return_dict=False))
 
 
-# --- tokenizer and chat template --------------------------------------------------------------------------------------
+# --- tokenizer and chat template ------------------------------------------------------------------
 
 @pytest.mark.parametrize("template", [QWEN25_TEMPLATE, QWEN2_TEMPLATE, EDGE_TEMPLATE],
                          ids=["qwen2.5", "qwen2", "edge"])
-@pytest.mark.parametrize("loader", ["Qwen2Tokenizer", "PreTrainedTokenizerFast"])  # the first is AutoTokenizer's pick
+# the first is AutoTokenizer's pick
+@pytest.mark.parametrize("loader", ["Qwen2Tokenizer", "PreTrainedTokenizerFast"])
 def test_chat_template_ids_match_transformers(tmp_path, template, loader):
     path = qwen_like_dir(tmp_path, template)
     ours = load_tokenizer(path)
@@ -168,10 +178,12 @@ def test_chat_template_ids_match_transformers(tmp_path, template, loader):
 def test_chat_template_inserts_the_default_system_turn(tmp_path, template, system):
     ours = load_tokenizer(qwen_like_dir(tmp_path, template))
     text = ours.render_chat([{"role": "user", "content": "What is 2+2?"}])
-    assert text == (f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
-                    "<|im_start|>assistant\n")
-    with_system = ours.render_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
-    assert with_system.startswith("<|im_start|>system\nBe brief.<|im_end|>\n") and system not in with_system
+    assert text == (f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\nWhat is 2+2?"
+                    "<|im_end|>\n<|im_start|>assistant\n")
+    with_system = ours.render_chat([{"role": "system", "content": "Be brief."},
+                                    {"role": "user", "content": "Hi"}])
+    assert (with_system.startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
+            and system not in with_system)
 
 
 def test_chat_template_jinja_file_takes_priority(tmp_path):
@@ -194,8 +206,8 @@ def test_encode_and_decode_match_transformers(tmp_path):
 def test_decode_skips_special_tokens(tmp_path):
     ours = load_tokenizer(qwen_like_dir(tmp_path, QWEN25_TEMPLATE))
     ids = ours.apply_chat_template([{"role": "user", "content": "Hi"}])
-    assert ours.decode(ids) == ("system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.\n"
-                                "user\nHi\nassistant\n")
+    assert ours.decode(ids) == ("system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+                                "assistant.\nuser\nHi\nassistant\n")
     assert ours.decode(ours.encode("Answer: 34") + [ours.token_to_id("<|im_end|>")]) == "Answer: 34"
 
 
@@ -227,9 +239,11 @@ def test_missing_chat_template_is_a_clear_error(tmp_path):
         load_tokenizer(path).apply_chat_template(CHATS[0])
 
 
-@pytest.mark.parametrize("template_file", [False, True], ids=["tokenizer_config.json", "chat_template.jinja"])
+@pytest.mark.parametrize("template_file", [False, True],
+                         ids=["tokenizer_config.json", "chat_template.jinja"])
 def test_a_chat_template_syntax_error_names_the_file_and_line(tmp_path, template_file):
-    broken = "{% for message in messages %}\n{{ message.content }\n{% endfor %}"  # "}" for "}}" on line 2
+    # "}" for "}}" on line 2
+    broken = "{% for message in messages %}\n{{ message.content }\n{% endfor %}"
     with pytest.raises(ValueError, match=("chat_template.jinja" if template_file else
                                           r"tokenizer_config.json \(its chat_template\)") +
                        r": the chat template does not compile: .* \(line 2 of the template\)"):
@@ -238,21 +252,24 @@ def test_a_chat_template_syntax_error_names_the_file_and_line(tmp_path, template
 
 def test_a_model_vocabulary_smaller_than_the_tokenizer_is_named_with_both_sizes(tmp_path):
     tok = load_tokenizer(qwen_like_dir(tmp_path, QWEN25_TEMPLATE))
-    check_vocab(tok.vocab_size, tok, "/models/m")  # equal: fine (and larger, as Qwen2.5's padded embedding)
+    # equal: fine (and larger, as Qwen2.5's padded embedding)
+    check_vocab(tok.vocab_size, tok, "/models/m")
     small = tok.vocab_size - 1
-    with pytest.raises(ValueError, match=rf"/models/m has vocab_size {small} .*the {tok.vocab_size} token ids of "
-                                         rf"the tokenizer in {tmp_path}"):
+    with pytest.raises(ValueError, match=rf"/models/m has vocab_size {small} .*the "
+                                         rf"{tok.vocab_size} token ids of the tokenizer in "
+                                         rf"{tmp_path}"):
         check_vocab(small, tok, "/models/m")
 
 
 def test_chat_template_runs_sandboxed(tmp_path):
-    evil = "{{ ''.__class__.__mro__[1].__subclasses__() }}"  # a template from the Hub reaching for Python internals
+    # a template from the Hub reaching for Python internals
+    evil = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
     path = qwen_like_dir(tmp_path, evil)
     with pytest.raises(jinja2.exceptions.SecurityError):
         load_tokenizer(path).render_chat(CHATS[0])
 
 
-# --- datasets ---------------------------------------------------------------------------------------------------------
+# --- datasets -------------------------------------------------------------------------------------
 
 def dapo_row(question, answer="34", source="math_dapo", index=0):
     return {"data_source": source, "prompt": [{"role": "user", "content": PROMPT.format(question)}],
@@ -267,7 +284,8 @@ def write_jsonl(path, rows):
 
 def dapo_like_rows():
     """Three problems repeated like the released DAPO-Math-17k file (each ~100x there), shuffled."""
-    rows = [dapo_row(f"Problem {p}?", str(10 + p), index=100 * p + k) for p in range(3) for k in range(4)]
+    rows = [dapo_row(f"Problem {p}?", str(10 + p), index=100 * p + k)
+            for p in range(3) for k in range(4)]
     random.Random(0).shuffle(rows)
     return rows
 
@@ -276,7 +294,8 @@ def test_jsonl_rows_are_deduplicated_and_the_count_logged(tmp_path, caplog):
     rows = dapo_like_rows()
     with caplog.at_level(logging.INFO, logger="data"):
         got = load_rows(write_jsonl(tmp_path / "d.jsonl", rows))
-    first_copies = [r for i, r in enumerate(rows) if r["prompt"] not in [q["prompt"] for q in rows[:i]]]
+    first_copies = [r for i, r in enumerate(rows)
+                    if r["prompt"] not in [q["prompt"] for q in rows[:i]]]
     assert got == first_copies and len(got) == 3
     assert "12 rows read, 9 duplicate prompts dropped, 0 skipped, 3 kept" in caplog.text
 
@@ -292,7 +311,8 @@ def test_parquet_and_jsonl_give_the_same_rows(tmp_path):
     pq = pytest.importorskip("pyarrow.parquet")
     rows = dapo_like_rows()
     pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "d.parquet"))
-    assert load_rows(str(tmp_path / "d.parquet")) == load_rows(write_jsonl(tmp_path / "d.jsonl", rows))
+    parquet = load_rows(str(tmp_path / "d.parquet"))
+    assert parquet == load_rows(write_jsonl(tmp_path / "d.jsonl", rows))
 
 
 def test_parquet_without_pyarrow_says_how_to_get_it(tmp_path, monkeypatch):
@@ -305,20 +325,24 @@ def test_parquet_without_pyarrow_says_how_to_get_it(tmp_path, monkeypatch):
 
 def test_malformed_json_line_names_the_file_and_line(tmp_path):
     path = tmp_path / "bad.jsonl"
-    path.write_text(json.dumps(dapo_row("a")) + "\n\n" + '{"data_source": "math_dapo", "prompt": [\n')
+    path.write_text(json.dumps(dapo_row("a")) + "\n\n"
+                    + '{"data_source": "math_dapo", "prompt": [\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:3: malformed JSON"):
         load_rows(str(path))
 
 
 @pytest.mark.parametrize("broken,message", [
     ([1, 2], "expected an object"),
-    ({"prompt": [{"role": "user", "content": "x"}], "reward_model": {"ground_truth": "1"}}, "data_source"),
-    ({"data_source": "math_dapo", "prompt": "just a string", "reward_model": {"ground_truth": "1"}}, "'prompt'"),
-    ({"data_source": "math_dapo", "prompt": [{"role": "user"}], "reward_model": {"ground_truth": "1"}}, "'prompt'"),
-    ({"data_source": "math_dapo", "prompt": [{"role": "user", "content": "x"}], "reward_model": "1"},
-     "reward_model"),
-    ({"data_source": "math_dapo", "prompt": [{"role": "user", "content": "x"}], "reward_model": {"ground_truth": 1.5}},
-     "ground_truth must be a string"),
+    ({"prompt": [{"role": "user", "content": "x"}], "reward_model": {"ground_truth": "1"}},
+     "data_source"),
+    ({"data_source": "math_dapo", "prompt": "just a string",
+      "reward_model": {"ground_truth": "1"}}, "'prompt'"),
+    ({"data_source": "math_dapo", "prompt": [{"role": "user"}],
+      "reward_model": {"ground_truth": "1"}}, "'prompt'"),
+    ({"data_source": "math_dapo", "prompt": [{"role": "user", "content": "x"}],
+      "reward_model": "1"}, "reward_model"),
+    ({"data_source": "math_dapo", "prompt": [{"role": "user", "content": "x"}],
+      "reward_model": {"ground_truth": 1.5}}, "ground_truth must be a string"),
 ])
 def test_a_row_that_breaks_the_schema_is_rejected_with_its_line(tmp_path, broken, message):
     path = write_jsonl(tmp_path / "d.jsonl", [dapo_row("fine"), broken])
@@ -330,12 +354,15 @@ def test_rows_without_ground_truth_or_prompt_are_skipped_and_counted(tmp_path, c
     no_gt = dapo_row("b")
     del no_gt["reward_model"]["ground_truth"]
     rows = [dapo_row("a"), no_gt, dapo_row("c", answer=""), dapo_row("d"),
-            {**dapo_row("e"), "prompt": []}, {**dapo_row("f"), "prompt": [{"role": "user", "content": "  "}]}]
+            {**dapo_row("e"), "prompt": []},
+            {**dapo_row("f"), "prompt": [{"role": "user", "content": "  "}]}]
     with caplog.at_level(logging.INFO, logger="data"):
         got = load_rows(write_jsonl(tmp_path / "d.jsonl", rows))
     assert [r["prompt"] for r in got] == [dapo_row("a")["prompt"], dapo_row("d")["prompt"]]
-    assert "skipped 2 row(s) with no ground truth (first: " in caplog.text and "d.jsonl:2)" in caplog.text
-    assert "skipped 2 row(s) with empty prompt (first: " in caplog.text and "d.jsonl:5)" in caplog.text
+    assert ("skipped 2 row(s) with no ground truth (first: " in caplog.text
+            and "d.jsonl:2)" in caplog.text)
+    assert ("skipped 2 row(s) with empty prompt (first: " in caplog.text
+            and "d.jsonl:5)" in caplog.text)
     assert "6 rows read, 0 duplicate prompts dropped, 4 skipped, 2 kept" in caplog.text
 
 
@@ -352,7 +379,8 @@ def test_duplicates_with_a_different_answer_are_reported(tmp_path, caplog):
 
 
 def twelve_rows_then(bad):
-    return [dapo_row(f"problem {i}") for i in range(12)] + [bad]  # the bad row is on line 13 / row 12
+    # the bad row is on line 13 / row 12
+    return [dapo_row(f"problem {i}") for i in range(12)] + [bad]
 
 
 def test_a_row_without_a_reward_function_stops_the_load_with_its_line(tmp_path):
@@ -364,8 +392,10 @@ def test_a_row_without_a_reward_function_stops_the_load_with_its_line(tmp_path):
 def test_a_lone_surrogate_stops_the_load_with_its_line(tmp_path):
     path = tmp_path / "d.jsonl"
     write_jsonl(path, twelve_rows_then(dapo_row("SURROGATE")))
-    path.write_text(path.read_text().replace("SURROGATE", "\\ud800"))  # the JSON escape, as a file would hold it
-    with pytest.raises(ValueError, match=r"d.jsonl:13: the prompt holds '\\ud800' at character \d+, half of a"):
+    # the JSON escape, as a file would hold it
+    path.write_text(path.read_text().replace("SURROGATE", "\\ud800"))
+    with pytest.raises(ValueError, match=r"d.jsonl:13: the prompt holds '\\ud800' at character "
+                                         r"\d+, half of a"):
         load_rows(str(path))
 
 
@@ -373,13 +403,15 @@ def test_a_prompt_the_chat_template_cannot_render_stops_the_load_with_its_row(tm
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
     template = ("{% for m in messages %}{% if m.role not in ['system', 'user', 'assistant'] %}"
-                "{{ raise_exception('unknown role ' + m.role) }}{% endif %}{{ m.content }}{% endfor %}")
+                "{{ raise_exception('unknown role ' + m.role) }}{% endif %}"
+                "{{ m.content }}{% endfor %}")
     tok = load_tokenizer(qwen_like_dir(tmp_path, template))
     bad = {**dapo_row("q"), "prompt": [{"role": "tool", "content": "42"}]}
     pq.write_table(pa.Table.from_pylist(twelve_rows_then(bad)), str(tmp_path / "d.parquet"))
-    assert len(load_rows(str(tmp_path / "d.parquet"))) == 13  # without the tokenizer nothing renders
-    with pytest.raises(ValueError, match=r"d.parquet: row 12: the chat template of .* cannot render this prompt: "
-                                         r".*unknown role tool"):
+    # without the tokenizer nothing renders
+    assert len(load_rows(str(tmp_path / "d.parquet"))) == 13
+    with pytest.raises(ValueError, match=r"d.parquet: row 12: the chat template of .* cannot "
+                                         r"render this prompt: .*unknown role tool"):
         load_rows(str(tmp_path / "d.parquet"), tok)
 
 
@@ -389,21 +421,25 @@ def test_a_prompt_the_tokenizer_cannot_encode_stops_the_load_with_its_line(tmp_p
     assert len(load_rows(path, tok)) == 13
     encode = tok.encode
 
-    def refuse(text):  # the batch call fails as a whole; the row is found by encoding one text at a time
+    # the batch call fails as a whole; the row is found by encoding one text at a time
+    def refuse(text):
         if "UNENCODABLE" in text:
             raise TypeError("TextInputSequence must be str")
         return encode(text)
     monkeypatch.setattr(tok, "encode", refuse)
     monkeypatch.setattr(tok, "encode_batch", lambda texts: [refuse(t) for t in texts])
-    with pytest.raises(ValueError, match=r"d.jsonl:13: the tokenizer of .* cannot encode this prompt: TypeError"):
+    with pytest.raises(ValueError, match=r"d.jsonl:13: the tokenizer of .* cannot encode this "
+                                         r"prompt: TypeError"):
         load_rows(path, tok)
 
 
 def test_a_byte_that_is_not_utf8_names_the_file_and_line(tmp_path):
     path = tmp_path / "d.jsonl"
     good = "".join(json.dumps(dapo_row(f"p{i}")) + "\n" for i in range(2))
-    path.write_bytes(good.encode() + json.dumps(dapo_row("caf\xe9"), ensure_ascii=False).encode("latin-1") + b"\n")
-    with pytest.raises(ValueError, match=r"d.jsonl:3: the file is not UTF-8 text \(byte 0xe9 at byte \d+"):
+    bad = json.dumps(dapo_row("caf\xe9"), ensure_ascii=False).encode("latin-1")
+    path.write_bytes(good.encode() + bad + b"\n")
+    with pytest.raises(ValueError, match=r"d.jsonl:3: the file is not UTF-8 text \(byte 0xe9 at "
+                                         r"byte \d+"):
         load_rows(str(path))
 
 
@@ -419,7 +455,8 @@ def test_a_truncated_parquet_file_is_named(tmp_path):
     pq.write_table(pa.Table.from_pylist(dapo_like_rows()), str(tmp_path / "d.parquet"))
     data = (tmp_path / "d.parquet").read_bytes()
     (tmp_path / "d.parquet").write_bytes(data[:len(data) // 2])
-    with pytest.raises(ValueError, match=r"d.parquet: not a readable parquet file after 0 rows; truncated"):
+    with pytest.raises(ValueError, match=r"d.parquet: not a readable parquet file after 0 rows; "
+                                         r"truncated"):
         load_rows(str(tmp_path / "d.parquet"))
 
 
@@ -440,10 +477,11 @@ def test_encode_prompts_truncates_long_prompts_from_the_left(tmp_path):
     ids, n_truncated = encode_prompts(rows, tok, limit)
     assert n_truncated == 1
     assert ids[0] == full[0]
-    assert ids[1] == full[1][-limit:]  # the end survives: the question's tail and the assistant header
+    # the end survives: the question's tail and the assistant header
+    assert ids[1] == full[1][-limit:]
 
 
-# --- prompt iterator --------------------------------------------------------------------------------------------------
+# --- prompt iterator ------------------------------------------------------------------------------
 
 def test_prompt_iterator_batches_are_shuffled_epochs():
     rows = [{"i": i} for i in range(12)]
@@ -458,12 +496,14 @@ def test_prompt_iterator_batches_are_shuffled_epochs():
 def test_prompt_iterator_drops_the_ragged_end_of_an_epoch():
     it = PromptIterator([{"i": i} for i in range(10)], batch_size=4, seed=0)
     sizes = [len(it.next_batch()) for _ in range(5)]
-    assert sizes == [4] * 5 and it.epoch == 2  # 2 batches per epoch; the 2 leftover rows wait for a reshuffle
+    # 2 batches per epoch; the 2 leftover rows wait for a reshuffle
+    assert sizes == [4] * 5 and it.epoch == 2
 
 
 def test_prompt_iterator_order_depends_on_the_seed_only():
     rows = [{"i": i} for i in range(50)]
-    run = lambda seed: [r["i"] for _ in range(7) for r in PromptIterator(rows, 8, seed).next_batch()]
+    def run(seed):
+        return [r["i"] for _ in range(7) for r in PromptIterator(rows, 8, seed).next_batch()]
     assert run(1) == run(1) and run(1) != run(2)
 
 

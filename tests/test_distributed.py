@@ -1,4 +1,5 @@
-"""Two processes (gloo, FSDP2, `torchrun --nproc_per_node=2`) against one: the same update, checkpoint and resume."""
+"""Two processes (gloo, FSDP2, `torchrun --nproc_per_node=2`) against one: the same update,
+checkpoint and resume."""
 import json
 import os
 import socket
@@ -18,11 +19,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def torchrun(*args, timeout=300):
-    """Run under torchrun with 2 processes; a hang (ranks out of lockstep) fails at the timeout instead of blocking."""
+    """Run under torchrun with 2 processes; a hang (ranks out of lockstep) fails at the timeout
+    instead of blocking."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           *args]
     try:
-        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=timeout)
     except subprocess.TimeoutExpired:
         pytest.fail(f"torchrun {' '.join(args)} hung for {timeout}s")
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
@@ -39,7 +43,8 @@ def one_process_update(model_dir, opt_name):
 
 @pytest.fixture(scope="module")
 def two_rank_step(tiny_model_dir, tmp_path_factory):
-    """One update on 2 FSDP ranks, per optimizer: its weights, metrics, logits and checkpoint directory."""
+    """One update on 2 FSDP ranks, per optimizer: its weights, metrics, logits and checkpoint
+    directory."""
     def run(opt_name):
         out = tmp_path_factory.mktemp(f"two-{opt_name}")
         torchrun("tests/dist_worker.py", tiny_model_dir, str(out), opt_name)
@@ -49,9 +54,10 @@ def two_rank_step(tiny_model_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("opt_name,tol", [
     ("sgd", 1e-6),
-    # AdamW divides each gradient coordinate by sqrt(v) + eps: for coordinates with |g| near eps (1e-8) it magnifies
-    # the float32 round-off of summing the same terms in another order on two ranks. Each coordinate moves by at
-    # most ~lr per step, so agreement is asked to 1% of lr (lr = 1e-3)
+    # AdamW divides each gradient coordinate by sqrt(v) + eps: for coordinates with |g| near eps
+    # (1e-8) it magnifies the float32 round-off of summing the same terms in another order on two
+    # ranks. Each coordinate moves by at most ~lr per step, so agreement is asked to 1% of lr
+    # (lr = 1e-3)
     ("adamw", 1e-5),
     # micro-batches by token budget on 2 ranks, against fixed-size ones in one process
     ("sgd-tokens", 1e-6),
@@ -62,7 +68,8 @@ def test_two_ranks_take_the_same_step_as_one(tiny_model_dir, two_rank_step, opt_
     worst = max((one.state_dict()[k] - v).abs().max().item() for k, v in two["weights"].items())
     moved = max((one.state_dict()[k] - v).abs().max().item()
                 for k, v in Qwen2.from_pretrained(tiny_model_dir).state_dict().items())
-    print(f"{opt_name}: max |2-rank - 1-rank| = {worst:.2e} (the step moved weights by up to {moved:.2e})")
+    print(f"{opt_name}: max |2-rank - 1-rank| = {worst:.2e} (the step moved weights by up to "
+          f"{moved:.2e})")
     assert worst < tol and moved > 50 * tol
     assert two["metrics"]["train/updates"] == metrics["train/updates"] == 2
     assert two["metrics"]["actor/pg_loss"] == pytest.approx(metrics["actor/pg_loss"], rel=1e-5)
@@ -77,16 +84,18 @@ def test_ranks_needing_fewer_micro_batches_by_tokens_still_match(two_rank_step):
 def test_two_rank_checkpoint_loads_in_one_process_with_identical_logits(two_rank_step):
     out, two = two_rank_step["adamw"]
     ckpt = out / "checkpoints" / "step_000001"
-    assert sorted(p for p in os.listdir(ckpt) if p.endswith(".pt")) == ["trainer_rank0.pt", "trainer_rank1.pt"]
+    assert (sorted(p for p in os.listdir(ckpt) if p.endswith(".pt"))
+            == ["trainer_rank0.pt", "trainer_rank1.pt"])
     model = Qwen2.from_pretrained(str(ckpt / "model"))
     with torch.no_grad():
         assert torch.equal(model(PROBE), two["logits"])
 
 
 def test_two_rank_run_resumes_exactly(tiny_model_dir, tmp_path):
-    args = ["dapo.py", "--model", tiny_model_dir, "--train-prompts", "4", "--gen-prompts", "4", "--group-size", "4",
-            "--max-gen-batches", "2", "--max-response-len", "10", "--overlong-buffer", "4", "--mini-batch-prompts", "2",
-            "--micro-batch-size", "3", "--eval-every", "2", "--eval-prompts", "6", "--eval-samples", "2",
+    args = ["dapo.py", "--model", tiny_model_dir, "--train-prompts", "4", "--gen-prompts", "4",
+            "--group-size", "4", "--max-gen-batches", "2", "--max-response-len", "10",
+            "--overlong-buffer", "4", "--mini-batch-prompts", "2", "--micro-batch-size", "3",
+            "--eval-every", "2", "--eval-prompts", "6", "--eval-samples", "2",
             "--lr", "1e-3", "--no-dynamic-sampling"]
     torchrun(*args, "--out-dir", str(tmp_path / "straight"), "--steps", "3")
     torchrun(*args, "--out-dir", str(tmp_path / "resumed"), "--steps", "2")
@@ -95,12 +104,14 @@ def test_two_rank_run_resumes_exactly(tiny_model_dir, tmp_path):
     b = Qwen2.from_pretrained(str(tmp_path / "resumed" / "checkpoints" / "step_000003" / "model"))
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(p, q), name
-    lines = [json.loads(l) for l in open(tmp_path / "resumed" / "metrics.jsonl")]
-    assert [l["step"] for l in lines if "rollout/acc" in l] == [1, 2, 3]
-    assert all(l["train/updates"] == 2 for l in lines if "rollout/acc" in l)  # both ranks trained every step
+    lines = [json.loads(line) for line in open(tmp_path / "resumed" / "metrics.jsonl")]
+    assert [row["step"] for row in lines if "rollout/acc" in row] == [1, 2, 3]
+    # both ranks trained every step
+    assert all(row["train/updates"] == 2 for row in lines if "rollout/acc" in row)
 
 
-# --- a rank that goes wrong: two plain processes (tests/dist_fail_worker.py), a few seconds each ---------------------
+# --- a rank that goes wrong -----------------------------------------------------------------------
+# two plain processes (tests/dist_fail_worker.py), a few seconds each
 
 def start_pair(mode, timeout_s):
     with socket.socket() as sock:  # a free port for the rendezvous
@@ -108,9 +119,10 @@ def start_pair(mode, timeout_s):
         port = sock.getsockname()[1]
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0"}
-    return [subprocess.Popen([sys.executable, "tests/dist_fail_worker.py", mode, str(timeout_s)], cwd=ROOT,
-                             env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    return [subprocess.Popen([sys.executable, "tests/dist_fail_worker.py", mode, str(timeout_s)],
+                             cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for r in range(2)]
 
 
 def test_a_stopped_rank_makes_the_others_fail_naming_the_collective():
@@ -123,7 +135,8 @@ def test_a_stopped_rank_makes_the_others_fail_naming_the_collective():
         for p in (waiting, stopped):
             p.kill()  # SIGKILL ends a stopped process too
             p.wait()
-    assert "rank 0: all_reduce 'dynamic-sampling count' timed out after 3 s: another rank stopped" in out, out[-3000:]
+    assert ("rank 0: all_reduce 'dynamic-sampling count' timed out after 3 s: another rank "
+            "stopped" in out), out[-3000:]
     assert waited < 60  # the 3 s timeout plus two interpreter start-ups, not the 30 min default
 
 
@@ -131,7 +144,7 @@ def test_a_nan_in_one_ranks_shard_stops_every_rank_naming_the_parameter():
     procs = start_pair("nan", timeout_s=60)
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
-    assert "rank 1 raised: after step 3: parameter 'model.layers.1.mlp.down_proj.weight' holds 1 NaN and 0 inf" \
-        in outs[1], outs[1][-3000:]
-    assert "rank 0 raised: after step 3: parameter 'model.layers.1.mlp.down_proj.weight' holds NaN/inf values on " \
-        "another rank" in outs[0], outs[0][-3000:]
+    assert ("rank 1 raised: after step 3: parameter 'model.layers.1.mlp.down_proj.weight' "
+            "holds 1 NaN and 0 inf" in outs[1]), outs[1][-3000:]
+    assert ("rank 0 raised: after step 3: parameter 'model.layers.1.mlp.down_proj.weight' "
+            "holds NaN/inf values on another rank" in outs[0]), outs[0][-3000:]

@@ -1,5 +1,6 @@
 """dapo.py refuses what would waste or destroy a run, before loading anything: bad flags, a
-directory that holds another run, a resume that changes the algorithm; and it stops at NaN weights."""
+directory that holds another run, a resume that changes the algorithm; and it stops at
+NaN weights."""
 import json
 
 import pytest

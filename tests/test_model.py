@@ -15,11 +15,14 @@ TOL = 1e-5  # fp32: the same arithmetic in (nearly) the same order
 
 def hf_model(vocab=257, kv_heads=2, heads=4, hidden=64, tied=True, layers=2, seed=0):
     torch.manual_seed(seed)
-    cfg = transformers.Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden + 8,
-                                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                                   rope_theta=1e6, tie_word_embeddings=tied, max_position_embeddings=512)
+    cfg = transformers.Qwen2Config(vocab_size=vocab, hidden_size=hidden,
+                                   intermediate_size=2 * hidden + 8, num_hidden_layers=layers,
+                                   num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                   rope_theta=1e6, tie_word_embeddings=tied,
+                                   max_position_embeddings=512)
     m = transformers.Qwen2ForCausalLM(cfg).float().eval()
-    with torch.no_grad():  # transformers inits biases and norms to constants; randomise so the test sees them
+    # transformers inits biases and norms to constants; randomise so the test sees them
+    with torch.no_grad():
         for name, p in m.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
@@ -31,7 +34,8 @@ def ours_from(hf, tmp_path):
     return Qwen2.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
 
 
-CONFIGS = [  # (vocab, kv_heads, heads, hidden, tied): kv-head ratios 1, 2 and 7, odd vocabs, tied and untied
+# (vocab, kv_heads, heads, hidden, tied): kv-head ratios 1, 2 and 7, odd vocabs, tied and untied
+CONFIGS = [
     (257, 4, 4, 64, True),
     (1001, 2, 4, 64, False),
     (331, 1, 7, 56, True),
@@ -61,7 +65,8 @@ def test_left_padded_batch_matches_each_sequence_alone(tmp_path):
     mask = torch.zeros(3, T, dtype=torch.bool)
     for i, s in enumerate(seqs):
         ids[i, T - len(s):], mask[i, T - len(s):] = s, True
-    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # each sequence's first real token at position 0
+    # each sequence's first real token at position 0
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         batch = ours(ids, positions=positions, attention_mask=mask)
         hf_batch = hf(ids, attention_mask=mask.long(), position_ids=positions).logits
@@ -80,7 +85,8 @@ def test_cached_decode_matches_full_forward(tmp_path):
         cache = ours.new_kv_cache(2, 32)
         steps = [ours(x[:, :8], kv_cache=cache.upto(8))]  # prefill 8, then one token at a time
         for t in range(8, 20):
-            steps.append(ours(x[:, t:t + 1], positions=torch.full((2, 1), t), kv_cache=cache.upto(t + 1)))
+            steps.append(ours(x[:, t:t + 1], positions=torch.full((2, 1), t),
+                              kv_cache=cache.upto(t + 1)))
     assert (torch.cat(steps, 1) - full).abs().max() < TOL
 
 
@@ -89,7 +95,8 @@ def test_hidden_and_head_paths_give_the_logits(tmp_path):
     x = torch.randint(0, 300, (2, 10))
     with torch.no_grad():
         logits = ours(x)
-        hidden = ours(x, head=lambda h, w: h)  # a head that leaves the final hidden states as they are
+        # a head that leaves the final hidden states as they are
+        hidden = ours(x, head=lambda h, w: h)
         via_head = ours(x, head=lambda h, w: h @ w.T)
     assert hidden.shape == (2, 10, 64)
     assert (ours.lm_head(hidden) - logits).abs().max() < TOL
@@ -101,7 +108,8 @@ def test_our_checkpoint_loads_in_transformers(tmp_path, tied):
     torch.manual_seed(1)
     ours = Qwen2(preset("tiny", vocab_size=211, tie_word_embeddings=tied)).eval()
     ours.save_pretrained(str(tmp_path / "ours"))
-    hf = transformers.Qwen2ForCausalLM.from_pretrained(str(tmp_path / "ours"), dtype=torch.float32).eval()
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(str(tmp_path / "ours"),
+                                                       dtype=torch.float32).eval()
     x = torch.randint(0, 211, (2, 15))
     with torch.no_grad():
         assert (hf(x).logits - ours(x)).abs().max() < TOL
@@ -119,7 +127,8 @@ def test_sharded_checkpoint_loads(tmp_path):
     ours.save_pretrained(str(tmp_path / "sharded"), max_shard_bytes=60_000)
     files = sorted(os.listdir(tmp_path / "sharded"))
     assert "model.safetensors.index.json" in files and "model-00001-of-" in files[1]
-    hf = transformers.Qwen2ForCausalLM.from_pretrained(str(tmp_path / "sharded"), dtype=torch.float32)
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(str(tmp_path / "sharded"),
+                                                       dtype=torch.float32)
     again = Qwen2.from_pretrained(str(tmp_path / "sharded"))
     x = torch.randint(0, 211, (1, 9))
     with torch.no_grad():
@@ -128,10 +137,11 @@ def test_sharded_checkpoint_loads(tmp_path):
 
 
 def test_config_reads_old_top_level_rope_theta_and_new_rope_parameters():
-    base = dict(model_type="qwen2", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-                num_attention_heads=2, num_key_value_heads=1)
+    base = dict(model_type="qwen2", vocab_size=10, hidden_size=8, intermediate_size=16,
+                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
     old = ModelConfig.from_hf({**base, "rope_theta": 12345.0, "torch_dtype": "bfloat16"})
-    new = ModelConfig.from_hf({**base, "rope_parameters": {"rope_theta": 54321.0, "rope_type": "default"}})
+    rope = {"rope_theta": 54321.0, "rope_type": "default"}
+    new = ModelConfig.from_hf({**base, "rope_parameters": rope})
     assert old.rope_theta == 12345.0 and old.torch_dtype == "bfloat16"
     assert new.rope_theta == 54321.0
     with pytest.raises(ValueError, match="yarn"):
@@ -169,7 +179,8 @@ def test_missing_key_is_named(saved):
 
 def test_unexpected_key_is_named_with_its_file(saved):
     _rewrite(saved, lambda sd: sd.update({"model.layers.9.extra.weight": torch.zeros(2)}))
-    with pytest.raises(ValueError, match=r"model\.safetensors: unexpected key 'model\.layers\.9\.extra\.weight'"):
+    with pytest.raises(ValueError, match=r"model\.safetensors: unexpected key "
+                                         r"'model\.layers\.9\.extra\.weight'"):
         Qwen2.from_pretrained(str(saved))
 
 
@@ -197,8 +208,10 @@ def test_save_replaces_an_existing_checkpoint_whole(saved):
 
 
 def test_a_nan_weight_is_refused_naming_the_file_and_tensor(saved):
-    _rewrite(saved, lambda sd: sd["model.layers.1.mlp.up_proj.weight"].view(-1)[7].fill_(float("nan")))
-    with pytest.raises(ValueError, match=r"model\.safetensors: 'model\.layers\.1\.mlp\.up_proj\.weight' holds 1 NaN "
+    _rewrite(saved,
+             lambda sd: sd["model.layers.1.mlp.up_proj.weight"].view(-1)[7].fill_(float("nan")))
+    with pytest.raises(ValueError, match=r"model\.safetensors: "
+                                         r"'model\.layers\.1\.mlp\.up_proj\.weight' holds 1 NaN "
                                          r"and 0 inf value\(s\) among its \d+: refusing to load"):
         Qwen2.from_pretrained(str(saved))
 
@@ -207,14 +220,16 @@ def test_weights_with_an_inf_are_never_saved(tmp_path):
     m = Qwen2(preset("tiny", vocab_size=50))
     with torch.no_grad():
         m.model.norm.weight[3] = float("inf")
-    with pytest.raises(ValueError, match=r"not saving .*'model\.norm\.weight' holds 0 NaN and 1 inf"):
+    with pytest.raises(ValueError, match=r"not saving .*'model\.norm\.weight' holds 0 NaN and "
+                                         r"1 inf"):
         m.save_pretrained(str(tmp_path / "ckpt"))
     assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("field,value,expected", [
     ("hidden_size", "128", r"'hidden_size' must be a positive integer, got \"128\" \(str\)"),
-    ("num_hidden_layers", 2.0, r"'num_hidden_layers' must be a positive integer, got 2.0 \(float\)"),
+    ("num_hidden_layers", 2.0,
+     r"'num_hidden_layers' must be a positive integer, got 2.0 \(float\)"),
     ("num_attention_heads", 0, r"'num_attention_heads' must be a positive integer, got 0"),
     ("rope_theta", "1e6", r"'rope_theta' must be a positive number, got \"1e6\""),
     ("tie_word_embeddings", "false", r"'tie_word_embeddings' must be true or false, got \"false\""),
@@ -231,20 +246,23 @@ def test_a_config_field_of_the_wrong_type_is_named_with_its_file(saved, field, v
 def test_a_truncated_safetensors_file_is_named(saved, keep):
     data = (saved / "model.safetensors").read_bytes()
     (saved / "model.safetensors").write_bytes(data[:keep])
-    with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file, truncated"):
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file, "
+                                         r"truncated"):
         Qwen2.from_pretrained(str(saved))
 
 
 def test_saving_into_a_model_directory_keeps_the_files_it_does_not_own(tmp_path):
     d = tmp_path / "m"
-    Qwen2(preset("tiny", vocab_size=50, tie_word_embeddings=False)).save_pretrained(str(d), max_shard_bytes=60_000)
+    sharded = Qwen2(preset("tiny", vocab_size=50, tie_word_embeddings=False))
+    sharded.save_pretrained(str(d), max_shard_bytes=60_000)
     (d / "tokenizer.json").write_text("{}")
     (d / "extra").mkdir()
     (d / "extra" / "notes.txt").write_text("kept")
     m = Qwen2(preset("tiny", vocab_size=50))
     m.save_pretrained(str(d))  # one file now: the shards and their index go, the rest stays
     assert sorted(os.listdir(d)) == ["config.json", "extra", "model.safetensors", "tokenizer.json"]
-    assert (d / "tokenizer.json").read_text() == "{}" and (d / "extra" / "notes.txt").read_text() == "kept"
+    assert ((d / "tokenizer.json").read_text() == "{}"
+            and (d / "extra" / "notes.txt").read_text() == "kept")
     x = torch.randint(0, 50, (1, 5))
     with torch.no_grad():
         assert torch.equal(Qwen2.from_pretrained(str(d))(x), m(x))
@@ -252,7 +270,8 @@ def test_saving_into_a_model_directory_keeps_the_files_it_does_not_own(tmp_path)
 
 def test_saved_files_are_readable_by_everyone(tmp_path):
     Qwen2(preset("tiny", vocab_size=50)).save_pretrained(str(tmp_path / "m"))
-    modes = {name: oct(os.stat(tmp_path / "m" / name).st_mode & 0o777) for name in os.listdir(tmp_path / "m")}
+    modes = {name: oct(os.stat(tmp_path / "m" / name).st_mode & 0o777)
+             for name in os.listdir(tmp_path / "m")}
     assert modes == {"config.json": oct(0o644 & ~_umask()), "model.safetensors": "0o644"}
 
 
@@ -270,7 +289,8 @@ def test_a_full_disk_names_the_file_and_leaves_the_directory_as_it_was(saved, mo
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(model_module, "save_file", no_space)
-    with pytest.raises(OSError, match=r"could not write .*/\.tmp-ckpt-\w+/model\.safetensors: the disk is full"):
+    with pytest.raises(OSError, match=r"could not write .*/\.tmp-ckpt-\w+/model\.safetensors: "
+                                      r"the disk is full"):
         Qwen2(preset("tiny", vocab_size=50)).save_pretrained(str(saved))
     assert {name: (saved / name).read_bytes() for name in os.listdir(saved)} == before
     assert os.listdir(saved.parent) == ["ckpt"]  # no temporary directory left behind
@@ -280,8 +300,10 @@ def test_files_and_directory_are_synced_before_the_rename(tmp_path, monkeypatch)
     import model as model_module
     events = []
     fsync, replace = model_module.fsync, os.replace
-    monkeypatch.setattr(model_module, "fsync", lambda p: (events.append(("fsync", os.path.basename(p))), fsync(p)))
-    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("rename", os.path.basename(a))), replace(a, b)))
+    monkeypatch.setattr(model_module, "fsync",
+                        lambda p: (events.append(("fsync", os.path.basename(p))), fsync(p)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("rename", os.path.basename(a))),
+                                                     replace(a, b)))
     Qwen2(preset("tiny", vocab_size=50)).save_pretrained(str(tmp_path / "m"))
     tmp = next(name for kind, name in events if kind == "rename")
     assert events.index(("fsync", "model.safetensors")) < events.index(("fsync", tmp)) < \

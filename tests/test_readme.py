@@ -71,7 +71,8 @@ class Names:
 out = {}
 for command in json.loads(sys.argv[1]):
     names = Names()
-    code = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", *shlex.split(command)[1:]], plugins=[names])
+    args = ["--collect-only", "-q", "-p", "no:cacheprovider", *shlex.split(command)[1:]]
+    code = pytest.main(args, plugins=[names])
     out[command] = getattr(names, "names", None) if code == 0 else None
 print("SELECTED " + json.dumps(out))
 """
@@ -79,11 +80,12 @@ print("SELECTED " + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def selected():
-    """{command: names of the tests it collects}, all commands collected in one Python process (imports once)."""
+    """{command: names of the tests it collects}, all commands collected in one Python process
+    (imports once)."""
     commands = [command for command, _ in pytest_commands()]
-    out = subprocess.run([sys.executable, "-c", COLLECT, json.dumps(commands)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=600)
-    line = next((l for l in out.stdout.splitlines() if l.startswith("SELECTED ")), None)
+    out = subprocess.run([sys.executable, "-c", COLLECT, json.dumps(commands)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    line = next((s for s in out.stdout.splitlines() if s.startswith("SELECTED ")), None)
     assert line, out.stdout[-2000:] + out.stderr[-2000:]
     return json.loads(line[len("SELECTED "):])
 

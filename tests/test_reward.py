@@ -1,16 +1,18 @@
-"""reward.py: math_dapo's answer check, edge cases included, Eq. 13's overlong shaping, and the dispatch.
+"""reward.py: math_dapo's answer check, edge cases included, Eq. 13's overlong shaping, and
+the dispatch.
 
-The expected values were worked out by reading verl's math_dapo.py step by step (and cross-checked by running it), so
-each row is a fact about the official verifier, quirks included: several rows show answers a human would accept that
-it rejects, or the reverse. Matching those quirks is the point: the DAPO numbers were measured with this verifier.
+The expected values were worked out by reading verl's math_dapo.py step by step (and cross-checked
+by running it), so each row is a fact about the official verifier, quirks included: several rows
+show answers a human would accept that it rejects, or the reverse. Matching those quirks is the
+point: the DAPO numbers were measured with this verifier.
 """
 import os
 import time
 
 import pytest
 
-from reward import (WINDOW, compute_score, extract_answer, has_scorer, normalize, normalized_ground_truth,
-                    overlong_penalty, score_response)
+from reward import (WINDOW, compute_score, extract_answer, has_scorer, normalize,
+                    normalized_ground_truth, overlong_penalty, score_response)
 
 # (raw answer text, what math_dapo's normalisation makes of it)
 NORMALIZE_CASES = [
@@ -36,7 +38,8 @@ NORMALIZE_CASES = [
     ("\\frac{1}{2}", "\\frac{1}{2}"),
     ("\\frac12", "\\frac{1}{2}"),
     ("\\frac123", "\\frac{1}{2}3"),
-    ("\\dfrac12", "\\dfrac{1}{2}"),  # the "frac" inside \dfrac is rewritten too, but \dfrac stays \dfrac
+    # the "frac" inside \dfrac is rewritten too, but \dfrac stays \dfrac
+    ("\\dfrac12", "\\dfrac{1}{2}"),
     ("-\\frac{3}{4}", "-\\frac{3}{4}"),
     ("\\frac{\\sqrt3}{2}", "\\frac{\\sqrt{3}}{2}"),
     # square roots
@@ -95,7 +98,8 @@ RESPONSE_CASES = [
     ("Answer: 3\nwait, no.\nAnswer: 4", "4", "4", True),  # the last line wins
     ("answer : 7", "7", "7", True),  # any case, spaces around the colon
     ("ANSWER:7", "7", "7", True),
-    ("Answer: 5 Answer: 6", "6", "5Answer:6", False),  # a match takes its whole line: the later one is never seen
+    # a match takes its whole line: the later one is never seen
+    ("Answer: 5 Answer: 6", "6", "5Answer:6", False),
     ("Answer:\n42", "42", "42", True),  # the \s* after the colon crosses the newline
     ("Answer:\n\nAnswer: 9", "9", "Answer:9", False),  # ... and then swallows the next Answer: line
     ("Answer: $\\boxed{42}$", "42", "42", True),
@@ -103,7 +107,8 @@ RESPONSE_CASES = [
     ("Answer: 1000", "1,000", "1000", True),  # the ground truth is normalised too
     ("Answer: 42. I hope that helps", "42", "42.Ihopethathelps", False),
     ("Answer: 5.", "5", "5.", False),
-    ("The answer is \\boxed{7}.", "7", "[INVALID]", False),  # a box alone is not an answer on this path
+    # a box alone is not an answer on this path
+    ("The answer is \\boxed{7}.", "7", "[INVALID]", False),
 ]
 
 
@@ -116,12 +121,14 @@ def test_compute_score_matches_math_dapo(response, gt, pred, acc):
 
 def test_only_the_last_300_characters_are_read():
     answer = "Answer: 42\n"
-    inside = answer + "z" * (WINDOW - len(answer))  # exactly 300 characters: the answer line is the window's start
+    # exactly 300 characters: the answer line is the window's start
+    inside = answer + "z" * (WINDOW - len(answer))
     assert len(inside) == WINDOW and compute_score(inside, "42")["acc"]
     assert compute_score("x" * 10_000 + inside, "42")["acc"]
     cut = answer + "z" * (WINDOW - len(answer) + 1)  # one more: the window starts at "nswer: 42"
     assert compute_score(cut, "42")["pred"] == "[INVALID]"
-    assert compute_score("Answer: 7\n" + "y" * 400, "7")["pred"] == "[INVALID]"  # an early answer is not seen
+    # an early answer is not seen
+    assert compute_score("Answer: 7\n" + "y" * 400, "7")["pred"] == "[INVALID]"
 
 
 def test_extract_answer_takes_the_last_of_thousands_of_lines():
@@ -162,12 +169,13 @@ def test_adversarial_responses_are_scored_fast(response):
     out = compute_score(response, "5")
     elapsed = time.perf_counter() - start
     assert out["score"] in (1.0, -1.0)
-    assert elapsed < 0.05, f"{elapsed:.3f} s"  # a normal call takes ~20 us; 50 ms leaves room for a slow machine
+    # a normal call takes ~20 us; 50 ms leaves room for a slow machine
+    assert elapsed < 0.05, f"{elapsed:.3f} s"
 
 
 def test_a_long_ground_truth_is_normalised_once_per_group():
-    # the "$...$" regex is quadratic on a line without "$": ~0.8 s for these 10k characters, once; a group of 16
-    # responses would otherwise pay it 16 times
+    # the "$...$" regex is quadratic on a line without "$": ~0.8 s for these 10k characters, once; a
+    # group of 16 responses would otherwise pay it 16 times
     gt = "1" * 10_000
     normalized_ground_truth.cache_clear()
     responses = [f"Answer: {gt[:250]}"] * 15 + ["Answer: 7"]
@@ -176,8 +184,10 @@ def test_a_long_ground_truth_is_normalised_once_per_group():
     after_first = time.perf_counter()
     rest = [compute_score(r, gt) for r in responses[1:]]
     elapsed = time.perf_counter() - after_first
-    assert elapsed < 0.1, f"15 more responses took {elapsed:.3f} s (the first {after_first - start:.3f} s)"
-    assert [first] + rest == [{"score": -1.0, "acc": False, "pred": normalize(r[-WINDOW:].split(": ")[1])}
+    assert elapsed < 0.1, (f"15 more responses took {elapsed:.3f} s (the first "
+                           f"{after_first - start:.3f} s)")
+    assert [first] + rest == [{"score": -1.0, "acc": False,
+                               "pred": normalize(r[-WINDOW:].split(": ")[1])}
                               for r in responses]
     assert normalized_ground_truth(gt) == normalize(gt) == gt
 
@@ -190,7 +200,7 @@ def test_response_text_is_never_executed(tmp_path):
     assert not os.path.exists(marker)  # ...and never run
 
 
-# --- overlong shaping, paper Eq. 13 -----------------------------------------------------------------------------------
+# --- overlong shaping, paper Eq. 13 ---------------------------------------------------------------
 
 def test_overlong_penalty_at_the_paper_settings():
     L, B = 20480, 4096
@@ -220,12 +230,14 @@ def test_overlong_penalty_rejects_a_buffer_outside_the_max_length(buffer_len):
         overlong_penalty(10, 64, buffer_len)
 
 
-# --- dispatch by data_source ------------------------------------------------------------------------------------------
+# --- dispatch by data_source ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("source", ["math_dapo", "toy_sum", "aime2024", "aime_2025"])
 def test_score_response_routes_math_sources_to_math_dapo(source):
-    assert score_response(source, "2+2=4.\nAnswer: 4", "4") == {"score": 1.0, "acc": True, "pred": "4"}
-    assert score_response(source, "Answer: \\boxed{4}", "5") == {"score": -1.0, "acc": False, "pred": "4"}
+    right = score_response(source, "2+2=4.\nAnswer: 4", "4")
+    assert right == {"score": 1.0, "acc": True, "pred": "4"}
+    wrong = score_response(source, "Answer: \\boxed{4}", "5")
+    assert wrong == {"score": -1.0, "acc": False, "pred": "4"}
 
 
 def test_score_response_rejects_an_unknown_data_source():
@@ -233,7 +245,7 @@ def test_score_response_rejects_an_unknown_data_source():
         score_response("openai/gsm8k", "Answer: 4", "4")
 
 
-@pytest.mark.parametrize("source,known", [("math_dapo", True), ("aime2024", True), ("toy_sum", True),
-                                          ("gsm8k", False), ("", False)])
+@pytest.mark.parametrize("source,known", [("math_dapo", True), ("aime2024", True),
+                                          ("toy_sum", True), ("gsm8k", False), ("", False)])
 def test_has_scorer_says_which_data_sources_can_be_rewarded(source, known):
     assert has_scorer(source) is known

@@ -1,4 +1,5 @@
-"""toy.py: the demo's tokenizer against transformers, the toy rows and the warm-up data the base model learns from."""
+"""toy.py: the demo's tokenizer against transformers, the toy rows and the warm-up data the base
+model learns from."""
 import pytest
 
 import reward
@@ -18,7 +19,8 @@ def test_toy_tokenizer_matches_transformers(toy_tok):
     ref = transformers.Qwen2Tokenizer.from_pretrained(toy_tok.name)
     for row in toy_rows(20, 0):
         assert toy_tok.apply_chat_template(row["prompt"]) == hf_ids(ref, row["prompt"])
-    assert toy_tok.render_chat(toy_rows(1, 0)[0]["prompt"]).endswith("<|im_end|>\n<|im_start|>assistant\n")
+    prompt = toy_rows(1, 0)[0]["prompt"]
+    assert toy_tok.render_chat(prompt).endswith("<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_toy_tokenizer_is_small_and_splits_every_digit(toy_tok):
@@ -35,7 +37,8 @@ def test_toy_tokenizer_decodes_text_exactly(toy_tok):
 
 
 def test_toy_tokenizer_stops_at_im_end_and_endoftext(toy_tok):
-    assert toy_tok.eos_token_ids == [toy_tok.token_to_id("<|im_end|>"), toy_tok.token_to_id("<|endoftext|>")]
+    assert toy_tok.eos_token_ids == [toy_tok.token_to_id("<|im_end|>"),
+                                     toy_tok.token_to_id("<|endoftext|>")]
 
 
 def test_toy_rows_follow_the_dapo_schema():
@@ -43,7 +46,8 @@ def test_toy_rows_follow_the_dapo_schema():
     for row in rows:
         terms = [int(t) for t in row["prompt"][0]["content"].split("+")]
         assert row["data_source"] == "toy_sum" and row["prompt"][0]["role"] == "user"
-        assert toy.TOY_MIN_TERMS <= len(terms) <= toy.TOY_MAX_TERMS and all(0 <= t <= 9 for t in terms)
+        assert (toy.TOY_MIN_TERMS <= len(terms) <= toy.TOY_MAX_TERMS
+                and all(0 <= t <= 9 for t in terms))
         assert row["reward_model"]["ground_truth"] == str(sum(terms))
     assert rows == toy_rows(50, seed=3) and rows != toy_rows(50, seed=4)
 
@@ -58,14 +62,17 @@ def test_toy_train_and_test_problems_are_disjoint():
 
 def test_toy_warmup_is_right_only_some_of_the_time():
     pairs = toy_warmup_pairs(4000, 0)
-    acc = [reward.score_response("toy_sum", resp, str(sum(map(int, p[0]["content"].split("+")))))["acc"]
+    acc = [reward.score_response("toy_sum", resp,
+                                 str(sum(map(int, p[0]["content"].split("+")))))["acc"]
            for p, resp in pairs]
-    assert 0.2 <= sum(acc) / len(acc) <= 0.4  # a base model that can, but mostly does not, get it right
+    # a base model that can, but mostly does not, get it right
+    assert 0.2 <= sum(acc) / len(acc) <= 0.4
     assert all(resp.split("\n")[-1].startswith("Answer: ") for _, resp in pairs)
 
 
 def test_toy_warmup_working_is_right_and_guesses_mostly_wrong():
-    # RL can only sharpen what the base model already samples: worked answers must be right, direct ones a guess
+    # RL can only sharpen what the base model already samples: worked answers must be right,
+    # direct ones a guess
     worked, guessed = [], []
     for (messages,), resp in ((p, r) for p, r in toy_warmup_pairs(3000, 1)):
         right = resp.rsplit("Answer: ", 1)[1] == str(sum(map(int, messages["content"].split("+"))))
@@ -76,8 +83,9 @@ def test_toy_warmup_working_is_right_and_guesses_mostly_wrong():
 
 
 def test_toy_warmup_lengths_vary_past_the_demo_limit(toy_tok):
-    lengths = [len(toy_tok.encode(resp)) + 1 for _, resp in toy_warmup_pairs(2000, 0)]  # +1: the EOS
+    # +1: the EOS
+    lengths = [len(toy_tok.encode(resp)) + 1 for _, resp in toy_warmup_pairs(2000, 0)]
     over = sum(n > toy.TOY_MAX_RESPONSE_LEN for n in lengths) / len(lengths)
-    in_buffer = sum(toy.TOY_MAX_RESPONSE_LEN - toy.TOY_OVERLONG_BUFFER < n <= toy.TOY_MAX_RESPONSE_LEN
-                    for n in lengths) / len(lengths)
+    buffer_start = toy.TOY_MAX_RESPONSE_LEN - toy.TOY_OVERLONG_BUFFER
+    in_buffer = sum(buffer_start < n <= toy.TOY_MAX_RESPONSE_LEN for n in lengths) / len(lengths)
     assert min(lengths) < 16 and 0.03 < over < 0.25 and in_buffer > 0.03
