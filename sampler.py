@@ -28,10 +28,9 @@ query can see):
     slot 1:     b  b  B  B  B  B                   decode on
     slot 2:     c  c  c  c  C  C
 
-Slots freed in one step are refilled by one batched prefill, and copies of one prompt (the G samples of
-a group) are prefilled once, their keys copied. The cache is allocated once, B x max_len. Lockstep
-batching (every row decodes until the longest one ends) spends most of a long-tailed rollout decoding
-padding; here a slot is busy as long as sequences wait.
+Slots freed in one step are refilled by one batched prefill. The cache is allocated once, B x max_len.
+Lockstep batching (every row decodes until the longest one ends) spends most of a long-tailed rollout
+decoding padding; here a slot is busy as long as sequences wait.
 """
 import math
 from collections import deque
@@ -74,32 +73,21 @@ def last_token_logits(hidden, lm_head_weight):
 
 def prefill_slots(model, prompts: list[list[int]], slots: list[int], kv_cache):
     """Write the keys/values of prompts (n token lists) at positions [0, len) of cache rows `slots`
-    -> each prompt's next-token logits (n, V). Copies of one prompt share one forward."""
+    -> each prompt's next-token logits (n, V)."""
     device = kv_cache.k[0].device
-    first = {}  # prompt -> the index of its first copy
-    source = [first.setdefault(tuple(p), i) for i, p in enumerate(prompts)]  # the copy each one reuses
-    unique = list(first.values())  # (u,)
-    P = max(len(prompts[i]) for i in unique)
+    P = max(len(p) for p in prompts)
     # right-padded: each prompt starts at position 0 of its slot, and since a query sees keys up to its
     # own position only, the pads after a prompt stay out of its view (decoding overwrites them)
-    ids = torch.zeros(len(unique), P, dtype=torch.long)  # (u, P)
-    for row, i in enumerate(unique):
-        ids[row, :len(prompts[i])] = torch.tensor(prompts[i])
-    last = torch.tensor([len(prompts[i]) - 1 for i in unique], device=device)  # (u,)
+    ids = torch.zeros(len(prompts), P, dtype=torch.long)  # (n, P)
+    for row, p in enumerate(prompts):
+        ids[row, :len(p)] = torch.tensor(p)
+    last = torch.tensor([len(p) - 1 for p in prompts], device=device)  # (n,)
 
     def head(hidden, w):  # the output layer on each prompt's last real token only
-        return F.linear(hidden[torch.arange(len(unique), device=device), last], w).float()  # (u, V)
+        return F.linear(hidden[torch.arange(len(prompts), device=device), last], w).float()  # (n, V)
 
-    slot_ids = torch.tensor(slots, device=device)  # (n,)
-    logits = model(ids.to(device), kv_cache=kv_cache.upto(P), cache_rows=slot_ids[unique],
-                   head=head)  # (u, V)
-    copies = [i for i in range(len(prompts)) if source[i] != i]
-    if copies:  # the group's other samples: the same keys and values, copied into their own slots
-        dst, src = slot_ids[copies], slot_ids[[source[i] for i in copies]]
-        for layer_cache in kv_cache.k + kv_cache.v:  # (B, Hkv, max_len, D) each
-            layer_cache[dst, :, :P] = layer_cache[src, :, :P]
-    row_of = {i: row for row, i in enumerate(unique)}
-    return logits[[row_of[source[i]] for i in range(len(prompts))]]  # (n, V)
+    rows = torch.tensor(slots, device=device)  # (n,)
+    return model(ids.to(device), kv_cache=kv_cache.upto(P), cache_rows=rows, head=head)  # (n, V)
 
 
 def decode_one_token(model, tokens, positions, kv_cache):
