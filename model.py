@@ -224,15 +224,16 @@ class KVCache:
         return KVCache(self.k, self.v, n)
 
     def update(self, layer, k, v, positions, rows=None):
-        """k, v (n, Hkv, T, D) of tokens at positions (n, T) in cache rows `rows` (n,) (None: all rows, in order)
+        """k, v (n, Hkv, T, D) of tokens at positions (n, T) in cache rows `rows` (n,) (None: rows 0..n-1)
         -> those rows' keys and values, (n, Hkv, S, D) each, S = self.length."""
-        index = torch.arange(k.shape[0], device=k.device) if rows is None else rows  # (n,)
+        n = k.shape[0]
+        index = torch.arange(n, device=k.device) if rows is None else rows  # (n,)
         # index[:, None] and positions index dims 0 and 2 together: the indexed shape is (n, T, Hkv, D)
         self.k[layer][index[:, None], :, positions] = k.transpose(1, 2)
         self.v[layer][index[:, None], :, positions] = v.transpose(1, 2)
         S = self.length or self.k[layer].shape[2]
-        if rows is None:  # every row in order (a decode step): views, no copy
-            return self.k[layer][:, :, :S], self.v[layer][:, :, :S]
+        if rows is None:  # the first rows in order (a decode step: all of them): views, no copy
+            return self.k[layer][:n, :, :S], self.v[layer][:n, :, :S]
         return self.k[layer][rows, :, :S], self.v[layer][rows, :, :S]  # a prefill into some rows: a gather
 
 

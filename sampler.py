@@ -1,32 +1,36 @@
 """
-The rollout engine: KV-cached sampling from model.Qwen2 with continuous batching, returning what RL training needs.
+The rollout engine: KV-cached sampling from model.Qwen2 with continuous batching, returning what RL
+training needs.
 
-DAPO spends most of its wall time here (16 responses per prompt, hundreds of prompts per step, lengths from a few
-tokens to the limit). In the spirit of gpt-fast's generate.py, generation is a few small functions that compose:
+DAPO spends most of its wall time here: 16 responses per prompt, hundreds of prompts per step, lengths
+from a few tokens to the limit. In the spirit of gpt-fast's generate.py, generation is a few small
+functions that compose:
 
     prefill_slots()     one forward over new prompts: writes their keys/values into free cache slots
     decode_one_token()  one forward of one new token per slot against the cache
     filter_logits()     top-k, then top-p (nucleus) truncation
     sample()            temperature, truncation, the draw, and the log-prob of the drawn token
-    generate()          runs them: fills the slots, then decodes; a slot whose sequence ends takes the next one
+    generate()          runs them: fills the slots, decodes, and gives a slot whose sequence ended
+                        to the next waiting sequence
 
-Continuous batching: the KV cache has B rows ("slots") of max_len positions, however many sequences there are. A
-token's index in its slot is its RoPE position, and a query sees the keys of its own slot up to its position, so
-every slot keeps its own length. Below, B = 3 and the sequences a, b, c, d, e wait in this order (lower case: prompt
-tokens, upper case: response tokens, `.`: stale keys no query can see):
+Continuous batching: the KV cache has B rows ("slots") of max_len positions, however many sequences
+there are. A token's index in its slot is its RoPE position, and a query sees the keys of its own slot
+up to its own position, so every slot keeps its own length. Below, B = 3 and the sequences a, b, c, d, e
+wait in this order (lower case: prompt tokens, upper case: response tokens, `.`: stale keys that no
+query can see):
 
     position:   0  1  2  3  4  5  6
-    slot 0:     a  a  a  A  A  A               a samples an EOS: its slot is free...
+    slot 0:     a  a  a  A  A  A               a samples an EOS: its slot is free ...
     slot 1:     b  b  B  B  B
     slot 2:     c  c  c  c  C
 
-    slot 0:     d  d  d  d  .  .               ...and d's prompt is prefilled into it while b and c decode on
-    slot 1:     b  b  B  B  B  B
+    slot 0:     d  d  d  d  .  .               ... and d's prompt is prefilled into it, while b and c
+    slot 1:     b  b  B  B  B  B                   decode on
     slot 2:     c  c  c  c  C  C
 
-Rows that end in the same step are refilled with one batched prefill; copies of one prompt (the G samples of a
-group) are prefilled once and their keys copied. The cache is allocated once, B x max_len; a slot never decodes
-padding while a sequence waits, which is what lockstep batching (every row until the longest ends) wastes.
+Slots freed in one step are refilled by one batched prefill. The cache is allocated once, B x max_len.
+Lockstep batching (every row decodes until the longest one ends) spends most of a long-tailed rollout
+decoding padding; here a slot is busy as long as sequences wait.
 """
 import math
 from collections import deque
@@ -40,21 +44,19 @@ from tqdm import tqdm
 
 @dataclass
 class Rollout:
-    """Sampled responses, row i answering prompts[i] (whatever slot it ran in).
-
-    For a full-sequence forward, a row's real tokens are prompt_ids[i][prompt_mask[i]] then
-    response_ids[i, :lengths[i]]."""
+    """Sampled responses, row i answering prompts[i] (whatever slot it ran in). A row's real tokens
+    are prompt_ids[i][prompt_mask[i]] followed by response_ids[i, :lengths[i]]."""
     prompt_ids: torch.Tensor  # (N, P) long: the prompts, left-padded with pad_token_id
     prompt_mask: torch.Tensor  # (N, P) bool: True on real prompt tokens
-    response_ids: torch.Tensor  # (N, T) long: sampled tokens, pad_token_id after the EOS; T = lengths.max()
-    response_mask: torch.Tensor  # (N, T) bool: True on every generated token up to and including the EOS
+    response_ids: torch.Tensor  # (N, T) long: sampled tokens, pad_token_id after the end
+    response_mask: torch.Tensor  # (N, T) bool: True on every generated token, EOS included
     logprobs: torch.Tensor  # (N, T) fp32: log-prob of each sampled token (see sample()); 0 where masked
-    lengths: torch.Tensor  # (N,) long: response tokens, EOS included (= response_mask.sum(-1))
+    lengths: torch.Tensor  # (N,) long: response tokens, EOS included; T = lengths.max()
     truncated: torch.Tensor  # (N,) bool: cut by max_new_tokens before any EOS
 
 
 def left_pad(prompts: list[list[int]], pad_token_id: int, device):
-    """Token-id lists of different lengths -> ids (N, P) long left-padded with pad_token_id, mask (N, P) bool."""
+    """Token-id lists -> ids (N, P) long left-padded with pad_token_id, mask (N, P) bool."""
     P = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), P), pad_token_id, dtype=torch.long)
     mask = torch.zeros(len(prompts), P, dtype=torch.bool)
@@ -70,54 +72,46 @@ def last_token_logits(hidden, lm_head_weight):
 
 
 def prefill_slots(model, prompts: list[list[int]], slots: list[int], kv_cache):
-    """Write the keys/values of prompts (n token lists) into cache rows `slots` at positions [0, len) and return
-    each prompt's next-token logits (n, V). Copies of one prompt share one forward (its keys are copied)."""
+    """Write the keys/values of prompts (n token lists) at positions [0, len) of cache rows `slots`
+    -> each prompt's next-token logits (n, V)."""
     device = kv_cache.k[0].device
-    first = {}  # prompt -> index of its first copy in `prompts`
-    source = [first.setdefault(tuple(p), i) for i, p in enumerate(prompts)]  # (n,): the copy each one reuses
-    unique = list(first.values())  # (u,)
-    P = max(len(prompts[i]) for i in unique)
-    # right-padded: every prompt starts at position 0 of its slot, and the causal rule (a key at most at the
-    # query's position) keeps the pads at the end out of every real token's view
-    ids = torch.zeros(len(unique), P, dtype=torch.long)  # (u, P)
-    for row, i in enumerate(unique):
-        ids[row, :len(prompts[i])] = torch.tensor(prompts[i])
-    last = torch.tensor([len(prompts[i]) - 1 for i in unique], device=device)  # (u,): each prompt's last token
+    P = max(len(p) for p in prompts)
+    # right-padded: each prompt starts at position 0 of its slot, and since a query sees keys up to its
+    # own position only, the pads after a prompt stay out of its view (decoding overwrites them)
+    ids = torch.zeros(len(prompts), P, dtype=torch.long)  # (n, P)
+    for row, p in enumerate(prompts):
+        ids[row, :len(p)] = torch.tensor(p)
+    last = torch.tensor([len(p) - 1 for p in prompts], device=device)  # (n,)
 
     def head(hidden, w):  # the output layer on each prompt's last real token only
-        return F.linear(hidden[torch.arange(len(unique), device=device), last], w).float()  # (u, V)
+        return F.linear(hidden[torch.arange(len(prompts), device=device), last], w).float()  # (n, V)
 
-    slots_t = torch.tensor(slots, device=device)  # (n,)
-    logits = model(ids.to(device), kv_cache=kv_cache.upto(P), cache_rows=slots_t[unique], head=head)  # (u, V)
-    copies = [i for i in range(len(prompts)) if source[i] != i]
-    if copies:  # the other samples of a group: the same keys and values, copied into their own slots
-        dst, src = slots_t[copies], slots_t[[source[i] for i in copies]]
-        for cache in kv_cache.k + kv_cache.v:  # one (B, Hkv, max_len, D) tensor per layer
-            cache[dst, :, :P] = cache[src, :, :P]
-    row_of = {i: row for row, i in enumerate(unique)}
-    return logits[[row_of[source[i]] for i in range(len(prompts))]]  # (n, V)
+    rows = torch.tensor(slots, device=device)  # (n,)
+    return model(ids.to(device), kv_cache=kv_cache.upto(P), cache_rows=rows, head=head)  # (n, V)
 
 
 def decode_one_token(model, tokens, positions, kv_cache):
-    """tokens (B,), one per slot, at positions (B,) -> next-token logits (B, V). kv_cache: the positions every
-    slot may read this step (a view, kv_cache.upto(S)); each slot attends to its own keys up to its position."""
-    return model(tokens[:, None], positions=positions[:, None], kv_cache=kv_cache, head=last_token_logits)
+    """tokens (B,), one per slot, at positions (B,) -> next-token logits (B, V). kv_cache: a view
+    kv_cache.upto(S) with S above every position; each slot reads its own keys up to its position."""
+    return model(tokens[:, None], positions=positions[:, None], kv_cache=kv_cache,
+                 head=last_token_logits)
 
 
 def filter_logits(logits, top_k: int = 0, top_p: float = 1.0):
-    """Set every logit outside the top-k, then outside the top-p nucleus, to -inf (logits (..., V), already divided
-    by the temperature). top_k=0 and top_p=1.0 are no-ops. Ties are kept together: top-k keeps every token whose
-    logit equals the k-th largest, and top-p keeps a token iff the tokens strictly more likely than it hold less
-    than top_p of the mass (renormalised after top-k), so the argmax always survives."""
+    """Set every logit outside the top-k, then outside the top-p nucleus, to -inf (logits (..., V),
+    already divided by the temperature). top_k=0 and top_p=1.0 are no-ops. Ties are kept together:
+    top-k keeps every token whose logit equals the k-th largest, and top-p keeps a token iff the
+    tokens strictly more likely than it hold less than top_p of the mass (renormalised after top-k),
+    so the argmax always survives."""
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (..., 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:  # 1.0 must skip, not compute: a float cumsum can reach 1.0 before the last tiny probability
+    if top_p < 1.0:  # 1.0 must skip: a float cumsum can reach 1.0 before the last tiny probability
         sorted_logits = torch.sort(logits, dim=-1, descending=True).values  # (..., V)
         cum = sorted_logits.softmax(-1).cumsum(-1)
-        mass_before = F.pad(cum[..., :-1], (1, 0))  # mass of the tokens ranked above each one; a prefix keeps
-        n_keep = (mass_before < top_p).sum(-1, keepdim=True)  # >= 1: the argmax has nothing before it
-        threshold = sorted_logits.gather(-1, n_keep - 1)  # (..., 1): the smallest logit in the nucleus
+        mass_before = F.pad(cum[..., :-1], (1, 0))  # the mass ranked above each token
+        n_keep = (mass_before < top_p).sum(-1, keepdim=True)  # >= 1: nothing is before the argmax
+        threshold = sorted_logits.gather(-1, n_keep - 1)  # (..., 1): the smallest logit kept
         logits = logits.masked_fill(logits < threshold, float("-inf"))
     return logits
 
@@ -125,29 +119,31 @@ def filter_logits(logits, top_k: int = 0, top_p: float = 1.0):
 def sample(logits, temperature: float, top_k: int, top_p: float, generator=None):
     """logits (B, V) fp32 -> tokens (B,) long, logprobs (B,) fp32.
 
-    The log-prob is that of the drawn token under log_softmax(logits / temperature), BEFORE top-k/top-p truncation
-    (under log_softmax(logits) when greedy, temperature 0): the full distribution of the policy at that temperature,
-    which is what the trainer's own forward computes, not the truncated one actually sampled from."""
+    The log-prob is that of the drawn token under log_softmax(logits / temperature), BEFORE top-k/top-p
+    truncation (under log_softmax(logits) when greedy, temperature 0): the full distribution of the
+    policy at that temperature, which is what the trainer's own forward computes, not the truncated
+    one actually sampled from."""
     if temperature == 0:
-        token = logits.argmax(-1)  # (B,); top-k and top-p always keep the argmax, so they change nothing here
+        token = logits.argmax(-1)  # (B,); top-k and top-p always keep the argmax: nothing to do
         scaled = logits
     else:
         scaled = logits / temperature  # (B, V)
         probs = filter_logits(scaled, top_k, top_p).softmax(-1)  # (B, V)
-        # invert the CDF with one uniform per row: V draws per row (torch.multinomial, the exponential race) cost
-        # 15 ns each on a CPU core, more than the rest of a decode step at a large vocab. In float64, so that no
-        # token's share of the mass is rounded away; u in (0, total] never lands on a token of zero probability.
+        # invert the CDF with one uniform per row. V random draws per row (torch.multinomial, the
+        # exponential race) cost 15 ns each on a CPU core: more than the decode step at vocab 8192.
+        # float64, so that no token's share of the mass rounds away; u in (0, total] never lands on
+        # a token of zero probability
         cdf = probs.double().cumsum(-1)  # (B, V)
-        u = 1 - torch.rand(len(cdf), 1, dtype=torch.float64, device=cdf.device, generator=generator)  # (B, 1)
-        token = torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(-1)  # (B,): first token whose cdf reaches u
-    logp = scaled.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)  # (B,); one pass, unlike logsumexp's four
+        u = 1 - torch.rand(len(cdf), 1, dtype=torch.float64, device=cdf.device, generator=generator)
+        token = torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(-1)  # (B,): first cdf >= u
+    logp = scaled.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)  # (B,)
     return token, logp
 
 
 def agree_across_ranks(working: bool, refilling: bool) -> tuple[bool, bool]:
-    """(does any rank still have sequences, does any rank refill a slot this step). Under torch.distributed each
-    forward is a collective (FSDP), so every rank runs the same forwards: a rank with nothing left decodes dummy
-    rows, and joins another rank's prefill with a dummy one, until all are done."""
+    """-> (does any rank still have sequences, does any rank refill a slot this step). Each forward is
+    a collective under FSDP, so every rank runs the same forwards: a rank with nothing left decodes
+    dummy rows, and answers another rank's prefill with a dummy one, until all are done."""
     if not (dist.is_available() and dist.is_initialized()):
         return working, refilling
     flags = torch.tensor([working, refilling], dtype=torch.int32)
@@ -158,27 +154,28 @@ def agree_across_ranks(working: bool, refilling: bool) -> tuple[bool, bool]:
 
 
 class CUDAGraphDecode:
-    """The compiled decode step replayed as CUDA graphs, one per length bucket (powers of two): a step is one launch
-    instead of a few hundred kernels. torch.compile's mode="reduce-overhead" records graphs too, but for a cache at
-    one fixed address for the whole run (gpt-fast keeps it as a model buffer); ours is allocated per call and freed
-    for training, so the graphs are recorded here, for this call's cache."""
+    """The compiled decode step replayed as CUDA graphs, one per key-length bucket (powers of two): a
+    step is one launch instead of a few hundred kernels. torch.compile's mode="reduce-overhead" records
+    graphs too, but for a cache at one address for the whole run (gpt-fast keeps it as a model buffer);
+    ours is allocated per call and freed for training, so the graphs are recorded here, per call."""
 
     def __init__(self, step, B, max_len, device):
         self.step, self.max_len = step, max_len
-        self.tokens = torch.zeros(B, dtype=torch.long, device=device)  # the static inputs the graphs read
+        self.tokens = torch.zeros(B, dtype=torch.long, device=device)  # the inputs the graphs read
         self.positions = torch.zeros(B, dtype=torch.long, device=device)
-        self.graphs, self.pool = {}, torch.cuda.graph_pool_handle()  # bucket -> (graph, its logits output)
+        # one memory pool for all: the graphs never run at once, and each output is cloned at once
+        self.graphs, self.pool = {}, torch.cuda.graph_pool_handle()  # bucket -> (graph, logits)
 
     def __call__(self, model, tokens, positions, kv_cache):
-        S = min(self.max_len, max(64, 2 ** math.ceil(math.log2(kv_cache.length))))  # round the keys up
+        S = min(self.max_len, max(64, 2 ** math.ceil(math.log2(kv_cache.length))))
         self.tokens.copy_(tokens)
         self.positions.copy_(positions)
         if S not in self.graphs:
-            view = kv_cache.upto(S)  # the recorded graph reads and writes this call's cache, at these addresses
-            side = torch.cuda.Stream()  # warm up (compile, allocate) outside the capture, as CUDA graphs need
+            view = kv_cache.upto(S)  # the graph reads and writes this call's cache, at its addresses
+            side = torch.cuda.Stream()  # warm up (compile, allocate) outside the capture
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self.step(model, self.tokens, self.positions, view)  # rewrites this step's keys: harmless
+            with torch.cuda.stream(side):  # this step's keys are written twice: the same values
+                self.step(model, self.tokens, self.positions, view)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
@@ -189,12 +186,12 @@ class CUDAGraphDecode:
         return logits.clone()  # the next replay overwrites the graph's output
 
 
-_compiled_decode = None  # compiled once per process: torch.compile caches per function, guards on shapes
+_compiled_decode = None  # one torch.compile per process: it caches the compiled code per shape guard
 
 
 def compiled_decode_step(B, max_len, device):
-    """decode_one_token compiled once for every batch size and length (dynamic shapes); on CUDA, recorded as
-    CUDA graphs for this call's cache."""
+    """decode_one_token compiled once for every batch size and key length (dynamic shapes); on CUDA,
+    recorded as CUDA graphs for this call's cache."""
     global _compiled_decode
     if _compiled_decode is None:
         _compiled_decode = torch.compile(decode_one_token, dynamic=True, fullgraph=True)
@@ -204,53 +201,58 @@ def compiled_decode_step(B, max_len, device):
 
 
 @torch.no_grad()
-def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-             top_k: int = 0, eos_token_ids=None, pad_token_id: int = 0, generator: torch.Generator | None = None,
-             progress: bool = False, slots: int | None = None, compile: bool = False) -> Rollout:
-    """Sample one response per prompt (repeat a prompt G times in `prompts` for a group), any number of prompts.
+def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
+             top_p: float = 1.0, top_k: int = 0, eos_token_ids=None, pad_token_id: int = 0,
+             generator: torch.Generator | None = None, progress: bool = False,
+             slots: int | None = None, compile: bool = False) -> Rollout:
+    """Sample one response per prompt; repeat a prompt G times in `prompts` for a group.
 
-    prompts: token-id lists of any (non-zero) lengths. max_new_tokens: the cap on response tokens, EOS included.
-    temperature 0 is greedy. top_k=0 and top_p=1.0 turn truncation off. eos_token_ids: an id or a list of ids that
-    end a response (a Qwen chat model: <|im_end|> and <|endoftext|>); None takes the model config's eos_token_id,
-    an empty list never stops early. generator: a torch.Generator on the model's device, for reproducible samples.
-    progress: a tqdm bar over finished sequences (under torch.distributed, pass it on one rank only).
-    slots: how many sequences decode at once, the rows of the KV cache (slots x (longest prompt + max_new_tokens));
-    default one per prompt. Fewer slots than prompts bound the memory; a slot whose sequence ends takes the next.
-    compile: decode with a torch.compile'd step (CUDA graphs on a GPU); the first call compiles (seconds to
-    minutes), later calls in the process reuse it.
+    prompts: token-id lists of any (non-zero) lengths, as many as wanted. max_new_tokens: the cap on
+    response tokens, EOS included. temperature 0 is greedy. top_k=0 and top_p=1.0 turn truncation
+    off. eos_token_ids: an id or a list of ids that end a response (a Qwen chat model: <|im_end|> and
+    <|endoftext|>); None takes the model config's eos_token_id, an empty list never stops early.
+    generator: a torch.Generator on the model's device, for reproducible samples. progress: a tqdm bar
+    over finished sequences (under torch.distributed, on one rank only).
+    slots: how many sequences decode at once: the KV cache holds slots x (longest prompt +
+    max_new_tokens) positions, whatever the number of prompts; default one slot per prompt. A slot
+    whose sequence ends takes the next waiting one.
+    compile: decode with a torch.compile'd step (on a GPU, replayed as CUDA graphs). The first call
+    compiles (seconds on CPU, a minute or more for a large model on a GPU); later calls reuse it.
 
-    Under torch.distributed every rank must call this with the same max_new_tokens and compile flag, any number of
-    prompts: ranks then run the same forward calls until the last rank is done. T of the result is this rank's
-    longest response, so it can differ between ranks."""
+    Under torch.distributed every rank calls this with its own prompts (any number) and the same
+    max_new_tokens and compile: ranks run the same forward calls until the last one is done. T of the
+    result is this rank's longest response, so it can differ between ranks."""
     if not prompts or min(len(p) for p in prompts) == 0:
         raise ValueError("generate needs at least one prompt, and no empty prompt")
-    if max_new_tokens < 1 or temperature < 0 or top_k < 0 or not 0 < top_p <= 1 or (slots is not None and slots < 1):
-        raise ValueError(f"bad sampling settings: max_new_tokens={max_new_tokens} (>= 1), temperature={temperature} "
-                         f"(>= 0), top_k={top_k} (>= 0), top_p={top_p} (in (0, 1]), slots={slots} (>= 1)")
+    if max_new_tokens < 1 or temperature < 0 or top_k < 0 or not 0 < top_p <= 1 or \
+            (slots is not None and slots < 1):
+        raise ValueError(f"bad sampling settings: max_new_tokens={max_new_tokens} (>= 1), "
+                         f"temperature={temperature} (>= 0), top_k={top_k} (>= 0), "
+                         f"top_p={top_p} (in (0, 1]), slots={slots} (>= 1)")
     if eos_token_ids is None:
         eos_token_ids = model.config.eos_token_id
-    eos_token_ids = [] if eos_token_ids is None else [eos_token_ids] if isinstance(eos_token_ids, int) \
-        else list(eos_token_ids)
+    eos_token_ids = [] if eos_token_ids is None else [eos_token_ids] \
+        if isinstance(eos_token_ids, int) else list(eos_token_ids)
     was_training = model.training
     model.eval()  # no dropout in Qwen2, but generation is inference: say so
     device = model.model.embed_tokens.weight.device
 
     N = len(prompts)
-    B = slots or N
+    B = min(slots or N, N)
     max_len = max(len(p) for p in prompts) + max_new_tokens
     kv_cache = model.new_kv_cache(B, max_len)  # the one big allocation: B rows, however many prompts
     decode = compiled_decode_step(B, max_len, device) if compile else decode_one_token
     eos = torch.tensor(eos_token_ids, dtype=torch.long, device=device)
-    # per sequence, written as tokens come; row N is scratch for the slots that hold no sequence
+    # per sequence, filled as tokens come; row N is scratch for the slots that hold no sequence
     response_ids = torch.full((N + 1, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     logprobs = torch.zeros(N + 1, max_new_tokens, dtype=torch.float32, device=device)
     lengths, truncated = [0] * N, [False] * N
-    # per slot, on the host: the sequence it holds (N: none), its next position, its response tokens so far
+    # per slot, on the host: the sequence it holds (N: none), its next position, its tokens so far
     holds, position, n_new = [N] * B, [0] * B, [0] * B
     waiting = deque(range(N))
-    logits = torch.zeros(B, model.config.vocab_size, device=device)  # (B, V): each slot's next-token logits
+    logits = torch.zeros(B, model.config.vocab_size, device=device)  # (B, V): next-token logits
 
-    def refill():  # prefill waiting sequences into the free slots, all in one forward
+    def refill():  # the next waiting sequences into the free slots, in one forward
         free = [s for s in range(B) if holds[s] == N][:len(waiting)]
         for s in free:
             holds[s] = waiting.popleft()
@@ -259,34 +261,34 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: 
 
     bar = tqdm(total=N, desc="generate", unit="seq", disable=not progress)
     try:
-        refill()  # every rank has at least one prompt, so this first forward is on every rank
+        refill()  # every rank has a prompt, so every rank runs this first forward
         while True:
             token, logp = sample(logits, temperature, top_k, top_p, generator)  # (B,), (B,)
-            response_ids[holds, n_new] = token  # free slots write their draws to the scratch row
+            response_ids[holds, n_new] = token  # a free slot writes its draw to the scratch row
             logprobs[holds, n_new] = logp
-            ended = torch.isin(token, eos).tolist()  # the host learns which rows ended: one sync per step
+            ended = torch.isin(token, eos).tolist()  # the host learns which rows ended: one sync
             for s in range(B):
-                if holds[s] == N:
-                    continue
-                n_new[s] += 1
-                if ended[s] or n_new[s] == max_new_tokens:
-                    lengths[holds[s]], truncated[holds[s]] = n_new[s], not ended[s]
-                    holds[s], n_new[s] = N, 0
-                    bar.update(1)
+                if holds[s] < N:
+                    n_new[s] += 1
+                    if ended[s] or n_new[s] == max_new_tokens:
+                        lengths[holds[s]], truncated[holds[s]] = n_new[s], not ended[s]
+                        holds[s], n_new[s] = N, 0
+                        bar.update(1)
             working, refilling = agree_across_ranks(bool(waiting) or any(h < N for h in holds),
                                                     bool(waiting) and N in holds)
             if not working:
                 break
-            # every slot decodes, so the step's shapes never change; a free slot feeds its draw at position 0,
-            # which its next prefill overwrites
+            # every slot decodes, so the step's shapes never change: a free slot feeds its draw at
+            # position 0, which the next prefill into it overwrites
             positions = [position[s] if holds[s] < N else 0 for s in range(B)]
-            S = max(positions) + 1  # the keys this step reads: up to the furthest slot
-            logits = decode(model, token, torch.tensor(positions, device=device), kv_cache.upto(S))  # (B, V)
+            S = max(positions) + 1  # the keys this step reads: up to the furthest slot's position
+            logits = decode(model, token, torch.tensor(positions, device=device),
+                            kv_cache.upto(S))  # (B, V)
             for s in range(B):
                 position[s] += holds[s] < N
             if waiting and N in holds:
                 refill()
-            elif refilling:  # another rank prefills: the same number of forwards here, on a dummy token
+            elif refilling:  # another rank prefills: as many forwards here, on a dummy token
                 model(torch.zeros(1, 1, dtype=torch.long, device=device), head=last_token_logits)
     finally:
         bar.close()

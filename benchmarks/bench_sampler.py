@@ -1,27 +1,30 @@
 """
-sampler.generate against transformers' generate on the same random weights (CPU, greedy, ragged prompts).
+sampler.generate against transformers on the same random weights (CPU, one thread, CPU time, best of rounds).
 
-transformers runs with its default dynamic KV cache; prompts are 40-72 tokens long.
+    .venv/bin/python benchmarks/bench_sampler.py                   # the three parts, about 3 minutes of CPU
+    .venv/bin/python benchmarks/bench_sampler.py --parts rl        # one part (uniform, rl, memory)
+    .venv/bin/python benchmarks/bench_sampler.py --threads 2       # both cores: only on an otherwise idle machine
 
-    .venv/bin/python benchmarks/bench_sampler.py              # both sizes, about 3 minutes
-    .venv/bin/python benchmarks/bench_sampler.py --threads 2  # both cores: only on an otherwise idle machine
+1. uniform: greedy, no EOS, every row runs to 128 new tokens; all rows at once (slots = rows) on both sides. Two
+   sizes: the embedded demo's (hidden 128, 2 layers, batch 64, vocab 512) and ~27M parameters (hidden 512, 6 layers,
+   batch 16, vocab 8192). Ours eager and compiled (torch.compile'd decode step) against transformers' generate; the
+   greedy outputs are compared token for token. decode = (time(128) - time(1)) / 127, the cost of one decode step
+   for the whole batch; floor = the bare F.linear calls of one decode step, which a step cannot beat without
+   changing the arithmetic.
+2. rl: what a DAPO rollout looks like. 64 prompts x G = 8 samples at temperature 1, up to 512 new tokens; 4 of the
+   512 token ids end a response, and a random model's next-token distribution is nearly flat, so the lengths are
+   about geometric with mean 128 and a long tail. Useful tokens/s (response tokens up to the EOS) for ours with 64
+   slots, eager and compiled, against (a) lockstep: ours with one slot per sequence, all 512 at once, which is the
+   schedule of the previous sampler (every row decodes until the longest one ends); (b) transformers' generate in
+   batches of 64 (8 prompts x 8); (c) transformers' continuous batching (generate_batch, 64 requests at a time).
+3. memory: how far resident memory rises during the rl run, ours with 64 slots against 512 rows (Linux: VmHWM,
+   each in a fresh process).
 
-Two sizes: the embedded demo's (hidden 128, 2 layers, batch 64, vocab 512), where per-step overhead weighs most,
-and ~27M parameters (hidden 512, 6 layers, batch 16, vocab 8192), where the matrix products do; plus the demo model
-with a batch of one ("demo1"), whose decode step is per-step overhead and nothing else. No EOS id is set on
-either side, so both generate exactly `new` tokens, and their greedy outputs are compared token for token.
-
-Columns: tok/s over the whole call (prefill included) and the ratio ours / transformers; prefill = one call that
-generates 1 token; decode = (time(new) - time(1)) / (new - 1), the cost of one decode step for the whole batch;
-floor = the bare F.linear calls of one decode step (every projection and the output layer, B rows each), which a
-decode step cannot beat without changing the arithmetic. On a shared machine the load drifts: ours and transformers
-run alternately and each keeps its best time (CPU time of the process with one thread, wall time with more).
-
-One thread by default: on a 2-core machine a second OpenMP thread helps only while nothing else runs; with any other
-busy process, every matmul waits at a barrier for a descheduled thread (measured here: the 26 linears of one 27M
-decode step went from 38 ms on one thread to 400 ms on two).
+CPU time of the process on one thread: the other tenants of a shared machine disturb it far less than wall time.
+One thread by default: on a 2-core machine a second OpenMP thread helps only while nothing else runs.
 """
 import argparse
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -36,12 +39,10 @@ from sampler import generate  # noqa: E402
 
 DEMO = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=512)
-SIZES = {  # name: (model config, batch size)
-    "demo": (DEMO, 64),
-    "demo1": (DEMO, 1),  # one sequence: the per-step overhead alone, the arithmetic is negligible
-    "27M": (dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=8,
-                 num_key_value_heads=2, vocab_size=8192), 16),
-}
+M27 = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2,
+           vocab_size=8192)
+UNIFORM = {"demo": (DEMO, 64), "27M": (M27, 16)}  # name: (model config, batch size)
+RL_PROMPTS, RL_G, RL_SLOTS, RL_NEW, RL_EOS = 64, 8, 64, 512, [1, 2, 3, 4]
 
 
 def build(cfg_kw, tmp):
@@ -58,37 +59,36 @@ def build(cfg_kw, tmp):
     return ours, hf
 
 
-def ragged_prompts(batch, vocab, seed=0):
+def ragged_prompts(n, vocab, seed=0):
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(40, 73, (batch,), generator=g)
-    return [torch.randint(1, vocab, (int(n),), generator=g).tolist() for n in lengths]
+    lengths = torch.randint(40, 73, (n,), generator=g)
+    return [torch.randint(5, vocab, (int(k),), generator=g).tolist() for k in lengths]
 
 
 def clock():
-    # one thread: the process's CPU time, which other tenants of a shared machine disturb far less than wall time
-    # (time spent descheduled does not count); several threads: wall time, since CPU time would add them up
+    # one thread: the process's CPU time (time spent descheduled does not count); several: wall time
     return time.process_time() if torch.get_num_threads() == 1 else time.perf_counter()
 
 
-def run_ours(model, prompts, new):
-    t0 = clock()
-    r = generate(model, prompts, new, temperature=0.0, eos_token_ids=[], pad_token_id=0)
-    return clock() - t0, r.response_ids
-
-
-def run_hf(hf, prompts, new):
+def left_padded(prompts):
     P = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), P, dtype=torch.long)  # left-padded, as transformers wants for generation
     mask = torch.zeros(len(prompts), P, dtype=torch.long)
     for i, p in enumerate(prompts):
         ids[i, P - len(p):], mask[i, P - len(p):] = torch.tensor(p), 1
-    t0 = clock()
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)
-    dt = clock() - t0
-    assert out.shape[1] == P + new, "transformers stopped early"
-    return dt, out[:, P:]
+    return ids, mask
+
+
+def best_times(rounds, runs):
+    """{name: fn} -> {name: (best seconds, output)}, the fns called alternately for `rounds` rounds."""
+    best = {}
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            t0 = clock()
+            out = fn()
+            dt = clock() - t0
+            best[name] = (min(dt, best.get(name, (float("inf"),))[0]), out)
+    return best
 
 
 def matmul_floor(model, batch, reps=20):
@@ -106,51 +106,160 @@ def matmul_floor(model, batch, reps=20):
     return best
 
 
-def best_times(rounds, runs):
-    """{name: fn} -> {name: (best seconds, output)}, the fns called alternately for `rounds` rounds."""
-    best = {}
-    for _ in range(rounds):
-        for name, fn in runs.items():
-            dt, out = fn()
-            best[name] = (min(dt, best.get(name, (float("inf"),))[0]), out)
-    return best
+# ----------------------------------------------------------------------------------------------------------------------
+# 1. uniform
+
+def uniform(rounds):
+    print("\n1. uniform: greedy, every row to 128 new tokens, all rows at once; tok/s (ratio to transformers)")
+    print(f"{'size':>5} {'params':>6} {'B':>3} | {'eager':>13} {'compiled':>14} {'hf':>6} | "
+          f"{'decode ms/step eager/compiled/hf':>32} {'floor':>6} | same output")
+    for name, (cfg_kw, batch) in UNIFORM.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            ours, hf = build(cfg_kw, tmp)
+        prompts = ragged_prompts(batch, cfg_kw["vocab_size"])
+        ids, mask = left_padded(prompts)
+
+        def run_hf(new):
+            with torch.no_grad():
+                out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0)
+            assert out.shape[1] == ids.shape[1] + new, "transformers stopped early"
+            return out[:, ids.shape[1]:]
+
+        def runs(new):
+            return dict(
+                eager=lambda: generate(ours, prompts, new, temperature=0, eos_token_ids=[]).response_ids,
+                compiled=lambda: generate(ours, prompts, new, temperature=0, eos_token_ids=[], compile=True)
+                .response_ids,
+                hf=lambda: run_hf(new))
+        best_times(1, runs(4))  # warm-up: the compile, the allocator, transformers' caches
+        floor = matmul_floor(ours, batch)
+        one = best_times(rounds, runs(1))
+        t = best_times(rounds, runs(128))
+        decode = {k: (t[k][0] - one[k][0]) / 127 for k in t}
+        same = [int((t[k][1] == t["hf"][1]).all(-1).sum()) for k in ("eager", "compiled")]
+        tps = {k: batch * 128 / t[k][0] for k in t}
+        print(f"{name:>5} {num_params(ours) / 1e6:5.1f}M {batch:>3} | "
+              f"{tps['eager']:6.0f} ({tps['eager'] / tps['hf']:.2f}x) {tps['compiled']:6.0f} "
+              f"({tps['compiled'] / tps['hf']:.2f}x) {tps['hf']:6.0f} | "
+              f"{1e3 * decode['eager']:14.2f} /{1e3 * decode['compiled']:6.2f} /{1e3 * decode['hf']:6.2f}   "
+              f"{1e3 * floor:6.2f} | {same[0]}/{batch}, {same[1]}/{batch} rows", flush=True)
+        # random weights leave some argmaxes within float noise of a tie, where a different order of the same
+        # arithmetic may pick the other token; a real bug changes nearly every row
+        assert min(same) >= 0.9 * batch, f"greedy outputs differ from transformers' in {batch - min(same)} rows"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 2. rl and 3. memory
+
+def status_mib(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key)) / 1024
+
+
+def memory_rise(slots):
+    """In a fresh process: how far the resident memory rises above its size before the rl run (ours, with
+    `slots`) at its peak, MiB (Linux: VmHWM). Fresh, because memory an earlier run freed stays resident."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = Qwen2(ModelConfig(**DEMO, max_position_embeddings=1024, torch_dtype="float32")).eval()
+    seqs = [p for p in ragged_prompts(RL_PROMPTS, DEMO["vocab_size"], seed=1) for _ in range(RL_G)]
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets the high-water mark to the current resident size
+    start = status_mib("VmRSS")
+    generate(model, seqs, RL_NEW, temperature=1.0, eos_token_ids=RL_EOS, slots=slots,
+             generator=torch.Generator().manual_seed(0))
+    return status_mib("VmHWM") - start
+
+
+def hf_lengths(tokens):
+    """transformers' (N, new) outputs -> response lengths up to and including the first EOS."""
+    is_eos = torch.isin(tokens, torch.tensor(RL_EOS))
+    first = torch.where(is_eos.any(-1), is_eos.float().argmax(-1) + 1, tokens.shape[1])
+    return first.tolist()
+
+
+def rl(rounds, parts):
+    import transformers
+    with tempfile.TemporaryDirectory() as tmp:
+        ours, hf = build(DEMO, tmp)
+    prompts = ragged_prompts(RL_PROMPTS, DEMO["vocab_size"], seed=1)
+    seqs = [p for p in prompts for _ in range(RL_G)]  # the G samples of a prompt side by side, as dapo.py asks
+
+    def run_ours(slots, compile=False):
+        return generate(ours, seqs, RL_NEW, temperature=1.0, eos_token_ids=RL_EOS, slots=slots, compile=compile,
+                        generator=torch.Generator().manual_seed(0)).lengths.tolist()
+
+    def run_hf_batches():
+        lengths = []
+        for start in range(0, len(seqs), RL_SLOTS):
+            ids, mask = left_padded(seqs[start:start + RL_SLOTS])
+            with torch.no_grad():
+                out = hf.generate(ids, attention_mask=mask, max_new_tokens=RL_NEW, do_sample=True, temperature=1.0,
+                                  top_k=0, top_p=1.0, eos_token_id=RL_EOS, pad_token_id=0)
+            lengths += hf_lengths(out[:, ids.shape[1]:])
+        return lengths
+
+    def run_hf_cb():
+        gen = transformers.GenerationConfig(max_new_tokens=RL_NEW, do_sample=True, temperature=1.0, top_k=0,
+                                            top_p=1.0, eos_token_id=RL_EOS, pad_token_id=0)
+        # 64 requests at a time, pages for 64 sequences of the longest prompt + 512 tokens, as our 64 slots hold
+        cb = transformers.ContinuousBatchingConfig(max_requests_per_batch=RL_SLOTS, page_size=256,
+                                                   num_blocks=RL_SLOTS * 3, max_batch_tokens=4096)
+        with torch.no_grad():
+            out = hf.generate_batch(seqs, generation_config=gen, continuous_batching_config=cb, warmup=False)
+        return [len(o.generated_tokens) for o in out.values()]
+
+    runs = {"ours, 64 slots": lambda: run_ours(RL_SLOTS),
+            "ours, 64 slots, compiled": lambda: run_ours(RL_SLOTS, compile=True),
+            "(a) lockstep, 512 rows": lambda: run_ours(len(seqs)),
+            "(b) hf generate, batches of 64": run_hf_batches,
+            "(c) hf continuous batching": run_hf_cb}
+    if "rl" in parts:
+        generate(ours, seqs[:RL_SLOTS], 4, slots=RL_SLOTS, compile=True)  # compile outside the timing
+        best = {}
+        for _ in range(rounds):
+            for name, fn in runs.items():
+                t0, wall0 = clock(), time.perf_counter()
+                lengths = fn()
+                dt, wall = clock() - t0, time.perf_counter() - wall0
+                if dt < best.get(name, (float("inf"),))[0]:
+                    best[name] = dt, wall, lengths
+        print(f"\n2. rl: {RL_PROMPTS} prompts x G={RL_G}, temperature 1, up to {RL_NEW} new tokens, "
+              f"P(EOS) ~ {len(RL_EOS)}/{DEMO['vocab_size']} per token; useful tokens/s (ours, 64 slots: x)")
+        print(f"{'':>32} {'CPU s':>7} {'(wall)':>7} {'tokens':>7} {'mean len':>8} {'max len':>7} {'tok/s':>7} "
+              f"{'ours / this':>11}")
+        ref = sum(best["ours, 64 slots"][2]) / best["ours, 64 slots"][0]
+        for name, (dt, wall, lengths) in best.items():
+            tps = sum(lengths) / dt
+            print(f"{name:>32} {dt:7.1f} {wall:7.1f} {sum(lengths):7d} {sum(lengths) / len(lengths):8.1f} "
+                  f"{max(lengths):7d} {tps:7.0f} {ref / tps:10.2f}x", flush=True)
+    if "memory" in parts:
+        cfg = ours.config
+        kv_bytes_per_row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4 * \
+            (max(len(p) for p in prompts) + RL_NEW)
+        print(f"\n3. memory, the rl run ({len(seqs)} sequences): peak rise of resident memory, MiB (the KV cache)")
+        with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
+            for name, rows in (("ours, 64 slots", RL_SLOTS), ("(a) lockstep, 512 rows", len(seqs))):
+                rise = pool.apply(memory_rise, (rows,))
+                print(f"{name:>32} {rise:7.0f} ({rows * kv_bytes_per_row / 2**20:5.0f})", flush=True)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (see above)")
-    ap.add_argument("--rounds", type=int, default=2, help="alternating timed rounds for the short runs (best kept)")
-    ap.add_argument("--sizes", default="demo,demo1,27M", help="comma-separated, from: " + ", ".join(SIZES))
+    ap.add_argument("--rounds", type=int, default=2, help="alternating timed rounds of the uniform part (best kept)")
+    ap.add_argument("--rl-rounds", type=int, default=1, help="the same for the rl part (about 75 s CPU a round)")
+    ap.add_argument("--parts", default="uniform,rl,memory", help="comma-separated, from: uniform, rl, memory")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    parts = args.parts.split(",")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
-          f"{'CPU' if torch.get_num_threads() == 1 else 'wall'} time, load average {os.getloadavg()[0]:.1f}; "
-          f"greedy, prompts of 40-72 tokens")
-    print(f"{'size':>5} {'params':>6} {'B':>3} {'new':>4} | {'ours tok/s':>10} {'hf tok/s':>8} {'ratio':>6} | "
-          f"{'prefill ms ours/hf':>18} | {'decode ms/step ours/hf':>22} {'floor':>6} | same output")
-    for name in args.sizes.split(","):
-        cfg_kw, batch = SIZES[name]
-        with tempfile.TemporaryDirectory() as tmp:
-            ours, hf = build(cfg_kw, tmp)
-        prompts = ragged_prompts(batch, cfg_kw["vocab_size"])
-        run_ours(ours, prompts, 4), run_hf(hf, prompts, 4)  # warm-up: allocator, kernels, transformers' caches
-        floor = matmul_floor(ours, batch)
-        one = best_times(args.rounds, dict(ours=lambda: run_ours(ours, prompts, 1),
-                                           hf=lambda: run_hf(hf, prompts, 1)))
-        for new in (128, 512):
-            t = best_times(args.rounds if new <= 128 else 1, dict(ours=lambda: run_ours(ours, prompts, new),
-                                                                  hf=lambda: run_hf(hf, prompts, new)))
-            (t_ours, ids_ours), (t_hf, ids_hf) = t["ours"], t["hf"]
-            same_rows = int((ids_ours == ids_hf).all(-1).sum())
-            decode = {k: (t[k][0] - one[k][0]) / (new - 1) for k in t}
-            print(f"{name:>5} {num_params(ours) / 1e6:5.1f}M {batch:>3} {new:>4} | {batch * new / t_ours:10.0f} "
-                  f"{batch * new / t_hf:8.0f} {t_hf / t_ours:5.2f}x | "
-                  f"{1e3 * one['ours'][0]:8.0f} /{1e3 * one['hf'][0]:6.0f}    | "
-                  f"{1e3 * decode['ours']:11.2f} /{1e3 * decode['hf']:6.2f}     {1e3 * floor:6.2f} | "
-                  f"{same_rows}/{batch} rows", flush=True)
-            # random weights leave some argmaxes within float noise of a tie, where a different order of the same
-            # arithmetic may pick the other token; a real bug changes nearly every row
-            assert same_rows >= 0.9 * batch, f"greedy outputs differ from transformers' in {batch - same_rows} rows"
+          f"{'CPU' if torch.get_num_threads() == 1 else 'wall'} time, load average {os.getloadavg()[0]:.1f}")
+    if "uniform" in parts:
+        uniform(args.rounds)
+    if "rl" in parts or "memory" in parts:
+        rl(args.rl_rounds, parts)
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 

@@ -300,16 +300,6 @@ def test_kv_cache_is_allocated_once_for_the_slots_whatever_the_number_of_sequenc
     assert r.response_ids.shape[0] == len(prompts)
 
 
-def test_copies_of_a_prompt_share_one_prefill():
-    model = tiny_model()
-    rows_per_forward = []
-    model.register_forward_pre_hook(lambda m, args: rows_per_forward.append(args[0].shape))
-    r = generate(model, [PROMPTS[0]] * 3 + [PROMPTS[1]] * 3, max_new_tokens=4, temperature=0, eos_token_ids=[])
-    assert rows_per_forward[0] == (2, len(PROMPTS[1]))  # two distinct prompts, one row each
-    alone = generate(model, [PROMPTS[0], PROMPTS[1]], max_new_tokens=4, temperature=0, eos_token_ids=[])
-    assert torch.equal(r.response_ids, alone.response_ids[[0, 0, 0, 1, 1, 1]])  # the copied keys are the keys
-
-
 def test_draws_do_not_depend_on_the_slot():
     """1400 copies of one prompt, 2 tokens each, in 7 slots: every sequence lasts exactly 2 steps, so sequence i
     runs in slot i % 7. With top_k=2 each sequence is one of 4 token pairs. Pearson's chi-square test of the
