@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -172,7 +173,7 @@ def head_table(args):
     extra, cpu = {}, {}
     for variant, runs in results.items():
         extra[variant] = min(r["extra_mb"] for r in runs)  # the least noisy: RSS only ever adds allocator slack
-        cpu[variant] = sorted(r["cpu_s"] for r in runs)[len(runs) // 2]  # the median
+        cpu[variant] = statistics.median(r["cpu_s"] for r in runs)
         rounds = "  ".join(f"{r['cpu_s']:.1f}" for r in runs)
         print(f"  {variant:10}{extra[variant]:10.0f}{rounds:>26}")
     grads_mb = results["fused"][0]["grads_mb"]
