@@ -239,6 +239,9 @@ def rl(rounds, parts):
         kv_bytes_per_row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4 * \
             (max(len(p) for p in prompts) + RL_NEW)
         print(f"\n3. memory, the rl run ({len(seqs)} sequences): peak rise of resident memory, MiB (the KV cache)")
+        # a fixed threshold: glibc otherwise raises it after each large free, and keeps later large
+        # blocks resident after their free, so the peak would count memory that was no longer in use
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
         with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
             for name, rows in (("ours, 64 slots", RL_SLOTS), ("(a) lockstep, 512 rows", len(seqs))):
                 rise = pool.apply(memory_rise, (rows,))
