@@ -2,9 +2,9 @@
 The rollout engine: KV-cached sampling from model.Qwen2 with continuous batching, returning what RL
 training needs.
 
-DAPO spends most of its wall time here: 16 responses per prompt, hundreds of prompts per step, lengths
-from a few tokens to the limit. In the spirit of gpt-fast's generate.py, generation is a few small
-functions that compose:
+DAPO spends most of its wall time here: 16 responses per prompt, hundreds of prompts per step,
+lengths from a few tokens to the limit. In the spirit of gpt-fast's generate.py, generation is a few
+small functions that compose:
 
     prefill_slots()     one forward over new prompts: writes their keys/values into free cache slots
     decode_one_token()  one forward of one new token per slot against the cache
@@ -14,23 +14,23 @@ functions that compose:
                         to the next waiting sequence
 
 Continuous batching: the KV cache has B rows ("slots") of max_len positions, however many sequences
-there are. A token's index in its slot is its RoPE position, and a query sees the keys of its own slot
-up to its own position, so every slot keeps its own length. Below, B = 3 and the sequences a, b, c, d, e
-wait in this order (lower case: prompt tokens, upper case: response tokens, `.`: stale keys that no
-query can see):
+there are. A token's index in its slot is its RoPE position, and a query sees the keys of its own
+slot up to its own position, so every slot keeps its own length. Below, B = 3 and the sequences
+a, b, c, d, e wait in this order (lower case: prompt tokens, upper case: response tokens, `.`:
+stale keys that no query can see):
 
     position:   0  1  2  3  4  5  6
-    slot 0:     a  a  a  A  A  A               a samples an EOS: its slot is free ...
+    slot 0:     a  a  a  A  A  A             a samples an EOS: its slot is free ...
     slot 1:     b  b  B  B  B
     slot 2:     c  c  c  c  C
 
-    slot 0:     d  d  d  d  .  .               ... and d's prompt is prefilled into it, while b and c
-    slot 1:     b  b  B  B  B  B                   decode on
+    slot 0:     d  d  d  d  .  .             ... and d's prompt is prefilled into it, while b and c
+    slot 1:     b  b  B  B  B  B                 decode on
     slot 2:     c  c  c  c  C  C
 
-Slots freed in one step are refilled by one batched prefill. The cache is allocated once, B x max_len.
-Lockstep batching (every row decodes until the longest one ends) spends most of a long-tailed rollout
-decoding padding; here a slot is busy as long as sequences wait.
+Slots freed in one step are refilled by one batched prefill. The cache is allocated once,
+B x max_len. Lockstep batching (every row decodes until the longest one ends) spends most of a
+long-tailed rollout decoding padding; here a slot is busy as long as sequences wait.
 """
 import math
 from collections import deque
@@ -50,7 +50,8 @@ class Rollout:
     prompt_mask: torch.Tensor  # (N, P) bool: True on real prompt tokens
     response_ids: torch.Tensor  # (N, T) long: sampled tokens, pad_token_id after the end
     response_mask: torch.Tensor  # (N, T) bool: True on every generated token, EOS included
-    logprobs: torch.Tensor  # (N, T) fp32: log-prob of each sampled token (see sample()); 0 where masked
+    # (N, T) fp32: log-prob of each sampled token (see sample()); 0 where masked
+    logprobs: torch.Tensor
     lengths: torch.Tensor  # (N,) long: response tokens, EOS included; T = lengths.max()
     truncated: torch.Tensor  # (N,) bool: cut by max_new_tokens before any EOS
 
@@ -76,23 +77,25 @@ def prefill_slots(model, prompts: list[list[int]], slots: list[int], kv_cache):
     -> each prompt's next-token logits (n, V)."""
     device = kv_cache.k[0].device
     P = max(len(p) for p in prompts)
-    # right-padded: each prompt starts at position 0 of its slot, and since a query sees keys up to its
-    # own position only, the pads after a prompt stay out of its view (decoding overwrites them)
+    # right-padded: each prompt starts at position 0 of its slot, and since a query sees keys up to
+    # its own position only, the pads after a prompt stay out of its view (decoding overwrites them)
     ids = torch.zeros(len(prompts), P, dtype=torch.long)  # (n, P)
     for row, p in enumerate(prompts):
         ids[row, :len(p)] = torch.tensor(p)
     last = torch.tensor([len(p) - 1 for p in prompts], device=device)  # (n,)
 
     def head(hidden, w):  # the output layer on each prompt's last real token only
-        return F.linear(hidden[torch.arange(len(prompts), device=device), last], w).float()  # (n, V)
+        h = hidden[torch.arange(len(prompts), device=device), last]  # (n, C)
+        return F.linear(h, w).float()  # (n, V)
 
     rows = torch.tensor(slots, device=device)  # (n,)
     return model(ids.to(device), kv_cache=kv_cache.upto(P), cache_rows=rows, head=head)  # (n, V)
 
 
 def decode_one_token(model, tokens, positions, kv_cache):
-    """tokens (B,), one per slot, at positions (B,) -> next-token logits (B, V). kv_cache: a view
-    kv_cache.upto(S) with S above every position; each slot reads its own keys up to its position."""
+    """tokens (B,), one per slot, at positions (B,) -> next-token logits (B, V).
+    kv_cache: a view kv_cache.upto(S) with S above every position; each slot reads its own keys up
+    to its position."""
     return model(tokens[:, None], positions=positions[:, None], kv_cache=kv_cache,
                  head=last_token_logits)
 
@@ -119,10 +122,10 @@ def filter_logits(logits, top_k: int = 0, top_p: float = 1.0):
 def sample(logits, temperature: float, top_k: int, top_p: float, generator=None):
     """logits (B, V) fp32 -> tokens (B,) long, logprobs (B,) fp32.
 
-    The log-prob is that of the drawn token under log_softmax(logits / temperature), BEFORE top-k/top-p
-    truncation (under log_softmax(logits) when greedy, temperature 0): the full distribution of the
-    policy at that temperature, which is what the trainer's own forward computes, not the truncated
-    one actually sampled from."""
+    The log-prob is that of the drawn token under log_softmax(logits / temperature), BEFORE
+    top-k/top-p truncation (under log_softmax(logits) when greedy, temperature 0): the full
+    distribution of the policy at that temperature, which is what the trainer's own forward
+    computes, not the truncated one actually sampled from."""
     if temperature == 0:
         token = logits.argmax(-1)  # (B,); top-k and top-p always keep the argmax: nothing to do
         scaled = logits
@@ -141,9 +144,9 @@ def sample(logits, temperature: float, top_k: int, top_p: float, generator=None)
 
 
 def agree_across_ranks(working: bool, refilling: bool) -> tuple[bool, bool]:
-    """-> (does any rank still have sequences, does any rank refill a slot this step). Each forward is
-    a collective under FSDP, so every rank runs the same forwards: a rank with nothing left decodes
-    dummy rows, and answers another rank's prefill with a dummy one, until all are done."""
+    """-> (does any rank still have sequences, does any rank refill a slot this step). Each forward
+    is a collective under FSDP, so every rank runs the same forwards: a rank with nothing left
+    decodes dummy rows, and answers another rank's prefill with a dummy one, until all are done."""
     if not (dist.is_available() and dist.is_initialized()):
         return working, refilling
     flags = torch.tensor([working, refilling], dtype=torch.int32)
@@ -154,10 +157,11 @@ def agree_across_ranks(working: bool, refilling: bool) -> tuple[bool, bool]:
 
 
 class CUDAGraphDecode:
-    """The compiled decode step replayed as CUDA graphs, one per key-length bucket (powers of two): a
-    step is one launch instead of a few hundred kernels. torch.compile's mode="reduce-overhead" records
-    graphs too, but for a cache at one address for the whole run (gpt-fast keeps it as a model buffer);
-    ours is allocated per call and freed for training, so the graphs are recorded here, per call."""
+    """The compiled decode step replayed as CUDA graphs, one per key-length bucket (powers of two):
+    a step is one launch instead of a few hundred kernels. torch.compile's mode="reduce-overhead"
+    records graphs too, but for a cache at one address for the whole run (gpt-fast keeps it as a
+    model buffer); ours is allocated per call and freed for training, so the graphs are recorded
+    here, per call."""
 
     def __init__(self, step, B, max_len, device):
         self.step, self.max_len = step, max_len
@@ -171,7 +175,8 @@ class CUDAGraphDecode:
         self.tokens.copy_(tokens)
         self.positions.copy_(positions)
         if S not in self.graphs:
-            view = kv_cache.upto(S)  # the graph reads and writes this call's cache, at its addresses
+            # the graph reads and writes this call's cache, at its addresses
+            view = kv_cache.upto(S)
             side = torch.cuda.Stream()  # warm up (compile, allocate) outside the capture
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # this step's keys are written twice: the same values
@@ -186,7 +191,8 @@ class CUDAGraphDecode:
         return logits.clone()  # the next replay overwrites the graph's output
 
 
-_compiled_decode = None  # one torch.compile per process: it caches the compiled code per shape guard
+# one torch.compile per process: it caches the compiled code per shape guard
+_compiled_decode = None
 
 
 def compiled_decode_step(B, max_len, device):
@@ -209,10 +215,10 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: 
 
     prompts: token-id lists of any (non-zero) lengths, as many as wanted. max_new_tokens: the cap on
     response tokens, EOS included. temperature 0 is greedy. top_k=0 and top_p=1.0 turn truncation
-    off. eos_token_ids: an id or a list of ids that end a response (a Qwen chat model: <|im_end|> and
-    <|endoftext|>); None takes the model config's eos_token_id, an empty list never stops early.
-    generator: a torch.Generator on the model's device, for reproducible samples. progress: a tqdm bar
-    over finished sequences (under torch.distributed, on one rank only).
+    off. eos_token_ids: an id or a list of ids that end a response (a Qwen chat model: <|im_end|>
+    and <|endoftext|>); None takes the model config's eos_token_id, an empty list never stops early.
+    generator: a torch.Generator on the model's device, for reproducible samples. progress: a tqdm
+    bar over finished sequences (under torch.distributed, on one rank only).
     slots: how many sequences decode at once: the KV cache holds slots x (longest prompt +
     max_new_tokens) positions, whatever the number of prompts; default one slot per prompt. A slot
     whose sequence ends takes the next waiting one.
@@ -220,8 +226,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: 
     compiles (seconds on CPU, a minute or more for a large model on a GPU); later calls reuse it.
 
     Under torch.distributed every rank calls this with its own prompts (any number) and the same
-    max_new_tokens and compile: ranks run the same forward calls until the last one is done. T of the
-    result is this rank's longest response, so it can differ between ranks."""
+    max_new_tokens and compile: ranks run the same forward calls until the last one is done. T of
+    the result is this rank's longest response, so it can differ between ranks."""
     if not prompts or min(len(p) for p in prompts) == 0:
         raise ValueError("generate needs at least one prompt, and no empty prompt")
     if max_new_tokens < 1 or temperature < 0 or top_k < 0 or not 0 < top_p <= 1 or \
@@ -240,11 +246,13 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: 
     N = len(prompts)
     B = min(slots or N, N)
     max_len = max(len(p) for p in prompts) + max_new_tokens
-    kv_cache = model.new_kv_cache(B, max_len)  # the one big allocation: B rows, however many prompts
+    # the one big allocation: B rows, however many prompts
+    kv_cache = model.new_kv_cache(B, max_len)
     decode = compiled_decode_step(B, max_len, device) if compile else decode_one_token
     eos = torch.tensor(eos_token_ids, dtype=torch.long, device=device)
     # per sequence, filled as tokens come; row N is scratch for the slots that hold no sequence
-    response_ids = torch.full((N + 1, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    response_ids = torch.full((N + 1, max_new_tokens), pad_token_id, dtype=torch.long,
+                              device=device)
     logprobs = torch.zeros(N + 1, max_new_tokens, dtype=torch.float32, device=device)
     lengths, truncated = [0] * N, [False] * N
     # per slot, on the host: the sequence it holds (N: none), its next position, its tokens so far
@@ -298,6 +306,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: 
     lengths_t = torch.tensor(lengths, device=device)  # (N,)
     T = max(lengths)  # drop the columns no sequence reached
     response_mask = torch.arange(T, device=device) < lengths_t[:, None]  # (N, T)
-    return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids[:N, :T],
-                   response_mask=response_mask, logprobs=logprobs[:N, :T], lengths=lengths_t,
+    return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+                   response_ids=response_ids[:N, :T], response_mask=response_mask,
+                   logprobs=logprobs[:N, :T], lengths=lengths_t,
                    truncated=torch.tensor(truncated, device=device))

@@ -1,12 +1,14 @@
 """
-logprobs_and_entropy: log pi(t | ...) of each target token and the entropy of each row's softmax, from logits,
-without ever materialising a (rows, V) softmax in fp32 (SPEC 8). With V = 151936 that softmax is what runs a DAPO
-step out of memory: 16k response tokens of bf16 logits are 5 GB, their fp32 log_softmax another 10 GB.
+logprobs_and_entropy: log pi(t | ...) of each target token and the entropy of each row's softmax,
+from logits, without ever materialising a (rows, V) softmax in fp32. With V = 151936 that softmax
+is what runs a DAPO step out of memory: 16k response tokens of bf16 logits are 5 GB, their fp32
+log_softmax another 10 GB.
 
 One autograd.Function, two implementations of its forward and backward:
-  - CUDA tensors                          -> the Triton kernels (kernels/triton_logprobs.py)
-  - CPU tensors                           -> the chunked PyTorch reference (kernels/reference.py)
-  - CPU tensors with TRITON_INTERPRET=1   -> the Triton kernels under Triton's interpreter (how the tests run them)
+  - CUDA tensors                         -> the Triton kernels (kernels/triton_logprobs.py)
+  - CPU tensors                          -> the chunked PyTorch reference (kernels/reference.py)
+  - CPU tensors with TRITON_INTERPRET=1  -> the Triton kernels under Triton's interpreter
+                                            (how the tests run them)
 """
 import os
 
@@ -19,7 +21,8 @@ try:
 except ImportError:  # no triton installed: the reference path serves every device
     triton_logprobs = None
 
-# Triton reads this flag when it compiles the @triton.jit functions, i.e. when triton_logprobs is imported just above
+# Triton reads this flag when it compiles the @triton.jit functions, i.e. when triton_logprobs is
+# imported just above
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEFAULT_BLOCK_V = 4096
 
@@ -33,16 +36,18 @@ def default_backend(logits: torch.Tensor) -> str:
 
 
 def as_rows(logits: torch.Tensor) -> torch.Tensor:
-    """(..., V) -> an (outer, inner, V) view with unit last stride; flat row r is [r // inner, r % inner].
-    Two levels of row strides cover a contiguous tensor and slices such as logits[:, :-1] (B, T-1, V) without a copy,
-    where reshape(-1, V) would copy all the logits."""
+    """(..., V) -> an (outer, inner, V) view with unit last stride; flat row r is
+    [r // inner, r % inner].
+    Two levels of row strides cover a contiguous tensor and slices such as logits[:, :-1]
+    (B, T-1, V) without a copy, where reshape(-1, V) would copy all the logits."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     sizes, strides = [], []
     for size, stride in zip(logits.shape[:-1], logits.stride()[:-1]):
         if size == 1:
             continue  # a length-1 dimension has no rows to step over
-        if sizes and strides[-1] == stride * size:  # steps like one dimension with the previous one: merge them
+        # steps like one dimension with the previous one: merge them
+        if sizes and strides[-1] == stride * size:
             sizes[-1], strides[-1] = sizes[-1] * size, stride
         else:
             sizes.append(size)
@@ -59,12 +64,15 @@ class LogProbsAndEntropy(torch.autograd.Function):
         rows = as_rows(logits)  # (outer, inner, V)
         flat_targets = targets.reshape(-1).contiguous()  # (N,)
         if backend == "triton":
-            logp, entropy, lse, mean_z = triton_logprobs.forward(rows, flat_targets, temperature, block_v)
+            stats = triton_logprobs.forward(rows, flat_targets, temperature, block_v)
         else:
-            logp, entropy, lse, mean_z = reference.forward(rows, flat_targets, temperature, chunk_rows)
-        ctx.save_for_backward(logits, flat_targets, lse, mean_z)  # the logits are alive anyway: saving costs nothing
+            stats = reference.forward(rows, flat_targets, temperature, chunk_rows)
+        logp, entropy, lse, mean_z = stats
+        # the logits are alive anyway: saving costs nothing
+        ctx.save_for_backward(logits, flat_targets, lse, mean_z)
         ctx.args = temperature, backend, block_v, chunk_rows
-        ctx.set_materialize_grads(False)  # an unused output's gradient stays None instead of a tensor of zeros
+        # an unused output's gradient stays None instead of a tensor of zeros
+        ctx.set_materialize_grads(False)
         return logp.view(targets.shape), entropy.view(targets.shape)
 
     @staticmethod
@@ -74,34 +82,41 @@ class LogProbsAndEntropy(torch.autograd.Function):
         logits, flat_targets, lse, mean_z = ctx.saved_tensors
         temperature, backend, block_v, chunk_rows = ctx.args
         rows = as_rows(logits)
-        # the upstream gradients can be expanded views (logp.sum() sends a stride-0 one): make them flat and dense
-        grad_logp = None if grad_logp is None else grad_logp.float().reshape(-1).contiguous()  # (N,)
-        grad_entropy = None if grad_entropy is None else grad_entropy.float().reshape(-1).contiguous()  # (N,)
+        # the upstream gradients can be expanded views (logp.sum() sends a stride-0 one): make them
+        # flat and dense, (N,) each
+        grad_logp = None if grad_logp is None else grad_logp.float().reshape(-1).contiguous()
+        grad_entropy = (None if grad_entropy is None
+                        else grad_entropy.float().reshape(-1).contiguous())
         if backend == "triton":
-            grad = triton_logprobs.backward(rows, flat_targets, lse, mean_z, grad_logp, grad_entropy, temperature,
-                                            block_v)
+            grad = triton_logprobs.backward(rows, flat_targets, lse, mean_z, grad_logp,
+                                            grad_entropy, temperature, block_v)
         else:
-            grad = reference.backward(rows, flat_targets, lse, mean_z, grad_logp, grad_entropy, temperature,
-                                      chunk_rows)
+            grad = reference.backward(rows, flat_targets, lse, mean_z, grad_logp, grad_entropy,
+                                      temperature, chunk_rows)
         return grad.view(logits.shape), None, None, None, None, None
 
 
 def logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *,
-                         backend: str | None = None, block_v: int = DEFAULT_BLOCK_V, chunk_rows: int | None = None):
+                         backend: str | None = None, block_v: int = DEFAULT_BLOCK_V,
+                         chunk_rows: int | None = None):
     """
-    logits (..., V) fp32/fp16/bf16, any strides with a unit last stride (copied otherwise); targets (...) integer
-    in [0, V). Returns (logp, entropy), both (...) fp32: logp = log_softmax(logits / T)[target] and
+    logits (..., V) fp32/fp16/bf16, any strides with a unit last stride (copied otherwise);
+    targets (...) integer in [0, V). Returns (logp, entropy), both (...) fp32:
+    logp = log_softmax(logits / T)[target] and
     entropy = -sum_j p_j log p_j with p = softmax(logits / T). Both are differentiable.
-    backend: "triton" or "torch" (default: by device, see the module docstring). block_v: the Triton kernels' block
-    over the vocabulary (a power of two). chunk_rows: rows per chunk on the torch path (default: 32 MB of fp32).
-    A row whose logits are all -inf has no softmax and gives NaN. A target outside [0, V) gives NaN on the Triton path
-    (the kernel never reads outside the row) and an index error on the torch path.
+    backend: "triton" or "torch" (default: by device, see the module docstring). block_v: the
+    Triton kernels' block over the vocabulary (a power of two). chunk_rows: rows per chunk on the
+    torch path (default: 32 MB of fp32).
+    A row whose logits are all -inf has no softmax and gives NaN. A target outside [0, V) gives
+    NaN on the Triton path (the kernel never reads outside the row) and an index error on the
+    torch path.
     """
     if targets.shape != logits.shape[:-1]:
-        raise ValueError(f"targets {tuple(targets.shape)} must have the logits' shape without the vocabulary "
-                         f"dimension, {tuple(logits.shape[:-1])}")
+        raise ValueError(f"targets {tuple(targets.shape)} must have the logits' shape without the "
+                         f"vocabulary dimension, {tuple(logits.shape[:-1])}")
     if not logits.is_floating_point() or targets.is_floating_point() or targets.is_complex():
-        raise TypeError(f"expected floating logits and integer targets, got {logits.dtype} and {targets.dtype}")
+        raise TypeError(f"expected floating logits and integer targets, got {logits.dtype} and "
+                        f"{targets.dtype}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     backend = backend or default_backend(logits)
@@ -110,5 +125,7 @@ def logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperatur
     if backend not in ("triton", "torch"):
         raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
     if block_v < 16 or block_v & (block_v - 1):
-        raise ValueError(f"block_v must be a power of two >= 16 (tl.arange needs one), got {block_v}")
-    return LogProbsAndEntropy.apply(logits, targets, float(temperature), backend, block_v, chunk_rows)
+        raise ValueError(f"block_v must be a power of two >= 16 (tl.arange needs one), "
+                         f"got {block_v}")
+    return LogProbsAndEntropy.apply(logits, targets, float(temperature), backend, block_v,
+                                    chunk_rows)

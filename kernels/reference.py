@@ -1,14 +1,16 @@
 """
-The same computation as the Triton kernels in plain PyTorch: the CPU path in training, and the oracle the kernel is
-tested against. It works on any device.
+The same computation as the Triton kernels in plain PyTorch: the CPU path in training, and the
+oracle the kernel is tested against. It works on any device.
 
 It goes over the rows in chunks, so at most a chunk of fp32 logits exists at a time: the naive
-log_softmax(logits.float()) on (2048, 151936) bf16 logits makes several 1.2 GB fp32 copies, a chunk of 55 rows is
-32 MB. Every row is computed on its own, so the chunk size changes the memory, never the numbers.
+log_softmax(logits.float()) on (2048, 151936) bf16 logits makes several 1.2 GB fp32 copies, a chunk
+of 55 rows is 32 MB. Every row is computed on its own, so the chunk size changes the memory, never
+the numbers.
 """
 import torch
 
-CHUNK_ELEMENTS = 2**23  # fp32 elements per chunk (32 MB): big enough that the per-chunk overhead is negligible
+# fp32 elements per chunk (32 MB): big enough that the per-chunk overhead is negligible
+CHUNK_ELEMENTS = 2**23
 FLOAT_MIN = torch.finfo(torch.float32).min
 
 
@@ -17,8 +19,9 @@ def default_chunk_rows(V):
 
 
 def row_chunks(rows, chunk_rows):
-    """rows (outer, inner, V) -> (r0, r1, chunk): consecutive flat rows [r0, r1), chunk (r1 - r0, V) in the input
-    dtype. A chunk inside one outer slice is a view; one that straddles two is gathered (a copy of that chunk only)."""
+    """rows (outer, inner, V) -> (r0, r1, chunk): consecutive flat rows [r0, r1), chunk (r1 - r0, V)
+    in the input dtype. A chunk inside one outer slice is a view; one that straddles two is gathered
+    (a copy of that chunk only)."""
     outer, inner, V = rows.shape
     N = outer * inner
     for r0 in range(0, N, chunk_rows):
@@ -32,11 +35,14 @@ def row_chunks(rows, chunk_rows):
 
 
 def forward(rows, targets, temperature, chunk_rows=None):
-    """rows (outer, inner, V), targets (N,) -> logp, entropy, lse, mean_z: each (N,) fp32, as the Triton forward."""
+    """rows (outer, inner, V), targets (N,) -> logp, entropy, lse, mean_z: each (N,) fp32, as the
+    Triton forward."""
     outer, inner, V = rows.shape
-    stats = torch.empty(4, outer * inner, dtype=torch.float32, device=rows.device)  # logp, entropy, lse, mean_z
+    # logp, entropy, lse, mean_z
+    stats = torch.empty(4, outer * inner, dtype=torch.float32, device=rows.device)
     targets = targets.long()
-    # one function call per chunk: its (n, V) buffers are freed on return, before the next chunk allocates its own
+    # one function call per chunk: its (n, V) buffers are freed on return, before the next chunk
+    # allocates its own
     for r0, r1, chunk in row_chunks(rows, chunk_rows or default_chunk_rows(V)):
         stats[:, r0:r1] = forward_chunk(chunk, targets[r0:r1], temperature)
     return tuple(stats)
@@ -44,41 +50,46 @@ def forward(rows, targets, temperature, chunk_rows=None):
 
 def forward_chunk(chunk, targets, temperature):
     """chunk (n, V), targets (n,) int64 -> (4, n): logp, entropy, lse, mean_z."""
-    z = chunk.to(torch.float32, copy=True).mul_(1.0 / temperature)  # (n, V) our own copy: changed in place below
-    # Everything relative to the row max m, as the kernel does: z - m is exact near the max, and log d, with
-    # d = sum exp(z - m) in [1, V], is a small number. Going through lse = m + log d instead would add lse's
-    # rounding (4e-6 when the logits sit at +100) to every log-prob and to the entropy.
+    # our own copy: changed in place below
+    z = chunk.to(torch.float32, copy=True).mul_(1.0 / temperature)  # (n, V)
+    # Everything relative to the row max m, as the kernel does: z - m is exact near the max, and
+    # log d, with d = sum exp(z - m) in [1, V], is a small number. Going through lse = m + log d
+    # instead would add lse's rounding (4e-6 when the logits sit at +100) to every log-prob and to
+    # the entropy.
     m = z.amax(dim=-1)  # (n,)
     z_m = z.sub_(m[:, None])  # (n, V) z - m, in z's buffer
     p = z_m.exp()  # (n, V) unnormalised for now
     d = p.sum(dim=-1)  # (n,)
     log_d = d.log()
     logp = z_m.gather(1, targets[:, None])[:, 0] - log_d
-    # s / d = E[z - m] = sum p (z - m), where a -inf logit has p = 0 and 0 * -inf = NaN: clamping -inf to the most
-    # negative float makes that term 0 * (finite) = 0, in place
+    # s / d = E[z - m] = sum p (z - m), where a -inf logit has p = 0 and 0 * -inf = NaN: clamping
+    # -inf to the most negative float makes that term 0 * (finite) = 0, in place
     s_d = p.mul_(z_m.clamp_(min=FLOAT_MIN)).sum(dim=-1) / d  # (n,)
     entropy = log_d - s_d  # H = lse - E[z] = log d - s / d
     return torch.stack([logp, entropy, m + log_d, m + s_d])
 
 
 def backward(rows, targets, lse, mean_z, grad_logp, grad_entropy, temperature, chunk_rows=None):
-    """The gradient w.r.t. the logits, (N, V) contiguous in the logits' dtype, as the Triton backward:
-    dz_j = g_logp * (1[j = t] - p_j) - g_ent * p_j * (z_j - E[z]), then divided by T."""
+    """The gradient w.r.t. the logits, (N, V) contiguous in the logits' dtype, as the Triton
+    backward: dz_j = g_logp * (1[j = t] - p_j) - g_ent * p_j * (z_j - E[z]), then divided by T."""
     outer, inner, V = rows.shape
     grad_logits = torch.empty(outer * inner, V, dtype=rows.dtype, device=rows.device)
     targets = targets.long()
     for r0, r1, chunk in row_chunks(rows, chunk_rows or default_chunk_rows(V)):
         span = slice(r0, r1)
         grad_logits[span] = backward_chunk(
-            chunk, targets[span], lse[span], mean_z[span], None if grad_logp is None else grad_logp[span],
+            chunk, targets[span], lse[span], mean_z[span],
+            None if grad_logp is None else grad_logp[span],
             None if grad_entropy is None else grad_entropy[span], temperature)
     return grad_logits
 
 
 def backward_chunk(chunk, targets, lse, mean_z, grad_logp, grad_entropy, temperature):
-    """chunk (n, V) -> its gradient, (n, V) fp32; the other arguments are (n,), a gradient may be None."""
+    """chunk (n, V) -> its gradient, (n, V) fp32; the other arguments are (n,), a gradient
+    may be None."""
     z = chunk.to(torch.float32, copy=True).mul_(1.0 / temperature)  # (n, V)
-    if grad_entropy is None:  # the usual training case (logp in the loss, entropy only logged): -g_logp * p
+    if grad_entropy is None:
+        # the usual training case (logp in the loss, entropy only logged): -g_logp * p
         dz = z.sub_(lse[:, None]).exp_().mul_(-grad_logp[:, None])  # in z's buffer
     else:
         p = (z - lse[:, None]).exp_()  # (n, V) the softmax, recomputed from the saved lse
@@ -86,6 +97,7 @@ def backward_chunk(chunk, targets, lse, mean_z, grad_logp, grad_entropy, tempera
         dz = z.clamp_(min=FLOAT_MIN).sub_(mean_z[:, None]).mul_(p).mul_(-grad_entropy[:, None])
         if grad_logp is not None:
             dz.sub_(p.mul_(grad_logp[:, None]))
-    if grad_logp is not None:  # the one-hot term, in fp32 before the single rounding to the logits' dtype
+    # the one-hot term, in fp32 before the single rounding to the logits' dtype
+    if grad_logp is not None:
         dz.scatter_add_(1, targets[:, None], grad_logp[:, None])
     return dz.mul_(1.0 / temperature)
