@@ -1,23 +1,27 @@
 """
-Peak extra CPU memory and time of the fused kernels on their CPU path (the chunked PyTorch reference), in two tables:
-1. logprobs_and_entropy against the naive log_softmax + gather + -(p * logp).sum(), on bf16 logits of Qwen2.5's
-   vocabulary;
-2. linear_logprobs_and_entropy (the output layer fused in, chunks of tokens) against the unfused path that
-   dapo.response_logprobs takes, `logits = hidden @ weight.T` then logprobs_and_entropy, forward + backward at a
-   Qwen2.5-0.5B head (C = 896, V = 151936) in fp32. Time is CPU time on one thread (process_time: steady on a shared
-   machine), in rounds that alternate the order of the variants.
+Peak extra CPU memory and time of the fused kernels on their CPU path (the chunked PyTorch
+reference), in two tables:
+1. logprobs_and_entropy against the naive log_softmax + gather + -(p * logp).sum(), on bf16 logits
+   of Qwen2.5's vocabulary;
+2. linear_logprobs_and_entropy (the output layer fused in, chunks of tokens) against the unfused
+   path that dapo.response_logprobs takes, `logits = hidden @ weight.T` then logprobs_and_entropy,
+   forward + backward at a Qwen2.5-0.5B head (C = 896, V = 151936) in fp32. Time is CPU time on one
+   thread (process_time: steady on a shared machine), in rounds that alternate the order of the
+   variants.
 
-    .venv/bin/python benchmarks/bench_kernels.py [--rows 2048 --vocab 151936 --tokens 4096 --hidden 896 --rounds 2]
+    .venv/bin/python benchmarks/bench_kernels.py [--rows 2048 --vocab 151936 --tokens 4096
+                                                  --hidden 896 --rounds 2]
     .venv/bin/python benchmarks/bench_kernels.py --part head      # the second table only
 
-How the memory is measured, and why this way: torch allocates tensors outside Python's allocator, so tracemalloc sees
-none of them; what is real is the process's resident memory. Each cell runs in a fresh subprocess, which allocates and
-fills its inputs first (the logits; or the hidden states and the weight), then resets the kernel's RSS high-water mark
-(writing 5 to /proc/self/clear_refs), runs the pass once, and reports VmHWM - VmRSS: the most memory the pass ever
-held beyond its inputs, autograd's saved tensors, the gradients and allocator slack included. (Tensors this large
-are mmap'd by malloc and unmapped on free, so RSS follows the live tensors.) Where clear_refs cannot be written, it
-falls back on ru_maxrss, the high-water since the process started, which still works because the inputs are by far
-the biggest things allocated before the pass.
+How the memory is measured, and why this way: torch allocates tensors outside Python's allocator, so
+tracemalloc sees none of them; what is real is the process's resident memory. Each cell runs in a
+fresh subprocess, which allocates and fills its inputs first (the logits; or the hidden states and
+the weight), then resets the kernel's RSS high-water mark (writing 5 to /proc/self/clear_refs), runs
+the pass once, and reports VmHWM - VmRSS: the most memory the pass ever held beyond its inputs,
+autograd's saved tensors, the gradients and allocator slack included. (Tensors this large are mmap'd
+by malloc and unmapped on free, so RSS follows the live tensors.) Where clear_refs cannot be
+written, it falls back on ru_maxrss, the high-water since the process started, which still works
+because the inputs are by far the biggest things allocated before the pass.
 """
 import argparse
 import json
@@ -35,13 +39,17 @@ from kernels import linear_logprobs_and_entropy, logprobs_and_entropy  # noqa: E
 
 MB = 2**20
 VARIANTS = {  # name -> f(logits (N, V), targets (N,)) -> (logp, entropy), both (N,) fp32
-    "naive, fp32": lambda x, t: naive(x.float(), t),  # what a careful naive version writes: the softmax in fp32
-    "naive, bf16": lambda x, t: naive(x, t),  # cheaper and less accurate: the softmax in the logits' dtype
+    # what a careful naive version writes: the softmax in fp32
+    "naive, fp32": lambda x, t: naive(x.float(), t),
+    # cheaper and less accurate: the softmax in the logits' dtype
+    "naive, bf16": lambda x, t: naive(x, t),
     "fused (CPU path)": lambda x, t: logprobs_and_entropy(x, t, backend="torch"),
 }
 PASSES = ("forward", "forward+backward")
-HEADS = {  # name -> f(hidden (N, C), weight (V, C), targets (N,)) -> (logp, entropy), both (N,) fp32
-    "unfused": lambda h, w, t: logprobs_and_entropy(h @ w.T, t, backend="torch"),  # today's response_logprobs
+# name -> f(hidden (N, C), weight (V, C), targets (N,)) -> (logp, entropy), both (N,) fp32
+HEADS = {
+    # today's response_logprobs
+    "unfused": lambda h, w, t: logprobs_and_entropy(h @ w.T, t, backend="torch"),
     "fused": lambda h, w, t: linear_logprobs_and_entropy(h, w, t, backend="torch"),
 }
 
@@ -59,7 +67,8 @@ def memory_kb():
 
 
 def reset_peak():
-    """Reset the kernel's RSS high-water mark to the current RSS; False where /proc/self/clear_refs is read-only."""
+    """Reset the kernel's RSS high-water mark to the current RSS; False where
+    /proc/self/clear_refs is read-only."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -69,7 +78,8 @@ def reset_peak():
 
 
 def subprocess_json(*args):
-    out = subprocess.run([sys.executable, __file__, *map(str, args)], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, __file__, *map(str, args)], capture_output=True,
+                         text=True)
     if out.returncode:
         sys.exit(f"{' '.join(map(str, args))} failed:\n{out.stderr}")
     return json.loads(out.stdout)
@@ -78,7 +88,8 @@ def subprocess_json(*args):
 def measure(variant, pass_, rows, vocab):
     """Runs in the subprocess: -> {"extra_mb", "seconds", "exact"}."""
     torch.manual_seed(0)
-    # 64 random rows repeated: filling 300M elements with normal_ takes seconds, and the values don't change memory
+    # 64 random rows repeated: filling 300M elements with normal_ takes seconds, and the values
+    # don't change memory
     block = (torch.randn(64, vocab) * 2).to(torch.bfloat16)
     logits = torch.empty(rows, vocab, dtype=torch.bfloat16)  # (N, V)
     for r in range(0, rows, 64):
@@ -90,11 +101,14 @@ def measure(variant, pass_, rows, vocab):
     def run(logits, targets, weights):
         with torch.set_grad_enabled(backward):
             logp, entropy = VARIANTS[variant](logits, targets)
-            if backward:  # the training case: logp in the loss, the entropy only logged (SPEC 1)
+            # the training case: logp in the loss, the entropy only logged (the paper's objective,
+            # Eq. 8, has no entropy term)
+            if backward:
                 (weights * logp).sum().backward()
         return entropy
 
-    # warm-up on 8 rows: the first call of each op pages in its code from libtorch, tens of MB of RSS not to count
+    # warm-up on 8 rows: the first call of each op pages in its code from libtorch, tens of MB of
+    # RSS not to count
     run(logits[:8].detach().requires_grad_(backward), targets[:8], weights[:8])
     logits.requires_grad_(backward)
     exact = reset_peak()
@@ -110,44 +124,53 @@ def measure(variant, pass_, rows, vocab):
 def logits_table(args):
     size_mb = args.rows * args.vocab * 2 / MB
     print(f"logprobs + entropy, bf16 logits ({args.rows}, {args.vocab}) = {size_mb:.0f} MB, CPU, "
-          f"threads={torch.get_num_threads()}; extra = peak RSS beyond the input, one subprocess per cell")
+          f"threads={torch.get_num_threads()}; extra = peak RSS beyond the input, "
+          f"one subprocess per cell")
     results = {}
     for variant in VARIANTS:
         for pass_ in PASSES:
-            results[variant, pass_] = subprocess_json("--rows", args.rows, "--vocab", args.vocab, "--one", variant,
-                                                      pass_)
+            results[variant, pass_] = subprocess_json("--rows", args.rows, "--vocab", args.vocab,
+                                                      "--one", variant, pass_)
     print(f"  {'':18}" + "".join(f"{pass_:>24}" for pass_ in PASSES))
     print(f"  {'':18}" + f"{'extra MB':>16}{'s':>8}" * len(PASSES))
     for variant in VARIANTS:
         print(f"  {variant:18}" + "".join(f"{results[variant, pass_]['extra_mb']:16.0f}"
-                                          f"{results[variant, pass_]['seconds']:8.1f}" for pass_ in PASSES))
-    print(f"  (forward+backward includes the logits' gradient, {size_mb:.0f} MB of bf16, in every row)")
+                                          f"{results[variant, pass_]['seconds']:8.1f}"
+                                          for pass_ in PASSES))
+    print(f"  (forward+backward includes the logits' gradient, {size_mb:.0f} MB of bf16, "
+          f"in every row)")
     fused = "fused (CPU path)"
     for baseline in ("naive, fp32", "naive, bf16"):
-        ratios = [results[fused, pass_]["extra_mb"] / results[baseline, pass_]["extra_mb"] for pass_ in PASSES]
-        print(f"  ratio fused / {baseline}: " + ", ".join(f"{pass_} {r:.2f}" for pass_, r in zip(PASSES, ratios))
+        ratios = [results[fused, pass_]["extra_mb"] / results[baseline, pass_]["extra_mb"]
+                  for pass_ in PASSES]
+        print(f"  ratio fused / {baseline}: "
+              + ", ".join(f"{pass_} {r:.2f}" for pass_, r in zip(PASSES, ratios))
               + "   (goal <= 0.25)")
     if not all(r["exact"] for r in results.values()):
         print("  note: /proc/self/clear_refs was not writable; peaks come from ru_maxrss")
 
 
 def measure_head(variant, tokens, hidden_size, vocab):
-    """Runs in the subprocess, on one thread: forward + backward of the policy-gradient loss on logp through
-    HEADS[variant] -> {"extra_mb", "grads_mb", "cpu_s", "exact"}. grads_mb: the gradients of the weight and the
-    hidden states, which any method returns and which extra_mb includes."""
+    """Runs in the subprocess, on one thread: forward + backward of the policy-gradient loss on logp
+    through HEADS[variant] -> {"extra_mb", "grads_mb", "cpu_s", "exact"}. grads_mb: the gradients of
+    the weight and the hidden states, which any method returns and which extra_mb includes."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    weight = (torch.randn(vocab, hidden_size) * 0.02).requires_grad_()  # (V, C), as an lm_head's init
+    # (V, C), as an lm_head's init
+    weight = (torch.randn(vocab, hidden_size) * 0.02).requires_grad_()
     hidden = torch.randn(tokens, hidden_size).requires_grad_()  # (N, C)
     targets = torch.randint(0, vocab, (tokens,))
     adv = torch.randn(tokens)  # stands for the advantages
 
     def run(n):
         logp, entropy = HEADS[variant](hidden[:n], weight, targets[:n])
-        (adv[:n] * logp).sum().backward()  # the training case: logp in the loss, the entropy only logged
+        # the training case: logp in the loss, the entropy only logged
+        (adv[:n] * logp).sum().backward()
         return entropy
 
-    run(8)  # warm-up: pages in each op's code (tens of MB of RSS not to count); its gradients are dropped below
+    # warm-up: pages in each op's code (tens of MB of RSS not to count); its gradients are dropped
+    # below
+    run(8)
     weight.grad = hidden.grad = None
     exact = reset_peak()
     rss_before, _ = memory_kb()
@@ -157,12 +180,14 @@ def measure_head(variant, tokens, hidden_size, vocab):
     peak_kb = memory_kb()[1] if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     assert torch.isfinite(entropy).all()
     grads_mb = (weight.grad.nbytes + hidden.grad.nbytes) / MB
-    return {"extra_mb": (peak_kb - rss_before) / 1024, "grads_mb": grads_mb, "cpu_s": cpu_s, "exact": exact}
+    return {"extra_mb": (peak_kb - rss_before) / 1024, "grads_mb": grads_mb, "cpu_s": cpu_s,
+            "exact": exact}
 
 
 def head_table(args):
     N, C, V = args.tokens, args.hidden, args.vocab
-    print(f"\noutput layer + logprobs + entropy, forward+backward: hidden ({N}, {C}), weight ({V}, {C}) fp32, CPU,\n"
+    print(f"\noutput layer + logprobs + entropy, forward+backward: hidden ({N}, {C}), "
+          f"weight ({V}, {C}) fp32, CPU,\n"
           f"1 thread; one subprocess per cell, {args.rounds} rounds alternating the order")
     results = {name: [] for name in HEADS}
     for r in range(args.rounds):
@@ -172,32 +197,42 @@ def head_table(args):
     print(f"  {'':10}{'extra MB':>10}{'CPU s, each round':>26}")
     extra, cpu = {}, {}
     for variant, runs in results.items():
-        extra[variant] = min(r["extra_mb"] for r in runs)  # the least noisy: RSS only ever adds allocator slack
+        # the least noisy: RSS only ever adds allocator slack
+        extra[variant] = min(r["extra_mb"] for r in runs)
         cpu[variant] = statistics.median(r["cpu_s"] for r in runs)
         rounds = "  ".join(f"{r['cpu_s']:.1f}" for r in runs)
         print(f"  {variant:10}{extra[variant]:10.0f}{rounds:>26}")
     grads_mb = results["fused"][0]["grads_mb"]
-    print(f"  fused / unfused: extra memory {extra['fused'] / extra['unfused']:.2f}x (goal <= 0.1x), CPU time "
-          f"{cpu['fused'] / cpu['unfused']:.2f}x (median of the rounds; goal <= 1.2x)")
-    # where the fused path's peak goes: the gradients it returns are allocated for the whole backward, while the
-    # unfused path peaks earlier, on its logits and their gradient, before its weight gradient exists
-    print(f"  of the fused extra, {grads_mb:.0f} MB ({grads_mb / extra['unfused']:.2f}x the unfused extra) are the "
-          f"gradients of the weight and\n  the hidden states, which every method returns; the rest (the chunks) "
-          f"is {(extra['fused'] - grads_mb) / extra['unfused']:.2f}x. Time: recomputing the logits\n  in the backward "
-          f"makes 4 matmuls of the unfused path's 3, and on a CPU the matmuls are most of the time")
+    print(f"  fused / unfused: extra memory {extra['fused'] / extra['unfused']:.2f}x "
+          f"(goal <= 0.1x), CPU time {cpu['fused'] / cpu['unfused']:.2f}x "
+          f"(median of the rounds; goal <= 1.2x)")
+    # where the fused path's peak goes: the gradients it returns are allocated for the whole
+    # backward, while the unfused path peaks earlier, on its logits and their gradient, before its
+    # weight gradient exists
+    print(f"  of the fused extra, {grads_mb:.0f} MB ({grads_mb / extra['unfused']:.2f}x the "
+          f"unfused extra) are the gradients of the weight and\n  the hidden states, which every "
+          f"method returns; the rest (the chunks) is "
+          f"{(extra['fused'] - grads_mb) / extra['unfused']:.2f}x. Time: recomputing the "
+          f"logits\n  in the backward makes 4 matmuls of the unfused path's 3, and on a CPU the "
+          f"matmuls are most of the time")
     if not all(r["exact"] for runs in results.values() for r in runs):
         print("  note: /proc/self/clear_refs was not writable; peaks come from ru_maxrss")
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=2048)
     p.add_argument("--vocab", type=int, default=151936)
-    p.add_argument("--tokens", type=int, default=4096, help="tokens through the output layer (table 2)")
-    p.add_argument("--hidden", type=int, default=896, help="hidden size (table 2; Qwen2.5-0.5B's by default)")
-    p.add_argument("--rounds", type=int, default=2, help="rounds of table 2, alternating the variants' order")
+    p.add_argument("--tokens", type=int, default=4096,
+                   help="tokens through the output layer (table 2)")
+    p.add_argument("--hidden", type=int, default=896,
+                   help="hidden size (table 2; Qwen2.5-0.5B's by default)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="rounds of table 2, alternating the variants' order")
     p.add_argument("--part", choices=("all", "logits", "head"), default="all")
-    p.add_argument("--one", nargs=2, metavar=("VARIANT", "PASS"), help=argparse.SUPPRESS)  # the subprocess side
+    # the subprocess side
+    p.add_argument("--one", nargs=2, metavar=("VARIANT", "PASS"), help=argparse.SUPPRESS)
     p.add_argument("--one-head", choices=HEADS, help=argparse.SUPPRESS)  # the subprocess side
     args = p.parse_args()
     if args.one:

@@ -1,6 +1,8 @@
-"""Forward+backward tokens/s of model.py's Qwen2 against transformers' Qwen2ForCausalLM, same weights, same batch, CPU.
+"""Forward+backward tokens/s of model.py's Qwen2 against transformers' Qwen2ForCausalLM, same
+weights, same batch, CPU.
 
-    .venv/bin/python benchmarks/bench_model.py [--hidden 256 --layers 4 --batch 8 --seq 256 --iters 5]
+    .venv/bin/python benchmarks/bench_model.py [--hidden 256 --layers 4 --batch 8 --seq 256
+                                                --iters 5]
 """
 import argparse
 import os
@@ -15,8 +17,8 @@ from model import Qwen2, preset  # noqa: E402
 
 
 def best_step_times(steps, iters):
-    """Alternate the steps and keep each one's fastest time: on a shared machine other work only ever slows a step
-    down, so the minimum over interleaved repeats is the fair comparison."""
+    """Alternate the steps and keep each one's fastest time: on a shared machine other work only
+    ever slows a step down, so the minimum over interleaved repeats is the fair comparison."""
     for step in steps:
         step()  # warm-up: allocator, first-call dispatch
     best = [float("inf")] * len(steps)
@@ -29,7 +31,8 @@ def best_step_times(steps, iters):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=8192)
@@ -40,12 +43,14 @@ def main():
     import transformers
 
     torch.manual_seed(0)
-    cfg = preset("tiny", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-                 num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64, num_key_value_heads=2)
+    cfg = preset("tiny", vocab_size=args.vocab, hidden_size=args.hidden,
+                 intermediate_size=3 * args.hidden, num_hidden_layers=args.layers,
+                 num_attention_heads=args.hidden // 64, num_key_value_heads=2)
     ours = Qwen2(cfg)
     with tempfile.TemporaryDirectory() as d:
         ours.save_pretrained(d)
-        theirs = transformers.Qwen2ForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="sdpa")
+        theirs = transformers.Qwen2ForCausalLM.from_pretrained(d, dtype=torch.float32,
+                                                               attn_implementation="sdpa")
     x = torch.randint(0, args.vocab, (args.batch, args.seq))
 
     def step_ours():
@@ -61,9 +66,11 @@ def main():
     n = args.batch * args.seq
     t_ours, t_theirs = best_step_times([step_ours, step_theirs], args.iters)
     r_ours, r_theirs = n / t_ours, n / t_theirs
-    print(f"model fwd+bwd  hidden={args.hidden} layers={args.layers} vocab={args.vocab} batch={args.batch}x{args.seq} "
-          f"threads={torch.get_num_threads()}  max|logit diff|={err:.1e}")
-    print(f"  ours {r_ours:9.0f} tok/s   transformers {r_theirs:9.0f} tok/s   ratio {r_ours / r_theirs:.2f}x")
+    print(f"model fwd+bwd  hidden={args.hidden} layers={args.layers} vocab={args.vocab} "
+          f"batch={args.batch}x{args.seq} threads={torch.get_num_threads()}  "
+          f"max|logit diff|={err:.1e}")
+    print(f"  ours {r_ours:9.0f} tok/s   transformers {r_theirs:9.0f} tok/s   "
+          f"ratio {r_ours / r_theirs:.2f}x")
 
 
 if __name__ == "__main__":

@@ -1,27 +1,34 @@
 """
-sampler.generate against transformers on the same random weights (CPU, one thread, CPU time, best of rounds).
+sampler.generate against transformers on the same random weights (CPU, one thread, CPU time, best
+of rounds).
 
-    .venv/bin/python benchmarks/bench_sampler.py                   # the three parts, about 3 minutes of CPU
-    .venv/bin/python benchmarks/bench_sampler.py --parts rl        # one part (uniform, rl, memory)
-    .venv/bin/python benchmarks/bench_sampler.py --threads 2       # both cores: only on an otherwise idle machine
+    # the three parts, about 3 minutes of CPU
+    .venv/bin/python benchmarks/bench_sampler.py
+    # one part (uniform, rl, memory)
+    .venv/bin/python benchmarks/bench_sampler.py --parts rl
+    # both cores: only on an otherwise idle machine
+    .venv/bin/python benchmarks/bench_sampler.py --threads 2
 
-1. uniform: greedy, no EOS, every row runs to 128 new tokens; all rows at once (slots = rows) on both sides. Two
-   sizes: the embedded demo's (hidden 128, 2 layers, batch 64, vocab 512) and ~27M parameters (hidden 512, 6 layers,
-   batch 16, vocab 8192). Ours eager and compiled (torch.compile'd decode step) against transformers' generate; the
-   greedy outputs are compared token for token. decode = (time(128) - time(1)) / 127, the cost of one decode step
-   for the whole batch; floor = the bare F.linear calls of one decode step, which a step cannot beat without
-   changing the arithmetic.
-2. rl: what a DAPO rollout looks like. 64 prompts x G = 8 samples at temperature 1, up to 512 new tokens; 4 of the
-   512 token ids end a response, and a random model's next-token distribution is nearly flat, so the lengths are
-   about geometric with mean 128 and a long tail. Useful tokens/s (response tokens up to the EOS) for ours with 64
-   slots, eager and compiled, against (a) lockstep: ours with one slot per sequence, all 512 at once, which is the
-   schedule of the previous sampler (every row decodes until the longest one ends); (b) transformers' generate in
-   batches of 64 (8 prompts x 8); (c) transformers' continuous batching (generate_batch, 64 requests at a time).
-3. memory: how far resident memory rises during the rl run, ours with 64 slots against 512 rows (Linux: VmHWM,
-   each in a fresh process).
+1. uniform: greedy, no EOS, every row runs to 128 new tokens; all rows at once (slots = rows) on
+   both sides. Two sizes: the embedded demo's (hidden 128, 2 layers, batch 64, vocab 512) and ~27M
+   parameters (hidden 512, 6 layers, batch 16, vocab 8192). Ours eager and compiled (torch.compile'd
+   decode step) against transformers' generate; the greedy outputs are compared token for token.
+   decode = (time(128) - time(1)) / 127, the cost of one decode step for the whole batch;
+   floor = the bare F.linear calls of one decode step, which a step cannot beat without changing
+   the arithmetic.
+2. rl: what a DAPO rollout looks like. 64 prompts x G = 8 samples at temperature 1, up to 512 new
+   tokens; 4 of the 512 token ids end a response, and a random model's next-token distribution is
+   nearly flat, so the lengths are about geometric with mean 128 and a long tail. Useful tokens/s
+   (response tokens up to the EOS) for ours with 64 slots, eager and compiled, against (a) lockstep:
+   ours with one slot per sequence, all 512 at once, which is the schedule of the previous sampler
+   (every row decodes until the longest one ends); (b) transformers' generate in batches of 64
+   (8 prompts x 8); (c) transformers' continuous batching (generate_batch, 64 requests at a time).
+3. memory: how far resident memory rises during the rl run, ours with 64 slots against 512 rows
+   (Linux: VmHWM, each in a fresh process).
 
-CPU time of the process on one thread: the other tenants of a shared machine disturb it far less than wall time.
-One thread by default: on a 2-core machine a second OpenMP thread helps only while nothing else runs.
+CPU time of the process on one thread: the other tenants of a shared machine disturb it far less
+than wall time. One thread by default: on a 2-core machine a second OpenMP thread helps only while
+nothing else runs.
 """
 import argparse
 import multiprocessing
@@ -37,10 +44,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import ModelConfig, Qwen2, num_params  # noqa: E402
 from sampler import generate  # noqa: E402
 
-DEMO = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=512)
-M27 = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2,
-           vocab_size=8192)
+DEMO = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=512)
+M27 = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=8,
+           num_key_value_heads=2, vocab_size=8192)
 UNIFORM = {"demo": (DEMO, 64), "27M": (M27, 16)}  # name: (model config, batch size)
 RL_PROMPTS, RL_G, RL_SLOTS, RL_NEW, RL_EOS = 64, 8, 64, 512, [1, 2, 3, 4]
 
@@ -50,7 +57,8 @@ def build(cfg_kw, tmp):
     transformers.utils.logging.disable_progress_bar()  # its "Loading weights" bar, not ours
     torch.manual_seed(0)
     ours = Qwen2(ModelConfig(**cfg_kw, max_position_embeddings=1024, torch_dtype="float32")).eval()
-    with torch.no_grad():  # random biases and norm weights, so that nothing is a constant that hides a difference
+    # random biases and norm weights, so that nothing is a constant that hides a difference
+    with torch.no_grad():
         for name, p in ours.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
@@ -72,7 +80,8 @@ def clock():
 
 def left_padded(prompts):
     P = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), P, dtype=torch.long)  # left-padded, as transformers wants for generation
+    # left-padded, as transformers wants for generation
+    ids = torch.zeros(len(prompts), P, dtype=torch.long)
     mask = torch.zeros(len(prompts), P, dtype=torch.long)
     for i, p in enumerate(prompts):
         ids[i, P - len(p):], mask[i, P - len(p):] = torch.tensor(p), 1
@@ -80,7 +89,8 @@ def left_padded(prompts):
 
 
 def best_times(rounds, runs):
-    """{name: fn} -> {name: (best seconds, output)}, the fns called alternately for `rounds` rounds."""
+    """{name: fn} -> {name: (best seconds, output)}, the fns called alternately for `rounds`
+    rounds."""
     best = {}
     for _ in range(rounds):
         for name, fn in runs.items():
@@ -92,8 +102,10 @@ def best_times(rounds, runs):
 
 
 def matmul_floor(model, batch, reps=20):
-    """Seconds for the bare F.linear calls of one decode step (B rows), with the model's own weights; best of 3."""
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]  # projections + lm_head
+    """Seconds for the bare F.linear calls of one decode step (B rows), with the model's own
+    weights; best of 3."""
+    # projections + lm_head
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     x = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in weights}
     best = float("inf")
     with torch.no_grad():
@@ -106,11 +118,12 @@ def matmul_floor(model, batch, reps=20):
     return best
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 1. uniform
 
 def uniform(rounds):
-    print("\n1. uniform: greedy, every row to 128 new tokens, all rows at once; tok/s (ratio to transformers)")
+    print("\n1. uniform: greedy, every row to 128 new tokens, all rows at once; "
+          "tok/s (ratio to transformers)")
     print(f"{'size':>5} {'params':>6} {'B':>3} | {'eager':>13} {'compiled':>14} {'hf':>6} | "
           f"{'decode ms/step eager/compiled/hf':>32} {'floor':>6} | same output")
     for name, (cfg_kw, batch) in UNIFORM.items():
@@ -121,16 +134,17 @@ def uniform(rounds):
 
         def run_hf(new):
             with torch.no_grad():
-                out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=None,
-                                  pad_token_id=0)
+                out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)
             assert out.shape[1] == ids.shape[1] + new, "transformers stopped early"
             return out[:, ids.shape[1]:]
 
         def runs(new):
             return dict(
-                eager=lambda: generate(ours, prompts, new, temperature=0, eos_token_ids=[]).response_ids,
-                compiled=lambda: generate(ours, prompts, new, temperature=0, eos_token_ids=[], compile=True)
-                .response_ids,
+                eager=lambda: generate(ours, prompts, new, temperature=0,
+                                       eos_token_ids=[]).response_ids,
+                compiled=lambda: generate(ours, prompts, new, temperature=0, eos_token_ids=[],
+                                          compile=True).response_ids,
                 hf=lambda: run_hf(new))
         best_times(1, runs(4))  # warm-up: the compile, the allocator, transformers' caches
         floor = matmul_floor(ours, batch)
@@ -142,14 +156,16 @@ def uniform(rounds):
         print(f"{name:>5} {num_params(ours) / 1e6:5.1f}M {batch:>3} | "
               f"{tps['eager']:6.0f} ({tps['eager'] / tps['hf']:.2f}x) {tps['compiled']:6.0f} "
               f"({tps['compiled'] / tps['hf']:.2f}x) {tps['hf']:6.0f} | "
-              f"{1e3 * decode['eager']:14.2f} /{1e3 * decode['compiled']:6.2f} /{1e3 * decode['hf']:6.2f}   "
+              f"{1e3 * decode['eager']:14.2f} /{1e3 * decode['compiled']:6.2f} "
+              f"/{1e3 * decode['hf']:6.2f}   "
               f"{1e3 * floor:6.2f} | {same[0]}/{batch}, {same[1]}/{batch} rows", flush=True)
-        # random weights leave some argmaxes within float noise of a tie, where a different order of the same
-        # arithmetic may pick the other token; a real bug changes nearly every row
-        assert min(same) >= 0.9 * batch, f"greedy outputs differ from transformers' in {batch - min(same)} rows"
+        # random weights leave some argmaxes within float noise of a tie, where a different order of
+        # the same arithmetic may pick the other token; a real bug changes nearly every row
+        assert min(same) >= 0.9 * batch, \
+            f"greedy outputs differ from transformers' in {batch - min(same)} rows"
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 2. rl and 3. memory
 
 def status_mib(key):
@@ -158,8 +174,9 @@ def status_mib(key):
 
 
 def memory_rise(slots):
-    """In a fresh process: how far the resident memory rises above its size before the rl run (ours, with
-    `slots`) at its peak, MiB (Linux: VmHWM). Fresh, because memory an earlier run freed stays resident."""
+    """In a fresh process: how far the resident memory rises above its size before the rl run (ours,
+    with `slots`) at its peak, MiB (Linux: VmHWM). Fresh, because memory an earlier run freed stays
+    resident."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = Qwen2(ModelConfig(**DEMO, max_position_embeddings=1024, torch_dtype="float32")).eval()
@@ -184,30 +201,36 @@ def rl(rounds, parts):
     with tempfile.TemporaryDirectory() as tmp:
         ours, hf = build(DEMO, tmp)
     prompts = ragged_prompts(RL_PROMPTS, DEMO["vocab_size"], seed=1)
-    seqs = [p for p in prompts for _ in range(RL_G)]  # the G samples of a prompt side by side, as dapo.py asks
+    # the G samples of a prompt side by side, as dapo.py asks
+    seqs = [p for p in prompts for _ in range(RL_G)]
 
     def run_ours(slots, compile=False):
-        return generate(ours, seqs, RL_NEW, temperature=1.0, eos_token_ids=RL_EOS, slots=slots, compile=compile,
-                        generator=torch.Generator().manual_seed(0)).lengths.tolist()
+        rollout = generate(ours, seqs, RL_NEW, temperature=1.0, eos_token_ids=RL_EOS, slots=slots,
+                           compile=compile, generator=torch.Generator().manual_seed(0))
+        return rollout.lengths.tolist()
 
     def run_hf_batches():
         lengths = []
         for start in range(0, len(seqs), RL_SLOTS):
             ids, mask = left_padded(seqs[start:start + RL_SLOTS])
             with torch.no_grad():
-                out = hf.generate(ids, attention_mask=mask, max_new_tokens=RL_NEW, do_sample=True, temperature=1.0,
-                                  top_k=0, top_p=1.0, eos_token_id=RL_EOS, pad_token_id=0)
+                out = hf.generate(ids, attention_mask=mask, max_new_tokens=RL_NEW, do_sample=True,
+                                  temperature=1.0, top_k=0, top_p=1.0, eos_token_id=RL_EOS,
+                                  pad_token_id=0)
             lengths += hf_lengths(out[:, ids.shape[1]:])
         return lengths
 
     def run_hf_cb():
-        gen = transformers.GenerationConfig(max_new_tokens=RL_NEW, do_sample=True, temperature=1.0, top_k=0,
-                                            top_p=1.0, eos_token_id=RL_EOS, pad_token_id=0)
-        # 64 requests at a time, pages for 64 sequences of the longest prompt + 512 tokens, as our 64 slots hold
+        gen = transformers.GenerationConfig(max_new_tokens=RL_NEW, do_sample=True, temperature=1.0,
+                                            top_k=0, top_p=1.0, eos_token_id=RL_EOS,
+                                            pad_token_id=0)
+        # 64 requests at a time, pages for 64 sequences of the longest prompt + 512 tokens, as our
+        # 64 slots hold
         cb = transformers.ContinuousBatchingConfig(max_requests_per_batch=RL_SLOTS, page_size=256,
                                                    num_blocks=RL_SLOTS * 3, max_batch_tokens=4096)
         with torch.no_grad():
-            out = hf.generate_batch(seqs, generation_config=gen, continuous_batching_config=cb, warmup=False)
+            out = hf.generate_batch(seqs, generation_config=gen, continuous_batching_config=cb,
+                                    warmup=False)
         return [len(o.generated_tokens) for o in out.values()]
 
     runs = {"ours, 64 slots": lambda: run_ours(RL_SLOTS),
@@ -216,7 +239,8 @@ def rl(rounds, parts):
             "(b) hf generate, batches of 64": run_hf_batches,
             "(c) hf continuous batching": run_hf_cb}
     if "rl" in parts:
-        generate(ours, seqs[:RL_SLOTS], 4, slots=RL_SLOTS, compile=True)  # compile outside the timing
+        # compile outside the timing
+        generate(ours, seqs[:RL_SLOTS], 4, slots=RL_SLOTS, compile=True)
         best = {}
         for _ in range(rounds):
             for name, fn in runs.items():
@@ -225,40 +249,49 @@ def rl(rounds, parts):
                 dt, wall = clock() - t0, time.perf_counter() - wall0
                 if dt < best.get(name, (float("inf"),))[0]:
                     best[name] = dt, wall, lengths
-        print(f"\n2. rl: {RL_PROMPTS} prompts x G={RL_G}, temperature 1, up to {RL_NEW} new tokens, "
-              f"P(EOS) ~ {len(RL_EOS)}/{DEMO['vocab_size']} per token; useful tokens/s (ours, 64 slots: x)")
-        print(f"{'':>32} {'CPU s':>7} {'(wall)':>7} {'tokens':>7} {'mean len':>8} {'max len':>7} {'tok/s':>7} "
-              f"{'ours / this':>11}")
+        print(f"\n2. rl: {RL_PROMPTS} prompts x G={RL_G}, temperature 1, up to {RL_NEW} new "
+              f"tokens, P(EOS) ~ {len(RL_EOS)}/{DEMO['vocab_size']} per token; "
+              f"useful tokens/s (ours, 64 slots: x)")
+        print(f"{'':>32} {'CPU s':>7} {'(wall)':>7} {'tokens':>7} {'mean len':>8} {'max len':>7} "
+              f"{'tok/s':>7} {'ours / this':>11}")
         ref = sum(best["ours, 64 slots"][2]) / best["ours, 64 slots"][0]
         for name, (dt, wall, lengths) in best.items():
             tps = sum(lengths) / dt
-            print(f"{name:>32} {dt:7.1f} {wall:7.1f} {sum(lengths):7d} {sum(lengths) / len(lengths):8.1f} "
-                  f"{max(lengths):7d} {tps:7.0f} {ref / tps:10.2f}x", flush=True)
+            print(f"{name:>32} {dt:7.1f} {wall:7.1f} {sum(lengths):7d} "
+                  f"{sum(lengths) / len(lengths):8.1f} {max(lengths):7d} {tps:7.0f} "
+                  f"{ref / tps:10.2f}x", flush=True)
     if "memory" in parts:
         cfg = ours.config
-        kv_bytes_per_row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4 * \
-            (max(len(p) for p in prompts) + RL_NEW)
-        print(f"\n3. memory, the rl run ({len(seqs)} sequences): peak rise of resident memory, MiB (the KV cache)")
+        kv_bytes_per_row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim \
+            * 4 * (max(len(p) for p in prompts) + RL_NEW)
+        print(f"\n3. memory, the rl run ({len(seqs)} sequences): peak rise of resident memory, MiB "
+              f"(the KV cache)")
         # a fixed threshold: glibc otherwise raises it after each large free, and keeps later large
         # blocks resident after their free, so the peak would count memory that was no longer in use
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
         with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
             for name, rows in (("ours, 64 slots", RL_SLOTS), ("(a) lockstep, 512 rows", len(seqs))):
                 rise = pool.apply(memory_rise, (rows,))
-                print(f"{name:>32} {rise:7.0f} ({rows * kv_bytes_per_row / 2**20:5.0f})", flush=True)
+                kv_mib = rows * kv_bytes_per_row / 2**20
+                print(f"{name:>32} {rise:7.0f} ({kv_mib:5.0f})", flush=True)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    # the first paragraph of the docstring (argparse joins its lines)
+    ap = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (see above)")
-    ap.add_argument("--rounds", type=int, default=2, help="alternating timed rounds of the uniform part (best kept)")
-    ap.add_argument("--rl-rounds", type=int, default=1, help="the same for the rl part (about 75 s CPU a round)")
-    ap.add_argument("--parts", default="uniform,rl,memory", help="comma-separated, from: uniform, rl, memory")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="alternating timed rounds of the uniform part (best kept)")
+    ap.add_argument("--rl-rounds", type=int, default=1,
+                    help="the same for the rl part (about 75 s CPU a round)")
+    ap.add_argument("--parts", default="uniform,rl,memory",
+                    help="comma-separated, from: uniform, rl, memory")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     parts = args.parts.split(",")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
-          f"{'CPU' if torch.get_num_threads() == 1 else 'wall'} time, load average {os.getloadavg()[0]:.1f}")
+          f"{'CPU' if torch.get_num_threads() == 1 else 'wall'} time, "
+          f"load average {os.getloadavg()[0]:.1f}")
     if "uniform" in parts:
         uniform(args.rounds)
     if "rl" in parts or "memory" in parts:

@@ -1,25 +1,32 @@
-"""The fused kernels on a CUDA GPU, at training size: correctness, then speed and memory. One run, two parts.
-Not part of `make bench` (that runs benchmarks/bench_*.py on CPU); run it by hand on a GPU machine:
+"""The fused kernels on a CUDA GPU, at training size: correctness, then speed and memory. One run,
+two parts. Not part of `make bench` (that runs benchmarks/bench_*.py on CPU); run it by hand on a
+GPU machine:
 
-    python benchmarks/gpu_kernels.py [--rows 16384 --vocab 151936 --dtype bf16 --block-v 2048 4096 8192 16384]
+    python benchmarks/gpu_kernels.py [--rows 16384 --vocab 151936 --dtype bf16
+                                      --block-v 2048 4096 8192 16384]
     python benchmarks/gpu_kernels.py --part head [--hidden 896 --chunk-tokens 0 1024 4096]
-    python benchmarks/gpu_kernels.py --smoke         # on CPU, tiny shapes: checks that the script itself runs
+    # on CPU, tiny shapes: checks that the script itself runs
+    python benchmarks/gpu_kernels.py --smoke
 
 Part "logits": the Triton log-prob + entropy kernels on (rows, vocab) logits.
-1. Correctness against the chunked fp32 PyTorch reference (kernels/reference.py) on the same GPU, forward and backward,
-   reported separately for the rows from (2^31 - 1) // vocab on (14,134 at V = 151936): the first rows whose element
-   offsets no longer fit in int32. A few of those rows are also checked against float64.
-2. Speed with triton.testing.do_bench (median, L2 flushed): GB/s = the bytes a pass must move / its time (forward:
-   read the logits once; backward: read them and write their gradient), against a torch copy of the same logits,
-   which is what this card's memory really delivers (goal >= 80% of it), and against torch.compile of the naive
-   log_softmax + gather + -(p * logp).sum(), in time and in peak memory.
-Part "head": linear_logprobs_and_entropy (the output layer fused in, kernels/linear.py) on hidden states (rows,
-hidden) and a (vocab, hidden) weight, forward + backward of a loss on logp (the training pass).
-1. Correctness: the fused and the unfused path (`hidden @ weight.T` then logprobs_and_entropy) in --dtype, each
-   against the unfused path in fp32 on the same (rounded) inputs: the fused one must be as accurate as the unfused
-   one, on all rows and on the rows past 14,134; and the fused path in fp32 must equal that fp32 reference.
-2. Time (do_bench) and peak memory beyond the inputs: fused (several chunk sizes), unfused, torch.compile of the
-   unfused naive path.
+1. Correctness against the chunked fp32 PyTorch reference (kernels/reference.py) on the same GPU,
+   forward and backward, reported separately for the rows from (2^31 - 1) // vocab on (14,134 at
+   V = 151936): the first rows whose element offsets no longer fit in int32. A few of those rows are
+   also checked against float64.
+2. Speed with triton.testing.do_bench (median, L2 flushed): GB/s = the bytes a pass must move / its
+   time (forward: read the logits once; backward: read them and write their gradient), against a
+   torch copy of the same logits, which is what this card's memory really delivers (goal >= 80% of
+   it), and against torch.compile of the naive log_softmax + gather + -(p * logp).sum(), in time and
+   in peak memory.
+Part "head": linear_logprobs_and_entropy (the output layer fused in, kernels/linear.py) on hidden
+states (rows, hidden) and a (vocab, hidden) weight, forward + backward of a loss on logp (the
+training pass).
+1. Correctness: the fused and the unfused path (`hidden @ weight.T` then logprobs_and_entropy) in
+   --dtype, each against the unfused path in fp32 on the same (rounded) inputs: the fused one must
+   be as accurate as the unfused one, on all rows and on the rows past 14,134; and the fused path in
+   fp32 must equal that fp32 reference.
+2. Time (do_bench) and peak memory beyond the inputs: fused (several chunk sizes), unfused,
+   torch.compile of the unfused naive path.
 Exits 1 when a correctness check fails.
 """
 import argparse
@@ -34,7 +41,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels import linear_logprobs_and_entropy, logprobs_and_entropy, reference  # noqa: E402
 from kernels.linear import default_chunk_tokens  # noqa: E402
-from kernels.logprobs import DEFAULT_BLOCK_V, TRITON_INTERPRET, as_rows, triton_logprobs  # noqa: E402
+from kernels.logprobs import (DEFAULT_BLOCK_V, TRITON_INTERPRET, as_rows,  # noqa: E402
+                              triton_logprobs)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 GB = 1e9
@@ -54,10 +62,12 @@ def float64_rows(logits, targets, temperature, rows):
 
 
 def grad_ulps(got, ref):
-    """Largest |got - ref| in units of ref's precision (2^-7 |ref| for bf16): two roundings of nearly the same fp32
-    value to the logits' dtype differ by at most 1."""
-    finfo = torch.finfo(ref.dtype)  # + tiny: below the smallest normal number, precision is absolute, not relative
-    return ((got.float() - ref.float()).abs() / (finfo.eps * ref.float().abs() + finfo.tiny)).max().item()
+    """Largest |got - ref| in units of ref's precision (2^-7 |ref| for bf16): two roundings of
+    nearly the same fp32 value to the logits' dtype differ by at most 1."""
+    finfo = torch.finfo(ref.dtype)
+    # + tiny: below the smallest normal number, precision is absolute, not relative
+    ulp = finfo.eps * ref.float().abs() + finfo.tiny
+    return ((got.float() - ref.float()).abs() / ulp).max().item()
 
 
 def check_correctness(logits, targets, temperature, block_v):
@@ -70,11 +80,13 @@ def check_correctness(logits, targets, temperature, block_v):
     ref = reference.forward(rows, targets, temperature)
     for name, got, want in (("logp", logp, ref[0]), ("entropy", entropy, ref[1])):
         err = (got - want).abs()
-        checks.append((f"forward {name} vs fp32 reference, all rows: max abs err", err.max().item(), 1e-4))
+        checks.append((f"forward {name} vs fp32 reference, all rows: max abs err",
+                       err.max().item(), 1e-4))
         if N > first_wide:
             checks.append((f"forward {name}, rows >= {first_wide} (offsets > 2^31): max abs err",
                            err[first_wide:].max().item(), 1e-4))
-    spot = torch.tensor(sorted({0, min(first_wide, N - 1), min(first_wide + 1, N - 1), N - 1}), device=logits.device)
+    spot = torch.tensor(sorted({0, min(first_wide, N - 1), min(first_wide + 1, N - 1), N - 1}),
+                        device=logits.device)
     ref64 = float64_rows(logits, targets, temperature, spot)
     for name, got, want in (("logp", logp[spot], ref64[0]), ("entropy", entropy[spot], ref64[1])):
         checks.append((f"forward {name} vs float64 on rows {spot.tolist()}: max abs err",
@@ -83,9 +95,11 @@ def check_correctness(logits, targets, temperature, block_v):
     g = torch.Generator(device=logits.device).manual_seed(0)
     grad_logp, grad_entropy = torch.randn(2, N, device=logits.device, generator=g)
     for name, g_ent in (("logp only (training)", None), ("logp and entropy", grad_entropy)):
-        got = triton_logprobs.backward(rows, targets, lse, mean_z, grad_logp, g_ent, temperature, block_v)
+        got = triton_logprobs.backward(rows, targets, lse, mean_z, grad_logp, g_ent, temperature,
+                                       block_v)
         want = reference.backward(rows, targets, lse, mean_z, grad_logp, g_ent, temperature)
-        checks.append((f"backward, grad of {name}: max err in {logits.dtype} ulps", grad_ulps(got, want), 1.0))
+        checks.append((f"backward, grad of {name}: max err in {logits.dtype} ulps",
+                       grad_ulps(got, want), 1.0))
         if N > first_wide:
             checks.append((f"backward, grad of {name}, rows >= {first_wide}: max err in ulps",
                            grad_ulps(got[first_wide:], want[first_wide:]), 1.0))
@@ -111,27 +125,32 @@ def benchmark(logits, targets, temperature, blocks):
     nbytes = logits.numel() * logits.element_size()
     table = []
 
-    def add(what, fn, passes, memory=False):  # passes: how many times the pass must move the logits' bytes
+    # passes: how many times the pass must move the logits' bytes
+    def add(what, fn, passes, memory=False):
         t = do_bench(fn, warmup=25, rep=200, return_mode="median")
-        table.append((what, t, passes * nbytes / GB / (t / 1e3), peak_memory_gb(fn) if memory else None))
+        table.append((what, t, passes * nbytes / GB / (t / 1e3),
+                      peak_memory_gb(fn) if memory else None))
 
     copy = torch.empty_like(logits)
-    add("torch copy (read + write)", lambda: copy.copy_(logits), 2)
+    add("torch copy (read + write)", functools.partial(copy.copy_, logits), 2)
     del copy
     rows = as_rows(logits)
     grad_logp = torch.randn(logits.shape[0], device=logits.device)
     for block_v in blocks:
         _, _, lse, mean_z = triton_logprobs.forward(rows, targets, temperature, block_v)
-        add(f"triton forward, block {block_v}", lambda: triton_logprobs.forward(rows, targets, temperature, block_v), 1)
+        add(f"triton forward, block {block_v}",
+            lambda: triton_logprobs.forward(rows, targets, temperature, block_v), 1)
         for name, g_ent in (("logp", None), ("logp+entropy", grad_logp)):
             add(f"triton backward ({name}), block {block_v}", lambda: triton_logprobs.backward(
                 rows, targets, lse, mean_z, grad_logp, g_ent, temperature, block_v), 2)
 
-    x = logits.detach().requires_grad_()  # the training pass: forward, then the gradient of a loss on logp only
+    # the training pass: forward, then the gradient of a loss on logp only
+    x = logits.detach().requires_grad_()
     add(f"ours, forward+backward, block {DEFAULT_BLOCK_V}", lambda: torch.autograd.grad(
         (grad_logp * logprobs_and_entropy(x, targets, temperature)[0]).sum(), x), 3, memory=True)
     compiled = torch.compile(naive)
-    add("torch.compile(naive), forward", lambda: compiled(logits, targets, temperature), 1, memory=True)
+    add("torch.compile(naive), forward", lambda: compiled(logits, targets, temperature), 1,
+        memory=True)
     add("torch.compile(naive), forward+backward", lambda: torch.autograd.grad(
         (grad_logp * compiled(x, targets, temperature)[0]).sum(), x), 3, memory=True)
     return table
@@ -139,7 +158,8 @@ def benchmark(logits, targets, temperature, blocks):
 
 def print_speed(table):
     copy_gbs = table[0][2]
-    print(f"\nspeed (GB/s = bytes the pass must move / time; % of the torch copy's {copy_gbs:.0f} GB/s, goal >= 80%)")
+    print(f"\nspeed (GB/s = bytes the pass must move / time; % of the torch copy's "
+          f"{copy_gbs:.0f} GB/s, goal >= 80%)")
     print(f"  {'':44}{'ms':>9}{'GB/s':>9}{'% copy':>8}{'peak extra GB':>15}")
     for what, t, gbs, peak in table:
         peak_s = f"{peak:15.2f}" if peak is not None else ""
@@ -147,27 +167,31 @@ def print_speed(table):
     for kind in ("triton forward", "triton backward (logp)"):
         best = max((row for row in table if row[0].startswith(kind)), key=lambda row: row[2])
         verdict = "meets" if best[2] >= 0.8 * copy_gbs else "BELOW"
-        print(f"  best {kind}: block {best[0].split()[-1]}, {100 * best[2] / copy_gbs:.0f}% of copy "
+        print(f"  best {kind}: block {best[0].split()[-1]}, "
+              f"{100 * best[2] / copy_gbs:.0f}% of copy "
               f"({verdict} the 80% goal)")
     ours, naive_c = table[-3], table[-1]  # forward+backward: ours, and torch.compile(naive)
     print(f"  forward+backward: {naive_c[1] / ours[1]:.2f}x the speed of torch.compile(naive), "
           f"{ours[3] / naive_c[3]:.2f}x its peak memory")
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Part "head": the output layer fused in
 
 def head_inputs(rows, hidden_size, vocab, dtype, device):
-    """hidden (N, C) ~ N(0, 1), weight (V, C) scaled so that the logits are ~ N(0, 3^2), targets (N,), and the
-    upstream gradient of logp (N,): what a policy-gradient loss sends back (the advantages, in effect)."""
+    """hidden (N, C) ~ N(0, 1), weight (V, C) scaled so that the logits are ~ N(0, 3^2), targets
+    (N,), and the upstream gradient of logp (N,): what a policy-gradient loss sends back (the
+    advantages, in effect)."""
     g = torch.Generator(device=device).manual_seed(0)
     hidden = torch.randn(rows, hidden_size, device=device, generator=g).to(dtype)
-    weight = (torch.randn(vocab, hidden_size, device=device, generator=g) * 3 / hidden_size**0.5).to(dtype)
+    weight = torch.randn(vocab, hidden_size, device=device, generator=g)
+    weight = (weight * 3 / hidden_size**0.5).to(dtype)
     targets = torch.randint(0, vocab, (rows,), device=device, generator=g)
     return hidden, weight, targets, torch.randn(rows, device=device, generator=g)
 
 
-def unfused_head(hidden, weight, targets, temperature):  # what dapo.response_logprobs computed before the fusion
+# what dapo.response_logprobs computed before the fusion
+def unfused_head(hidden, weight, targets, temperature):
     return logprobs_and_entropy(hidden @ weight.T, targets, temperature)
 
 
@@ -195,20 +219,25 @@ def rel_err(got, want):
 def check_head(hidden, weight, targets, upstream, temperature, chunk_tokens):
     """-> [(what, value, limit)]: a check passes when value <= limit."""
     first_wide = (2**31 - 1) // weight.shape[0]
-    fused = lambda h, w, t: linear_logprobs_and_entropy(h, w, t, temperature, chunk_tokens)  # noqa: E731
+    fused = functools.partial(linear_logprobs_and_entropy, temperature=temperature,
+                              chunk_tokens=chunk_tokens)
     unfused = lambda h, w, t: unfused_head(h, w, t, temperature)  # noqa: E731
-    # the reference: the same rounded inputs, multiplied and everything after in fp32 (TF32 is off by default)
+    # the reference: the same rounded inputs, multiplied and everything after in fp32 (TF32 is off
+    # by default)
     ref = train_pass(unfused, hidden.float(), weight.float(), targets, upstream)
     checks = []
     if hidden.dtype != torch.float32:
-        # each rounds the logits to the input dtype: the fused path may not be less accurate than the unfused one
+        # each rounds the logits to the input dtype: the fused path may not be less accurate than
+        # the unfused one
         got, base = (train_pass(f, hidden, weight, targets, upstream) for f in (fused, unfused))
         for i, name in enumerate(("logp", "entropy")):
-            spans = [("all rows", slice(None))] + ([(f"rows >= {first_wide}", slice(first_wide, None))]
-                                                  if len(targets) > first_wide else [])
+            spans = [("all rows", slice(None))]
+            if len(targets) > first_wide:
+                spans.append((f"rows >= {first_wide}", slice(first_wide, None)))
             for span_name, rows in spans:
                 unfused_err = max_err(base[i], ref[i], rows)
-                checks.append((f"{name}, {span_name}: fused max err vs fp32 (unfused: {unfused_err:.2e})",
+                checks.append((f"{name}, {span_name}: fused max err vs fp32 "
+                               f"(unfused: {unfused_err:.2e})",
                                max_err(got[i], ref[i], rows), 1.5 * unfused_err + 1e-3))
         for i, name in ((2, "d hidden"), (3, "d weight")):
             unfused_err = rel_err(base[i], ref[i])
@@ -217,9 +246,11 @@ def check_head(hidden, weight, targets, upstream, temperature, chunk_tokens):
         del got, base
     got = train_pass(fused, hidden.float(), weight.float(), targets, upstream)
     for i, name in enumerate(("logp", "entropy")):
-        checks.append((f"fp32: fused {name} vs unfused, max abs err", max_err(got[i], ref[i]), 1e-4))
+        checks.append((f"fp32: fused {name} vs unfused, max abs err",
+                       max_err(got[i], ref[i]), 1e-4))
     for i, name in ((2, "d hidden"), (3, "d weight")):
-        checks.append((f"fp32: fused {name} vs unfused, max err / max", rel_err(got[i], ref[i]), 1e-4))
+        checks.append((f"fp32: fused {name} vs unfused, max err / max",
+                       rel_err(got[i], ref[i]), 1e-4))
     return checks
 
 
@@ -236,11 +267,14 @@ def time_ms(fn, smoke):
 
 
 def benchmark_head(hidden, weight, targets, upstream, temperature, chunks, smoke):
-    """-> [(what, ms, peak extra GB)]: forward + backward (the training pass), and the no-grad forward (pi_old)."""
+    """-> [(what, ms, peak extra GB)]: forward + backward (the training pass), and the no-grad
+    forward (pi_old)."""
     table = []
-    heads = {f"fused, chunks of {c} tokens": functools.partial(linear_logprobs_and_entropy, temperature=temperature,
-                                                                chunk_tokens=c) for c in chunks}
-    heads["unfused (hidden @ weight.T, then the kernel)"] = lambda h, w, t: unfused_head(h, w, t, temperature)
+    heads = {f"fused, chunks of {c} tokens":
+             functools.partial(linear_logprobs_and_entropy, temperature=temperature, chunk_tokens=c)
+             for c in chunks}
+    heads["unfused (hidden @ weight.T, then the kernel)"] = \
+        lambda h, w, t: unfused_head(h, w, t, temperature)
     compiled = torch.compile(naive_head)
     heads["torch.compile(unfused naive)"] = lambda h, w, t: compiled(h, w, t, temperature)
     for what, head in heads.items():
@@ -250,21 +284,26 @@ def benchmark_head(hidden, weight, targets, upstream, temperature, chunks, smoke
     for what in (next(iter(heads)), "unfused (hidden @ weight.T, then the kernel)"):
         forward = lambda: heads[what](hidden, weight, targets)  # noqa: E731
         with torch.no_grad():
-            table.append((f"{what}, forward, no grad", time_ms(forward, smoke), peak_memory_gb(forward)))
+            table.append((f"{what}, forward, no grad", time_ms(forward, smoke),
+                          peak_memory_gb(forward)))
     return table
 
 
 def head_part(args, device):
     dtype = DTYPES[args.dtype]
-    hidden, weight, targets, upstream = head_inputs(args.rows, args.hidden, args.vocab, dtype, device)
-    chunk = 7 if args.smoke else default_chunk_tokens(args.vocab)  # the smoke run's 64 rows: several chunks
+    hidden, weight, targets, upstream = head_inputs(args.rows, args.hidden, args.vocab, dtype,
+                                                    device)
+    # the smoke run's 64 rows: several chunks
+    chunk = 7 if args.smoke else default_chunk_tokens(args.vocab)
     logits_gb = args.rows * args.vocab * hidden.element_size() / GB
-    print(f"\nhead: hidden ({args.rows}, {args.hidden}), weight ({args.vocab}, {args.hidden}) {args.dtype} "
-          f"(the unfused logits: {logits_gb:.2f} GB), T = {args.temperature}, chunks of {chunk} tokens")
+    print(f"\nhead: hidden ({args.rows}, {args.hidden}), weight ({args.vocab}, {args.hidden}) "
+          f"{args.dtype} (the unfused logits: {logits_gb:.2f} GB), T = {args.temperature}, "
+          f"chunks of {chunk} tokens")
     checks = check_head(hidden, weight, targets, upstream, args.temperature, chunk)
     print("correctness")
     for what, value, limit in checks:
-        print(f"  {'ok  ' if value <= limit else 'FAIL'} {what:78} {value:10.2e}  (limit {limit:.2e})")
+        print(f"  {'ok  ' if value <= limit else 'FAIL'} {what:78} {value:10.2e}  "
+              f"(limit {limit:.2e})")
     chunks = [c or chunk for c in args.chunk_tokens]
     table = benchmark_head(hidden, weight, targets, upstream, args.temperature, chunks, args.smoke)
     print(f"speed and memory ({'wall clock, CPU smoke run' if args.smoke else 'do_bench median'}; "
@@ -285,29 +324,39 @@ def logits_part(args):
     logits = (torch.randn(args.rows, args.vocab, device="cuda") * 3).to(dtype)  # (N, V)
     targets = torch.randint(0, args.vocab, (args.rows,), device="cuda")
     size_gb = logits.numel() * logits.element_size() / GB
-    print(f"logits ({args.rows}, {args.vocab}) {args.dtype} = {size_gb:.2f} GB, T = {args.temperature}")
+    print(f"logits ({args.rows}, {args.vocab}) {args.dtype} = {size_gb:.2f} GB, "
+          f"T = {args.temperature}")
     checks = check_correctness(logits, targets, args.temperature, DEFAULT_BLOCK_V)
     print(f"\ncorrectness (block {DEFAULT_BLOCK_V})")
     for what, value, limit in checks:
-        print(f"  {'ok  ' if value <= limit else 'FAIL'} {what:78} {value:10.2e}  (limit {limit:g})")  # NaN fails
+        # NaN fails
+        print(f"  {'ok  ' if value <= limit else 'FAIL'} {what:78} {value:10.2e}  "
+              f"(limit {limit:g})")
     print_speed(benchmark(logits, targets, args.temperature, args.block_v))
     return checks
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", choices=("all", "logits", "head"), default="all")
-    p.add_argument("--rows", type=int, default=16384, help="rows (tokens); 16384 x 151936 passes 2^31 elements")
-    p.add_argument("--vocab", type=int, default=151936, help="vocabulary size (Qwen2.5's by default)")
-    p.add_argument("--hidden", type=int, default=896, help="hidden size of the head (Qwen2.5-0.5B's by default)")
-    p.add_argument("--dtype", choices=DTYPES, default="bf16", help="the logits' (and the head's inputs') dtype")
+    p.add_argument("--rows", type=int, default=16384,
+                   help="rows (tokens); 16384 x 151936 passes 2^31 elements")
+    p.add_argument("--vocab", type=int, default=151936,
+                   help="vocabulary size (Qwen2.5's by default)")
+    p.add_argument("--hidden", type=int, default=896,
+                   help="hidden size of the head (Qwen2.5-0.5B's by default)")
+    p.add_argument("--dtype", choices=DTYPES, default="bf16",
+                   help="the logits' (and the head's inputs') dtype")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--block-v", type=int, nargs="+", default=[2048, 4096, 8192, 16384],
-                   help=f"vocabulary block sizes to time (the checks use the default, {DEFAULT_BLOCK_V})")
+                   help="vocabulary block sizes to time "
+                        f"(the checks use the default, {DEFAULT_BLOCK_V})")
     p.add_argument("--chunk-tokens", type=int, nargs="+", default=[0, 1024, 4096],
                    help="the fused head's chunk sizes to time (0: its default)")
     p.add_argument("--smoke", action="store_true",
-                   help="run the head part on CPU at tiny shapes (64 x 3001, hidden 64): checks the script runs")
+                   help="run the head part on CPU at tiny shapes (64 x 3001, hidden 64): "
+                        "checks the script runs")
     args = p.parse_args()
     if args.smoke:
         args.rows, args.vocab, args.hidden, args.part, device = 64, 3001, 64, "head", "cpu"
@@ -315,12 +364,14 @@ def main():
         torch.set_num_threads(1)
     else:
         if not torch.cuda.is_available():
-            sys.exit("gpu_kernels.py needs a CUDA GPU (torch.cuda.is_available() is False here). On CPU, run "
-                     "benchmarks/bench_kernels.py and the tests instead, or this script with --smoke.")
+            sys.exit("gpu_kernels.py needs a CUDA GPU (torch.cuda.is_available() is False here). "
+                     "On CPU, run benchmarks/bench_kernels.py and the tests instead, or this "
+                     "script with --smoke.")
         if triton_logprobs is None:
             sys.exit("gpu_kernels.py needs triton (pip install triton)")
         if TRITON_INTERPRET:
-            sys.exit("unset TRITON_INTERPRET: under the interpreter the kernels would run on the CPU")
+            sys.exit("unset TRITON_INTERPRET: under the interpreter the kernels would run on "
+                     "the CPU")
         device = "cuda"
         print(torch.cuda.get_device_name())
 
