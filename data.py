@@ -207,7 +207,7 @@ def check_vocab(model_vocab_size: int, tokenizer: Tokenizer, model_dir: str):
 
 
 # --------------------------------------------------------------------------------------------------
-# Datasets: DAPO-Math-17k and AIME-2024 rows (SPEC section 5)
+# Datasets: DAPO-Math-17k and AIME-2024 rows as released, in verl's RL data format
 #   {"data_source": "math_dapo", "prompt": [{"role": "user", "content": ...}], "ability": "MATH",
 #    "reward_model": {"ground_truth": "34", "style": "rule"}, "extra_info": {"index": ...}}
 

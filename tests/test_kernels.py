@@ -1,5 +1,6 @@
-"""kernels/: logprobs_and_entropy against float64 autograd, on both paths: the chunked PyTorch reference (the CPU path
-in training) and the Triton kernels, run on CPU under TRITON_INTERPRET=1 (conftest.py sets it)."""
+"""kernels/: logprobs_and_entropy against float64 autograd, on both paths: the chunked PyTorch
+reference (the CPU path in training) and the Triton kernels, run on CPU under TRITON_INTERPRET=1
+(conftest.py sets it)."""
 import math
 import os
 import subprocess
@@ -11,13 +12,16 @@ import torch
 from kernels import default_backend, logprobs_and_entropy
 from kernels.logprobs import TRITON_INTERPRET, as_rows, triton_logprobs
 
-V, BLOCK = 3001, 512  # not a multiple of the block: the last block, [2560, 3072), is partial (441 real columns)
+# not a multiple of the block: the last block, [2560, 3072), is partial (441 real columns)
+V, BLOCK = 3001, 512
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
-    triton_logprobs is None or not TRITON_INTERPRET, reason="Triton on CPU needs triton and TRITON_INTERPRET=1"))]
+    triton_logprobs is None or not TRITON_INTERPRET,
+    reason="Triton on CPU needs triton and TRITON_INTERPRET=1"))]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 EPS32 = torch.finfo(torch.float32).eps
-# A half-precision gradient is a rounded fp32 one: up to half an ulp with round-to-nearest, but the interpreter's
-# fp32 -> bf16 store truncates (SPEC 9), which can lose a whole ulp. Relative tolerances of one ulp cover both.
+# A half-precision gradient is a rounded fp32 one: up to half an ulp with round-to-nearest, but the
+# interpreter's fp32 -> bf16 store truncates (triton/runtime/interpreter.py casts with no rounding
+# mode), which can lose a whole ulp. Relative tolerances of one ulp cover both.
 GRAD_RTOL = {torch.float32: 0.0, torch.float16: 2**-10, torch.bfloat16: 2**-7}
 GRAD_ATOL = 1e-5
 
@@ -34,7 +38,8 @@ def trap_rows(dtype=torch.float32, seed=0):
     targets[0] = 0  # the first column
     targets[1] = V - 1  # the last column, in the partial last block
     targets[2] = V - 200  # inside the partial last block
-    logits[3, :BLOCK] = -math.inf  # a first block all -inf: exp(-inf - -inf) = NaN unless the max is guarded
+    # a first block all -inf: exp(-inf - -inf) = NaN unless the max is guarded
+    logits[3, :BLOCK] = -math.inf
     targets[3] = BLOCK + 7
     logits[4] += 100  # far from 0: lse ~ 108, so an entropy computed as lse - E[z] would cancel
     logits[5] = 0.5  # uniform: entropy = log V exactly
@@ -50,12 +55,14 @@ def float64_oracle(logits, targets, temperature):
     logp_all = torch.log_softmax(x / temperature, dim=-1)
     p = logp_all.exp()
     logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
-    entropy = -(p * torch.where(p > 0, logp_all, 0.0)).sum(-1)  # where: p = 0 at -inf, and 0 * -inf = NaN
+    # where: p = 0 at -inf, and 0 * -inf = NaN
+    entropy = -(p * torch.where(p > 0, logp_all, 0.0)).sum(-1)
     return x, logp, entropy
 
 
 def forward_tol(logits, temperature):
-    # fp32 holds a logit of size |z| only to eps * |z|: 1e-5 plus a few of those (the +100 row at T = 0.7 is ~143)
+    # fp32 holds a logit of size |z| only to eps * |z|: 1e-5 plus a few of those (the +100 row at
+    # T = 0.7 is ~143)
     z = logits.double().abs().nan_to_num(posinf=0.0).amax(-1) / temperature
     return 1e-5 + 4 * EPS32 * z
 
@@ -77,7 +84,8 @@ def test_forward_matches_float64(backend, dtype, temperature):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("wrt", ["logp", "entropy", "both"])
 def test_gradients_match_float64(backend, dtype, wrt):
-    # wrt="logp" is the training case: the entropy output gets no gradient at all (None), not a zero one
+    # wrt="logp" is the training case: the entropy output gets no gradient at all (None), not a
+    # zero one
     logits, targets = trap_rows(dtype, seed=1)
     temperature = 1.3  # not 1: a missing 1/T in the backward shows
     g = torch.Generator().manual_seed(2)
@@ -97,7 +105,8 @@ def test_gradients_match_float64(backend, dtype, wrt):
 
 
 def test_logp_only_backward_gets_no_entropy_gradient(monkeypatch):
-    # entropy is logged, not in the loss (SPEC 1): the backward must then skip its term, not multiply zeros by it
+    # entropy is logged, not in the loss (the paper's objective, Eq. 8, has no entropy term): the
+    # backward must then skip its term, not multiply zeros by it
     import kernels.reference
 
     seen, real_backward = [], kernels.reference.backward
@@ -126,12 +135,14 @@ def test_shifting_a_row_by_100_changes_nothing(backend):
     logp, entropy = run(logits, targets, 1.0, backend)
     logp_shifted, entropy_shifted = run(logits + 100, targets, 1.0, backend)
     # 1e-5: the shifted logits themselves are rounded to fp32's spacing at 100 (8e-6)
-    assert (logp_shifted - logp).abs().max() < 1e-5 and (entropy_shifted - entropy).abs().max() < 1e-5
+    assert (logp_shifted - logp).abs().max() < 1e-5
+    assert (entropy_shifted - entropy).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_non_contiguous_slice_reads_in_place_and_matches(backend):
-    # the training loop's shape: logits (B, T, V) from the model, the last position has no next token
+    # the training loop's shape: logits (B, T, V) from the model, the last position has no
+    # next token
     g = torch.Generator().manual_seed(3)
     full = (torch.randn(2, 5, V, generator=g) * 2).to(torch.bfloat16).requires_grad_()
     targets = torch.randint(0, V, (2, 4), generator=g)
@@ -145,13 +156,15 @@ def test_non_contiguous_slice_reads_in_place_and_matches(backend):
     assert (logp - ref_logp).abs().max() < 1e-5 and (entropy - ref_entropy).abs().max() < 1e-5
     grad = full.grad.double()
     assert (grad[:, -1] == 0).all()  # the dropped position gets no gradient
-    assert ((grad[:, :-1] - x64.grad).abs() <= GRAD_ATOL + GRAD_RTOL[torch.bfloat16] * x64.grad.abs()).all()
+    tol = GRAD_ATOL + GRAD_RTOL[torch.bfloat16] * x64.grad.abs()
+    assert ((grad[:, :-1] - x64.grad).abs() <= tol).all()
 
 
 def test_rows_of_common_layouts_are_views_not_copies():
     full = torch.zeros(2, 3, 5, 16)
     for logits, shape in ((full, (1, 30, 16)),  # contiguous: one row stride
-                          (full[:, :, :-1], (6, 4, 16)),  # the two outer dims step as one, then the sliced one
+                          # the two outer dims step as one, then the sliced one
+                          (full[:, :, :-1], (6, 4, 16)),
                           (full[1], (1, 15, 16)),  # one batch entry: an offset view
                           (full[1, :, 1:], (3, 4, 16))):
         rows = as_rows(logits)
@@ -187,12 +200,14 @@ def test_reference_chunk_size_never_changes_the_numbers(dtype):
         assert torch.equal(grad, results[0][2])
 
 
-@pytest.mark.skipif(triton_logprobs is None or not TRITON_INTERPRET, reason="needs triton under TRITON_INTERPRET=1")
+@pytest.mark.skipif(triton_logprobs is None or not TRITON_INTERPRET,
+                    reason="needs triton under TRITON_INTERPRET=1")
 def test_row_offsets_past_2_31_elements():
-    # Three rows 2^30 + 8 elements apart: the third starts 2^31 + 16 elements in, where an int32 row offset wraps
-    # negative (what 16384 x 151936 logits hit from row 14,135 on). The view starts 2^31 elements into a 2^32-element
-    # allocation, so a wrapped offset reads untouched (zero) memory and fails the comparison instead of crashing.
-    # torch.empty reserves the 8.6 GB without touching it; only the three rows' pages are ever written.
+    # Three rows 2^30 + 8 elements apart: the third starts 2^31 + 16 elements in, where an int32 row
+    # offset wraps negative (what 16384 x 151936 logits hit from row 14,135 on). The view starts
+    # 2^31 elements into a 2^32-element allocation, so a wrapped offset reads untouched (zero)
+    # memory and fails the comparison instead of crashing. torch.empty reserves the 8.6 GB without
+    # touching it; only the three rows' pages are ever written.
     stride = 2**30 + 8
     try:
         storage = torch.empty(2**32 + 2 * stride, dtype=torch.bfloat16)
@@ -211,23 +226,27 @@ def test_row_offsets_past_2_31_elements():
     assert ((grad - x64.grad).abs() <= GRAD_ATOL + GRAD_RTOL[torch.bfloat16] * x64.grad.abs()).all()
 
 
-@pytest.mark.skipif(triton_logprobs is None or not TRITON_INTERPRET, reason="needs triton under TRITON_INTERPRET=1")
+@pytest.mark.skipif(triton_logprobs is None or not TRITON_INTERPRET,
+                    reason="needs triton under TRITON_INTERPRET=1")
 def test_kernel_gives_nan_for_a_target_outside_the_vocab():
     logp, entropy = run(torch.randn(2, V), torch.tensor([-100, 3]), 1.0, "triton")
     assert logp[0].isnan() and not logp[1].isnan() and not entropy.isnan().any()
 
 
 def h100_ptx(kernel_name, dtype, **constexprs):
-    """Compile a kernel for sm_90 as a launch on (rows, 151936) logits would (16-divisible pointers and strides),
-    through Triton's real compiler and the ptxas bundled with it: no GPU needed. -> the PTX. Run it in a process
-    without TRITON_INTERPRET: mixed with the interpreter's patched triton.language, compiling fails spuriously."""
+    """Compile a kernel for sm_90 as a launch on (rows, 151936) logits would (16-divisible pointers
+    and strides), through Triton's real compiler and the ptxas bundled with it: no GPU needed.
+    -> the PTX. Run it in a process without TRITON_INTERPRET: mixed with the interpreter's patched
+    triton.language, compiling fails spuriously."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
     fn = getattr(triton_logprobs, kernel_name)
-    special = {"logits_ptr": dtype, "grad_logits_ptr": dtype, "targets_ptr": "*i64", "inv_temp": "fp32"}
-    signature = {name: "constexpr" if name in constexprs else special.get(name, "*fp32" if name.endswith("_ptr")
-                                                                           else "i32") for name in fn.arg_names}
+    special = {"logits_ptr": dtype, "grad_logits_ptr": dtype, "targets_ptr": "*i64",
+               "inv_temp": "fp32"}
+    signature = {name: "constexpr" if name in constexprs
+                 else special.get(name, "*fp32" if name.endswith("_ptr") else "i32")
+                 for name in fn.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
                if signature[name] not in ("constexpr", "fp32") and name != "rows_per_outer"}
     options = {"num_warps": triton_logprobs._num_warps(constexprs["BLOCK_V"])}
@@ -236,17 +255,18 @@ def h100_ptx(kernel_name, dtype, **constexprs):
 
 
 def test_kernels_compile_for_a_gpu_with_128_bit_accesses():
-    # The interpreter runs the kernel as Python and accepts things the GPU compiler rejects (it ran a plain-float
-    # global that compiling refuses). This compiles the real thing for an H100/H200 without one, and checks that each
-    # thread moves 8 bf16 (16 bytes) per access: the kernels are memory-bound, so that is their speed.
+    # The interpreter runs the kernel as Python and accepts things the GPU compiler rejects (it ran
+    # a plain-float global that compiling refuses). This compiles the real thing for an H100/H200
+    # without one, and checks that each thread moves 8 bf16 (16 bytes) per access: the kernels are
+    # memory-bound, so that is their speed.
     pytest.importorskip("triton.backends.nvidia")
     code = ("import sys; sys.path.insert(0, 'tests')\n"
             "from test_kernels import h100_ptx\n"
             "fwd = h100_ptx('_logprobs_entropy_fwd', '*bf16', BLOCK_V=4096)\n"
             "print(int('ld.global.v4.b32' in fwd), end=' ')\n"
             "for flags in ((True, False), (False, True), (True, True)):\n"
-            "    bwd = h100_ptx('_logprobs_entropy_bwd', '*bf16', BLOCK_V=4096, HAS_GRAD_LOGP=flags[0],\n"
-            "                   HAS_GRAD_ENTROPY=flags[1])\n"
+            "    bwd = h100_ptx('_logprobs_entropy_bwd', '*bf16', BLOCK_V=4096,\n"
+            "                   HAS_GRAD_LOGP=flags[0], HAS_GRAD_ENTROPY=flags[1])\n"
             "    print(int('ld.global.v4.b32' in bwd and 'st.global.v4.b32' in bwd), end=' ')")
     assert _python(code, TRITON_INTERPRET="0") == "1 1 1 1"
 
@@ -255,17 +275,21 @@ def test_cpu_tensors_take_the_kernel_only_under_the_interpreter(monkeypatch):
     import kernels.logprobs
 
     cpu = torch.zeros(1, 4)
-    assert default_backend(cpu) == ("triton" if triton_logprobs is not None and TRITON_INTERPRET else "torch")
-    monkeypatch.setattr(kernels.logprobs, "TRITON_INTERPRET", False)  # as read at import without the flag
+    expected = "triton" if triton_logprobs is not None and TRITON_INTERPRET else "torch"
+    assert default_backend(cpu) == expected
+    # as read at import without the flag
+    monkeypatch.setattr(kernels.logprobs, "TRITON_INTERPRET", False)
     assert default_backend(cpu) == "torch"
 
 
 def test_imports_and_runs_without_triton():
-    # sys.modules["triton"] = None makes `import triton` raise ImportError, as on a machine without it
+    # sys.modules["triton"] = None makes `import triton` raise ImportError, as on a machine
+    # without it
     code = ("import sys; sys.modules['triton'] = None\n"
             "import torch, kernels\n"
             "assert kernels.logprobs.triton_logprobs is None\n"
-            "logp, entropy = kernels.logprobs_and_entropy(torch.zeros(2, 10), torch.tensor([1, 2]))\n"
+            "logp, entropy = kernels.logprobs_and_entropy(torch.zeros(2, 10), "
+            "torch.tensor([1, 2]))\n"
             "print(kernels.default_backend(torch.zeros(1, 4)), round(entropy[0].item(), 4))")
     assert _python(code, TRITON_INTERPRET="1") == f"torch {round(math.log(10), 4)}"
 

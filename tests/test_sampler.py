@@ -1,5 +1,6 @@
-"""sampler.py on a tiny random Qwen2: cached decoding against full forwards and transformers, log-probs, EOS,
-truncation, continuous batching over fewer slots than sequences, distributed lockstep."""
+"""sampler.py on a tiny random Qwen2: cached decoding against full forwards and transformers,
+log-probs, EOS, truncation, continuous batching over fewer slots than sequences, distributed
+lockstep."""
 import math
 import os
 import socket
@@ -13,15 +14,17 @@ import torch.multiprocessing as mp
 from model import Qwen2, preset
 from sampler import filter_logits, generate, sample
 
-TOL = 1e-5  # fp32: cached decoding and a full forward add the same numbers in a slightly different order
+# fp32: cached decoding and a full forward add the same numbers in a slightly different order
+TOL = 1e-5
 VOCAB = 97
-PROMPTS = [[5, 17, 3], [8, 2, 44, 61, 9, 23, 30, 71, 1], [60], [12, 12, 40, 88, 7]]  # ragged: 3, 9, 1, 5 tokens
+# ragged: 3, 9, 1, 5 tokens
+PROMPTS = [[5, 17, 3], [8, 2, 44, 61, 9, 23, 30, 71, 1], [60], [12, 12, 40, 88, 7]]
 
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
-    # tiny matmuls gain nothing from a second thread, and on a busy 2-core machine OpenMP threads waiting on each
-    # other slow these tests down 50-fold
+    # tiny matmuls gain nothing from a second thread, and on a busy 2-core machine OpenMP threads
+    # waiting on each other slow these tests down 50-fold
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -29,10 +32,12 @@ def one_thread():
 
 
 def tiny_model(vocab=VOCAB, seed=0, head_scale=20.0):
-    """head_scale > 1 sharpens the next-token distributions (greedy argmaxes far from ties); 1 keeps them flat."""
+    """head_scale > 1 sharpens the next-token distributions (greedy argmaxes far from ties); 1 keeps
+    them flat."""
     torch.manual_seed(seed)
     model = Qwen2(preset("tiny", vocab_size=vocab, tie_word_embeddings=False))
-    with torch.no_grad():  # random biases and norm weights, so that a mis-placed pad or position changes the output
+    # random biases and norm weights, so that a mis-placed pad or position changes the output
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
@@ -52,7 +57,7 @@ def full_forward(model, input_ids, attention_mask):
         return model(input_ids, positions=positions, attention_mask=attention_mask)  # (B, S, V)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # filter_logits on known logits
 
 def kept(logits):
@@ -63,7 +68,8 @@ def test_top_k_keeps_the_k_largest():
     logits = torch.tensor([1.0, 3.0, -2.0, 2.5, 0.0])
     assert kept(filter_logits(logits, top_k=1)) == [1]
     assert kept(filter_logits(logits, top_k=3)) == [0, 1, 3]
-    assert torch.equal(filter_logits(logits, top_k=3)[[0, 1, 3]], logits[[0, 1, 3]])  # survivors are untouched
+    # survivors are untouched
+    assert torch.equal(filter_logits(logits, top_k=3)[[0, 1, 3]], logits[[0, 1, 3]])
 
 
 def test_top_k_keeps_every_token_tied_with_the_kth():
@@ -72,16 +78,21 @@ def test_top_k_keeps_every_token_tied_with_the_kth():
 
 
 def test_top_p_keeps_the_smallest_nucleus_holding_top_p():
-    logits = torch.tensor([0.1, 0.5, 0.2, 0.2]).log()  # token 1 holds 0.5, tokens 2 and 3 are tied at 0.2
+    # token 1 holds 0.5, tokens 2 and 3 are tied at 0.2
+    logits = torch.tensor([0.1, 0.5, 0.2, 0.2]).log()
     assert kept(filter_logits(logits, top_p=0.45)) == [1]
-    assert kept(filter_logits(logits, top_p=0.55)) == [1, 2, 3]  # 0.5 < 0.55: one 0.2 is needed, so its twin too
-    assert kept(filter_logits(logits, top_p=0.85)) == [1, 2, 3]  # 0.9 >= 0.85: the 0.1 token is not needed
+    # 0.5 < 0.55: one 0.2 is needed, so its twin too
+    assert kept(filter_logits(logits, top_p=0.55)) == [1, 2, 3]
+    # 0.9 >= 0.85: the 0.1 token is not needed
+    assert kept(filter_logits(logits, top_p=0.85)) == [1, 2, 3]
     assert kept(filter_logits(logits, top_p=0.95)) == [0, 1, 2, 3]
 
 
 def test_top_p_nucleus_stops_as_soon_as_it_holds_top_p():
-    logits = torch.tensor([0.25, 0.5, 0.125, 0.125]).log()  # powers of two: the float softmax and cumsum are exact
-    assert kept(filter_logits(logits, top_p=0.5)) == [1]  # 0.5 already holds 0.5: nothing more is needed
+    # powers of two: the float softmax and cumsum are exact
+    logits = torch.tensor([0.25, 0.5, 0.125, 0.125]).log()
+    # 0.5 already holds 0.5: nothing more is needed
+    assert kept(filter_logits(logits, top_p=0.5)) == [1]
     assert kept(filter_logits(logits, top_p=0.75)) == [0, 1]
 
 
@@ -112,38 +123,46 @@ def test_rows_are_filtered_independently():
         assert torch.equal(out[i], filter_logits(logits[i], top_k=7, top_p=0.6))
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # generate: one batch of slots
 
 def full_sequences(r):
-    """prompt + response of each row, left-padded as one batch -> input_ids, attention_mask (N, P + T)."""
-    return torch.cat([r.prompt_ids, r.response_ids], 1), torch.cat([r.prompt_mask, r.response_mask], 1)
+    """prompt + response of each row, left-padded as one batch -> input_ids, attention_mask
+    (N, P + T)."""
+    return (torch.cat([r.prompt_ids, r.response_ids], 1),
+            torch.cat([r.prompt_mask, r.response_mask], 1))
 
 
 def test_greedy_cached_decoding_matches_a_full_forward_at_every_step():
     model = tiny_model()
     r = generate(model, PROMPTS, max_new_tokens=12, temperature=0, eos_token_ids=[])
-    # the reference: the whole left-padded batch re-run from scratch, without a cache, for every new token
+    # the reference: the whole left-padded batch re-run from scratch, without a cache, for every
+    # new token
     ids, mask = r.prompt_ids, r.prompt_mask
     for t in range(12):
         next_token = full_forward(model, ids, mask)[:, -1].argmax(-1)  # (B,)
         ids = torch.cat([ids, next_token[:, None]], 1)
         mask = torch.cat([mask, torch.ones(len(PROMPTS), 1, dtype=torch.bool)], 1)
     assert torch.equal(r.response_ids, ids[:, -12:])
-    assert len(set(r.response_ids[:, 0].tolist())) > 1  # the prompts really lead to different continuations
+    # the prompts really lead to different continuations
+    assert len(set(r.response_ids[:, 0].tolist())) > 1
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_are_those_of_a_full_forward_at_the_temperature_before_truncation(temperature):
     model = tiny_model(head_scale=4.0)  # broad enough that EOS ids come up
-    r = generate(model, PROMPTS * 3, max_new_tokens=16, temperature=temperature, top_k=20, top_p=0.9,
-                 eos_token_ids=[3, 9, 11], generator=torch.Generator().manual_seed(0), slots=5)
+    r = generate(model, PROMPTS * 3, max_new_tokens=16, temperature=temperature, top_k=20,
+                 top_p=0.9, eos_token_ids=[3, 9, 11], generator=torch.Generator().manual_seed(0),
+                 slots=5)
     input_ids, attention_mask = full_sequences(r)
     P, T = r.prompt_ids.shape[1], r.response_ids.shape[1]
-    logits = full_forward(model, input_ids, attention_mask)[:, P - 1:P - 1 + T]  # the columns predicting responses
-    ref = torch.log_softmax(logits / temperature, -1).gather(-1, r.response_ids[..., None]).squeeze(-1)  # (N, T)
+    # the columns predicting responses
+    logits = full_forward(model, input_ids, attention_mask)[:, P - 1:P - 1 + T]
+    logp_all = torch.log_softmax(logits / temperature, -1)
+    ref = logp_all.gather(-1, r.response_ids[..., None]).squeeze(-1)  # (N, T)
     m = r.response_mask
-    assert r.lengths.min() < r.lengths.max()  # rows ended at different steps, so slots were refilled mid-way
+    # rows ended at different steps, so slots were refilled mid-way
+    assert r.lengths.min() < r.lengths.max()
     assert (r.logprobs[m] - ref[m]).abs().max() < TOL
     assert (r.logprobs[~m] == 0).all()
 
@@ -158,34 +177,41 @@ def test_greedy_logprobs_are_log_softmax_of_the_raw_logits():
     assert (r.logprobs - ref).abs().max() < TOL
 
 
-@pytest.mark.parametrize("pad", [0, 5])  # 5: the pad id is itself an EOS id, as <|endoftext|> is for Qwen
+# 5: the pad id is itself an EOS id, as <|endoftext|> is for Qwen
+@pytest.mark.parametrize("pad", [0, 5])
 def test_eos_ends_a_response_and_sets_mask_lengths_and_truncated(pad):
     model = tiny_model(vocab=32, head_scale=1.0)  # near-uniform: each EOS id about 1/32 per token
     eos_ids, max_new = [5, 9], 24
-    r = generate(model, [[1, 2, 3]] * 12 + [[4] * 7] * 12, max_new_tokens=max_new, eos_token_ids=eos_ids,
-                 pad_token_id=pad, generator=torch.Generator().manual_seed(0), slots=7)
+    r = generate(model, [[1, 2, 3]] * 12 + [[4] * 7] * 12, max_new_tokens=max_new,
+                 eos_token_ids=eos_ids, pad_token_id=pad,
+                 generator=torch.Generator().manual_seed(0), slots=7)
     B, T = r.response_ids.shape
     assert T == r.lengths.max() <= max_new
-    assert r.truncated.any() and not r.truncated.all()  # this seed exercises both ends of a response
+    # this seed exercises both ends of a response
+    assert r.truncated.any() and not r.truncated.all()
     is_eos = torch.isin(r.response_ids, torch.tensor(eos_ids))
     for i in range(B):
         n = r.lengths[i].item()
         assert torch.equal(r.response_mask[i], torch.arange(T) < n)
         assert not is_eos[i, :n - 1].any()  # nothing before the end is an EOS
-        assert bool(is_eos[i, n - 1]) != bool(r.truncated[i])  # the last token is an EOS iff not truncated
+        # the last token is an EOS iff not truncated
+        assert bool(is_eos[i, n - 1]) != bool(r.truncated[i])
         assert not r.truncated[i] or n == max_new
         assert (r.response_ids[i, n:] == pad).all() and (r.logprobs[i, n:] == 0).all()
         assert (r.logprobs[i, :n] < 0).all()
-    assert {r.response_ids[i, r.lengths[i] - 1].item() for i in range(B) if not r.truncated[i]} == set(eos_ids)
+    last = {r.response_ids[i, r.lengths[i] - 1].item() for i in range(B) if not r.truncated[i]}
+    assert last == set(eos_ids)
 
 
 def test_max_new_tokens_is_respected():
     model = tiny_model()
     calls = count_forwards(model)
-    r = generate(model, PROMPTS, max_new_tokens=7, eos_token_ids=[], generator=torch.Generator().manual_seed(0))
+    r = generate(model, PROMPTS, max_new_tokens=7, eos_token_ids=[],
+                 generator=torch.Generator().manual_seed(0))
     assert r.response_ids.shape == (len(PROMPTS), 7)
     assert (r.lengths == 7).all() and r.truncated.all() and r.response_mask.all()
-    assert len(calls) == 7  # one prefill and 6 decode steps: the last token needs no forward after it
+    # one prefill and 6 decode steps: the last token needs no forward after it
+    assert len(calls) == 7
 
 
 def test_loop_stops_once_every_row_has_finished():
@@ -194,7 +220,8 @@ def test_loop_stops_once_every_row_has_finished():
     r = generate(model, [[1, 2]] * 8, max_new_tokens=300, eos_token_ids=[5, 9],
                  generator=torch.Generator().manual_seed(0))
     assert not r.truncated.any()
-    assert len(calls) == r.lengths.max() < 300  # the step that produced the last EOS was the last forward
+    # the step that produced the last EOS was the last forward
+    assert len(calls) == r.lengths.max() < 300
 
 
 def test_same_seed_same_samples_and_different_seeds_differ():
@@ -210,18 +237,20 @@ def test_same_seed_same_samples_and_different_seeds_differ():
 
 def test_sampling_follows_the_truncated_distribution():
     model = tiny_model()
-    r = generate(model, [[7, 8]] * 400, max_new_tokens=1, temperature=1.0, top_k=2, eos_token_ids=[],
-                 generator=torch.Generator().manual_seed(0))
+    r = generate(model, [[7, 8]] * 400, max_new_tokens=1, temperature=1.0, top_k=2,
+                 eos_token_ids=[], generator=torch.Generator().manual_seed(0))
     logits = full_forward(model, torch.tensor([[7, 8]]), torch.ones(1, 2, dtype=torch.bool))[0, -1]
     p2, top2 = torch.topk(logits, 2).values.softmax(-1), torch.topk(logits, 2).indices
     assert set(r.response_ids[:, 0].tolist()) <= set(top2.tolist())
     freq = (r.response_ids[:, 0] == top2[0]).float().mean().item()
-    assert abs(freq - p2[0].item()) < 4 * math.sqrt(p2[0] * p2[1] / 400)  # 4 binomial standard deviations
+    # 4 binomial standard deviations
+    assert abs(freq - p2[0].item()) < 4 * math.sqrt(p2[0] * p2[1] / 400)
 
 
 def test_sampling_never_draws_a_token_of_zero_probability():
     logits = torch.full((2000, 6), float("-inf"))
-    logits[:, 2] = 0.0  # every row: all the mass on token 2, the tokens before and after it impossible
+    # every row: all the mass on token 2, the tokens before and after it impossible
+    logits[:, 2] = 0.0
     logits[1::2, 4] = 0.0  # odd rows: tokens 2 and 4, half each
     token, _ = sample(logits, 1.0, 0, 1.0, torch.Generator().manual_seed(0))
     assert (token[0::2] == 2).all()
@@ -243,23 +272,27 @@ def test_empty_prompt_is_refused():
         generate(tiny_model(), [[1, 2], []], max_new_tokens=3)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # continuous batching: more sequences than slots
 
-RAGGED = [[5, 17, 3], [8, 2, 44, 61, 9, 23, 30, 71, 1], [60], [12, 12, 40, 88, 7], [90, 4], [33] * 11, [1, 2, 3, 4]]
+RAGGED = [[5, 17, 3], [8, 2, 44, 61, 9, 23, 30, 71, 1], [60], [12, 12, 40, 88, 7], [90, 4],
+          [33] * 11, [1, 2, 3, 4]]
 
 
 @pytest.fixture(scope="module")
 def hf_and_ours(tmp_path_factory):
-    """The same random weights in transformers' Qwen2ForCausalLM and ours, with an EOS id that greedy decoding
-    reaches early in some rows and never in others, and transformers' greedy generation of each prompt alone."""
+    """The same random weights in transformers' Qwen2ForCausalLM and ours, with an EOS id that
+    greedy decoding reaches early in some rows and never in others, and transformers' greedy
+    generation of each prompt alone."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, rope_theta=1e6,
+    cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, rope_theta=1e6,
                                    tie_word_embeddings=False, max_position_embeddings=512)
     hf = transformers.Qwen2ForCausalLM(cfg).float().eval()
-    with torch.no_grad():  # random biases and norms; a sharp head keeps greedy argmaxes far from float ties
+    # random biases and norms; a sharp head keeps greedy argmaxes far from float ties
+    with torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
@@ -267,22 +300,26 @@ def hf_and_ours(tmp_path_factory):
     d = tmp_path_factory.mktemp("hf")
     hf.save_pretrained(d)
     ours = Qwen2.from_pretrained(str(d), dtype=torch.float32).eval()
-    eos = generate(ours, RAGGED[:1], max_new_tokens=3, temperature=0, eos_token_ids=[]).response_ids[0, 2].item()
+    first = generate(ours, RAGGED[:1], max_new_tokens=3, temperature=0, eos_token_ids=[])
+    eos = first.response_ids[0, 2].item()
     alone = []
     with torch.no_grad():
         for p in RAGGED:
-            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            out = hf.generate(torch.tensor([p]),
+                              attention_mask=torch.ones(1, len(p), dtype=torch.long),
                               max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=0)
             alone.append(out[0, len(p):].tolist())
     return ours, eos, alone
 
 
-@pytest.mark.parametrize("slots,compile", [(1, False), (3, False), (None, False), (1, True), (3, True)])
+@pytest.mark.parametrize("slots,compile",
+                         [(1, False), (3, False), (None, False), (1, True), (3, True)])
 def test_greedy_rows_equal_transformers_generate_on_each_prompt_alone(hf_and_ours, slots, compile):
     ours, eos, alone = hf_and_ours
     r = generate(ours, RAGGED, max_new_tokens=12, temperature=0, eos_token_ids=[eos], slots=slots,
                  compile=compile)
-    assert min(len(a) for a in alone) < 12 == max(len(a) for a in alone)  # some rows end early, some never
+    # some rows end early, some never
+    assert min(len(a) for a in alone) < 12 == max(len(a) for a in alone)
     for i, expected in enumerate(alone):
         assert r.response_ids[i, :r.lengths[i]].tolist() == expected
         assert bool(r.truncated[i]) == (expected[-1] != eos)
@@ -301,23 +338,25 @@ def test_kv_cache_is_allocated_once_for_the_slots_whatever_the_number_of_sequenc
 
 
 def test_draws_do_not_depend_on_the_slot():
-    """1400 copies of one prompt, 2 tokens each, in 7 slots: every sequence lasts exactly 2 steps, so sequence i
-    runs in slot i % 7. With top_k=2 each sequence is one of 4 token pairs. Pearson's chi-square test of the
-    7 x 4 table of counts against the exact pair probabilities (from full forwards): 7 * 3 = 21 degrees of
-    freedom, rejected above 46.8 (p = 0.001). A slot that read stale keys, or a refill that lost a prompt's keys,
-    shifts its pairs' frequencies. And the 7 slots of one step draw independently: 200 steps in which all 7 draw
-    the same pair happen about 0.5 times by chance (each pair's probability is below 0.35), every time if they
-    shared their random numbers."""
+    """1400 copies of one prompt, 2 tokens each, in 7 slots: every sequence lasts exactly 2 steps,
+    so sequence i runs in slot i % 7. With top_k=2 each sequence is one of 4 token pairs. Pearson's
+    chi-square test of the 7 x 4 table of counts against the exact pair probabilities (from full
+    forwards): 7 * 3 = 21 degrees of freedom, rejected above 46.8 (p = 0.001). A slot that read
+    stale keys, or a refill that lost a prompt's keys, shifts its pairs' frequencies. And the 7
+    slots of one step draw independently: 200 steps in which all 7 draw the same pair happen about
+    0.5 times by chance (each pair's probability is below 0.35), every time if they shared their
+    random numbers."""
     model = tiny_model(head_scale=2.0)  # flat enough that all four pairs are common
     prompt, n, slots = [7, 8], 1400, 7
     r = generate(model, [prompt] * n, max_new_tokens=2, top_k=2, eos_token_ids=[], slots=slots,
                  generator=torch.Generator().manual_seed(0))
-    first = filter_logits(full_forward(model, torch.tensor([prompt]), torch.ones(1, 2, dtype=torch.bool))[0, -1],
-                          top_k=2).softmax(-1)  # (V,)
+    logits = full_forward(model, torch.tensor([prompt]), torch.ones(1, 2, dtype=torch.bool))[0, -1]
+    first = filter_logits(logits, top_k=2).softmax(-1)  # (V,)
     pairs, probs = [], []
     for a in first.nonzero().flatten().tolist():
         ids = torch.tensor([prompt + [a]])
-        second = filter_logits(full_forward(model, ids, torch.ones(1, 3, dtype=torch.bool))[0, -1], top_k=2)
+        logits = full_forward(model, ids, torch.ones(1, 3, dtype=torch.bool))[0, -1]
+        second = filter_logits(logits, top_k=2)
         for b, p_b in enumerate(second.softmax(-1).tolist()):
             if p_b > 0:
                 pairs.append((a, b))
@@ -332,12 +371,13 @@ def test_draws_do_not_depend_on_the_slot():
             chi2 += (in_slot.count(pair) - expected) ** 2 / expected
     assert sum(drawn.count(pair) for pair in pairs) == n  # every draw is one of the four pairs
     assert chi2 < 46.8
-    # and the slots of one step draw independently: all 7 alike has probability < 4 * 0.35^7 = 0.0026
+    # and the slots of one step draw independently: all 7 alike has probability
+    # < 4 * 0.35^7 = 0.0026
     alike = sum(len(set(drawn[i:i + slots])) == 1 for i in range(0, n, slots))
     assert alike <= 3
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # distributed: two gloo ranks run the same forwards however their work differs
 
 def _two_rank_worker(rank, world_size, init_method, out_dir):
@@ -348,12 +388,17 @@ def _two_rank_worker(rank, world_size, init_method, out_dir):
         calls = count_forwards(model)
         # 1. rank 0's rows all end at their first token (every token is an EOS), rank 1's never end
         eos = list(range(VOCAB)) if rank == 0 else []
-        r = generate(model, PROMPTS, max_new_tokens=6, eos_token_ids=eos, generator=torch.Generator().manual_seed(0))
-        lockstep = dict(forwards=len(calls), T=r.response_ids.shape[1], truncated=int(r.truncated.sum()))
-        # 2. three times more sequences on rank 0 than on rank 1, in 2 slots each, ending at different steps
+        r = generate(model, PROMPTS, max_new_tokens=6, eos_token_ids=eos,
+                     generator=torch.Generator().manual_seed(0))
+        lockstep = dict(forwards=len(calls), T=r.response_ids.shape[1],
+                        truncated=int(r.truncated.sum()))
+        # 2. three times more sequences on rank 0 than on rank 1, in 2 slots each, ending at
+        # different steps
         calls.clear()
-        r = generate(model, unequal_work(rank), max_new_tokens=8, temperature=0, eos_token_ids=[UNEQUAL_EOS], slots=2)
-        torch.save(dict(lockstep=lockstep, forwards=len(calls), response_ids=r.response_ids, lengths=r.lengths),
+        r = generate(model, unequal_work(rank), max_new_tokens=8, temperature=0,
+                     eos_token_ids=[UNEQUAL_EOS], slots=2)
+        torch.save(dict(lockstep=lockstep, forwards=len(calls), response_ids=r.response_ids,
+                        lengths=r.lengths),
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -373,8 +418,10 @@ def two_ranks(tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.spawn(_two_rank_worker, args=(2, f"tcp://127.0.0.1:{port}", str(out)), nprocs=2, join=False)
-    deadline = time.monotonic() + 120  # a rank that stops early leaves the other blocked in a collective
+    ctx = mp.spawn(_two_rank_worker, args=(2, f"tcp://127.0.0.1:{port}", str(out)), nprocs=2,
+                   join=False)
+    # a rank that stops early leaves the other blocked in a collective
+    deadline = time.monotonic() + 120
     try:
         finished = False  # join() returns each time one process exits: True once all have
         while not finished and time.monotonic() < deadline:
@@ -388,7 +435,8 @@ def two_ranks(tmp_path_factory):
 
 
 def test_ranks_run_the_same_number_of_forwards(two_ranks):
-    assert two_ranks[0]["lockstep"] == dict(forwards=6, T=1, truncated=0)  # 6 forwards though its rows ended at 1
+    # 6 forwards though its rows ended at 1
+    assert two_ranks[0]["lockstep"] == dict(forwards=6, T=1, truncated=0)
     assert two_ranks[1]["lockstep"] == dict(forwards=6, T=6, truncated=len(PROMPTS))
 
 
@@ -396,8 +444,9 @@ def test_ranks_with_unequal_work_finish_with_the_results_of_one_process(two_rank
     assert two_ranks[0]["forwards"] == two_ranks[1]["forwards"]
     model = tiny_model()
     for rank in range(2):
-        alone = generate(model, unequal_work(rank), max_new_tokens=8, temperature=0, eos_token_ids=[UNEQUAL_EOS],
-                         slots=2)
+        alone = generate(model, unequal_work(rank), max_new_tokens=8, temperature=0,
+                         eos_token_ids=[UNEQUAL_EOS], slots=2)
         assert torch.equal(two_ranks[rank]["lengths"], alone.lengths)
         assert torch.equal(two_ranks[rank]["response_ids"], alone.response_ids)
-    assert two_ranks[0]["lengths"].min() < two_ranks[0]["lengths"].max()  # rows end at different steps
+    # rows end at different steps
+    assert two_ranks[0]["lengths"].min() < two_ranks[0]["lengths"].max()
