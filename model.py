@@ -1,15 +1,15 @@
 """
-A Qwen2 / Qwen2.5 decoder in plain PyTorch: the same numbers as transformers' Qwen2ForCausalLM, in one file.
+A Qwen2 / Qwen2.5 decoder in plain PyTorch: the same numbers as transformers' Qwen2ForCausalLM, in
+one file.
 
-Per layer: RMSNorm -> attention (q/k/v with bias, grouped-query, RoPE) -> residual -> RMSNorm -> SwiGLU MLP -> residual.
-Weights load from and save to the Hugging Face safetensors layout, so a checkpoint moves freely between this file,
-transformers and vLLM. Parameter names mirror the HF keys (model.layers.N.self_attn.q_proj.weight, ...), so no key
-mapping is needed anywhere.
+Per layer: RMSNorm -> attention (q/k/v with bias, grouped-query, RoPE) -> residual -> RMSNorm ->
+SwiGLU MLP -> residual. Weights load from and save to the Hugging Face safetensors layout, so a
+checkpoint moves freely between this file, transformers and vLLM. Parameter names mirror the HF keys
+(model.layers.N.self_attn.q_proj.weight, ...), so no key mapping is needed anywhere.
 """
 import contextlib
 import errno
 import json
-import math
 import os
 import re
 import shutil
@@ -50,21 +50,26 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict, source: str = "config.json") -> "ModelConfig":
-        """Build from a Hugging Face config.json dict (old top-level rope_theta or newer rope_parameters)."""
+        """Build from a Hugging Face config.json dict (old top-level rope_theta or newer
+        rope_parameters)."""
         if hf.get("model_type", "qwen2") != "qwen2":
-            raise ValueError(f"{source}: model_type is {hf['model_type']!r}; this project implements 'qwen2' only")
+            raise ValueError(f"{source}: model_type is {hf['model_type']!r}; this project "
+                             "implements 'qwen2' only")
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ValueError(f"{source}: rope type {rope.get('rope_type', rope.get('type'))!r} is not supported "
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"{source}: rope type {rope_type!r} is not supported "
                              "(only the default RoPE of Qwen2/Qwen2.5)")
         if hf.get("use_sliding_window", False):
-            raise ValueError(f"{source}: use_sliding_window=true is not supported (Qwen2.5 ships with it off)")
+            raise ValueError(f"{source}: use_sliding_window=true is not supported "
+                             "(Qwen2.5 ships with it off)")
         known = {f.name for f in fields(cls)}
         kw = {k: v for k, v in hf.items() if k in known and v is not None}
         if "rope_theta" in rope:
             kw["rope_theta"] = rope["rope_theta"]
         kw["torch_dtype"] = hf.get("torch_dtype") or hf.get("dtype") or "float32"
-        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads"):
             if k not in kw:
                 raise ValueError(f"{source}: missing required field {k!r}")
         kw.setdefault("num_key_value_heads", kw["num_attention_heads"])
@@ -84,12 +89,14 @@ class ModelConfig:
         """The config.json that transformers (and vLLM) read for a Qwen2ForCausalLM."""
         hf = asdict(self)
         hf.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_act="silu",
-                  use_sliding_window=False, attention_dropout=0.0, initializer_range=0.02, use_cache=True)
+                  use_sliding_window=False, attention_dropout=0.0, initializer_range=0.02,
+                  use_cache=True)
         return {k: v for k, v in hf.items() if v is not None}
 
 
 def _check_types(cls, kw: dict, source: str):
-    """A config.json edited by hand ("hidden_size": "128") would otherwise fail deep inside torch."""
+    """A config.json edited by hand ("hidden_size": "128") would otherwise fail deep
+    inside torch."""
     kinds = {int: "a positive integer", float: "a positive number", bool: "true or false"}
     for f in fields(cls):
         if f.name not in kw or f.type not in kinds:
@@ -97,26 +104,32 @@ def _check_types(cls, kw: dict, source: str):
         v = kw[f.name]
         if f.type is bool:
             ok = isinstance(v, bool)
-        else:  # JSON has one number type: 1e6 may come as 1000000; a bool is an int to Python, not here
-            ok = isinstance(v, (int, float) if f.type is float else int) and not isinstance(v, bool) and \
-                (v > 0 or (f.name == "head_dim" and v == 0))  # head_dim 0: derived from the other sizes
+        else:
+            # JSON has one number type: 1e6 may come as 1000000; a bool is an int to Python, not
+            # here; head_dim 0 is derived from the other sizes
+            ok = isinstance(v, (int, float) if f.type is float else int) and \
+                not isinstance(v, bool) and (v > 0 or (f.name == "head_dim" and v == 0))
         if not ok:
             raise ValueError(f"{source}: {f.name!r} must be {kinds[f.type]}, got {json.dumps(v)} "
                              f"({type(v).__name__})")
     if not isinstance(getattr(torch, str(kw["torch_dtype"]), None), torch.dtype):
-        raise ValueError(f"{source}: torch_dtype {kw['torch_dtype']!r} is not a torch dtype (e.g. \"bfloat16\")")
+        raise ValueError(f"{source}: torch_dtype {kw['torch_dtype']!r} is not a torch dtype "
+                         "(e.g. \"bfloat16\")")
 
 
-# Small named shapes. The vocab of the toy ones is set by whoever builds them (the tokenizer decides it).
+# Small named shapes. The vocab of the toy ones is set by whoever builds them (the tokenizer
+# decides it).
+_TOY = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=1024, torch_dtype="float32")
 PRESETS = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=1024, torch_dtype="float32"),
-    "demo": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=1024, torch_dtype="float32"),
-    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
-    "qwen2.5-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                       num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
+    "tiny": dict(hidden_size=64, intermediate_size=128, **_TOY),
+    "demo": dict(hidden_size=128, intermediate_size=384, **_TOY),
+    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         tie_word_embeddings=True),
+    "qwen2.5-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       tie_word_embeddings=False),
 }
 
 
@@ -124,7 +137,7 @@ def preset(name: str, **overrides) -> ModelConfig:
     return ModelConfig(**{**PRESETS[name], **overrides})
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The network
 
 class RMSNorm(nn.Module):
@@ -134,8 +147,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # in fp32: the mean of squares of bf16 activations loses too much precision; cast back before the weight,
-        # exactly as transformers does (the order of the cast changes the bits)
+        # in fp32: the mean of squares of bf16 activations loses too much precision; cast back
+        # before the weight, exactly as transformers does (the order of the cast changes the bits)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -144,12 +157,14 @@ class RMSNorm(nn.Module):
 def rope_cos_sin(positions, inv_freq, dtype):
     """positions (B, T) -> cos, sin (B, 1, T, head_dim), in fp32 then cast like transformers."""
     freqs = positions[..., None].float() * inv_freq  # (B, T, head_dim/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, head_dim): the "rotate half" layout pairs i with i + head_dim/2
+    # (B, T, head_dim): the "rotate half" layout pairs i with i + head_dim/2
+    emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
 
 
 def apply_rope(x, cos, sin):
-    """x (B, H, T, D). Rotate-half RoPE: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), x1/x2 the two halves of D."""
+    """x (B, H, T, D). Rotate-half RoPE: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), x1/x2 the
+    two halves of D."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -158,31 +173,35 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.n_head, self.n_kv_head, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_head * self.head_dim, bias=True)  # Qwen2: bias on q, k, v ...
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=True)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=True)
-        self.o_proj = nn.Linear(self.n_head * self.head_dim, cfg.hidden_size, bias=False)  # ... and none on o
+        H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.n_head, self.n_kv_head, self.head_dim = H, Hkv, D
+        self.q_proj = nn.Linear(cfg.hidden_size, H * D, bias=True)  # Qwen2: bias on q, k, v ...
+        self.k_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=True)
+        self.v_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=True)
+        self.o_proj = nn.Linear(H * D, cfg.hidden_size, bias=False)  # ... and none on o
 
     def forward(self, x, cos, sin, mask, kv_cache=None, positions=None, cache_rows=None):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        H, Hkv, D = self.n_head, self.n_kv_head, self.head_dim
+        q = self.q_proj(x).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(x).view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(x).view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if kv_cache is not None:  # store this step's keys/values at their positions, attend over the cached rows
+        if kv_cache is not None:
+            # store this step's keys/values at their positions, attend over the cached rows
             k, v = kv_cache.update(self.layer_idx, k, v, positions, cache_rows)  # (B, Hkv, S, D)
-        # GQA: each group of n_head / n_kv_head query heads shares one k/v head; enable_gqa does the sharing
-        # without materialising repeated copies of k and v
+        # GQA: each group of n_head / n_kv_head query heads shares one k/v head; enable_gqa does the
+        # sharing without materialising repeated copies of k and v
         if T == 1 and kv_cache is not None:
-            # one decode token: fold each group's query heads into the query-length dim, so every cached k/v head
-            # is read once per step, not once per query head (the (B, 1, 1, S) mask broadcasts over the fold)
-            q = q.view(B, self.n_kv_head, self.n_head // self.n_kv_head, self.head_dim)  # (B, Hkv, H/Hkv, D)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).view(B, self.n_head, 1, self.head_dim)
+            # one decode token: fold each group's query heads into the query-length dim, so every
+            # cached k/v head is read once per step, not once per query head (the (B, 1, 1, S) mask
+            # broadcasts over the fold)
+            q = q.view(B, Hkv, H // Hkv, D)  # (B, Hkv, H/Hkv, D)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).view(B, H, 1, D)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                               enable_gqa=self.n_kv_head != self.n_head)  # (B, H, T, D)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
+                                               enable_gqa=Hkv != H)  # (B, H, T, D)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
 
 
 class MLP(nn.Module):
@@ -205,43 +224,49 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, mask, kv_cache=None, positions=None, cache_rows=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, positions, cache_rows)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, positions,
+                               cache_rows)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 @dataclass
 class KVCache:
-    """Preallocated keys and values, one row per sequence (the sampler's "slots"). A token's index in its row is
-    its RoPE position, so rows fill, end and refill independently: a step writes each token's keys at its own
-    position, in its own row, and reads positions [0, length) of the rows. One tensor per layer, as in gpt-fast:
-    torch.compile writes a whole tensor in place, but a slice of a bigger one as copy, write, copy back (!!)."""
+    """Preallocated keys and values, one row per sequence (the sampler's "slots"). A token's index
+    in its row is its RoPE position, so rows fill, end and refill independently: a step writes each
+    token's keys at its own position, in its own row, and reads positions [0, length) of the rows.
+    One tensor per layer, as in gpt-fast: torch.compile writes a whole tensor in place, but a slice
+    of a bigger one as copy, write, copy back (!!)."""
     k: list[torch.Tensor]  # per layer (B, Hkv, max_len, D)
     v: list[torch.Tensor]  # per layer (B, Hkv, max_len, D)
     length: int = 0  # the positions a step reads; 0 = max_len
 
     def upto(self, n: int) -> "KVCache":
-        """The same cache, read up to position n: a step whose tokens sit below n costs n, not max_len."""
+        """The same cache, read up to position n: a step whose tokens sit below n costs n,
+        not max_len."""
         return KVCache(self.k, self.v, n)
 
     def update(self, layer, k, v, positions, rows=None):
-        """k, v (n, Hkv, T, D) of tokens at positions (n, T) in cache rows `rows` (n,) (None: rows 0..n-1)
-        -> those rows' keys and values, (n, Hkv, S, D) each, S = self.length."""
+        """k, v (n, Hkv, T, D) of tokens at positions (n, T) in cache rows `rows` (n,) (None: rows
+        0..n-1) -> those rows' keys and values, (n, Hkv, S, D) each, S = self.length."""
         n = k.shape[0]
         index = torch.arange(n, device=k.device) if rows is None else rows  # (n,)
-        # index[:, None] and positions index dims 0 and 2 together: the indexed shape is (n, T, Hkv, D)
+        # index[:, None] and positions index dims 0 and 2 together: the indexed shape is
+        # (n, T, Hkv, D)
         self.k[layer][index[:, None], :, positions] = k.transpose(1, 2)
         self.v[layer][index[:, None], :, positions] = v.transpose(1, 2)
         S = self.length or self.k[layer].shape[2]
         if rows is None:  # the first rows in order (a decode step: all of them): views, no copy
             return self.k[layer][:n, :, :S], self.v[layer][:n, :, :S]
-        return self.k[layer][rows, :, :S], self.v[layer][rows, :, :S]  # a prefill into some rows: a gather
+        # a prefill into some rows: a gather
+        return self.k[layer][rows, :, :S], self.v[layer][rows, :, :S]
 
 
 def attention_mask_4d(q_index, S, key_mask=None):
-    """q_index (B, T): the key index each query sits at (its column without a cache, its position with one);
-    key_mask (B, S) bool or None: False on padding keys -> (B, 1, T, S) bool: a query sees key j iff j <= its
-    own index and j is no padding. A padding query also sees itself, so no row is empty (an all-False row gives
-    NaN on some SDPA backends, which would then leak through 0 * NaN into any masked loss)."""
+    """q_index (B, T): the key index each query sits at (its column without a cache, its position
+    with one); key_mask (B, S) bool or None: False on padding keys -> (B, 1, T, S) bool: a query
+    sees key j iff j <= its own index and j is no padding. A padding query also sees itself, so no
+    row is empty (an all-False row gives NaN on some SDPA backends, which would then leak through
+    0 * NaN into any masked loss)."""
     k_index = torch.arange(S, device=q_index.device)  # (S,)
     mask = k_index <= q_index[..., None]  # (B, T, S)
     if key_mask is not None:
@@ -267,53 +292,65 @@ class Qwen2(nn.Module):
 
     def _rope_inv_freq(self, device=None):
         d = self.config.head_dim
-        return 1.0 / (self.config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float, device=device) / d))
+        exponents = torch.arange(0, d, 2, dtype=torch.float, device=device) / d  # (d/2,)
+        return 1.0 / (self.config.rope_theta ** exponents)
 
     def tie_weights(self):
-        if self.config.tie_word_embeddings:  # Qwen2.5-0.5B/1.5B/3B share the input and output embeddings
+        # Qwen2.5-0.5B/1.5B/3B share the input and output embeddings
+        if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    # transformers' init: N(0, 0.02) for matrices, zero biases (RMSNorm weights start at 1)
     @staticmethod
-    def _init_weights(m):  # transformers' init: N(0, 0.02) for matrices, zero biases (RMSNorm weights start at 1)
+    def _init_weights(m):
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
     def new_kv_cache(self, batch_size: int, max_len: int) -> KVCache:
-        w = self.model.embed_tokens.weight  # under autocast, keys and values come out in the autocast dtype
+        w = self.model.embed_tokens.weight
         on = w.device.type
+        # under autocast, keys and values come out in the autocast dtype
         dtype = torch.get_autocast_dtype(on) if torch.is_autocast_enabled(on) else w.dtype
         shape = (batch_size, self.config.num_key_value_heads, max_len, self.config.head_dim)
         layers = range(self.config.num_hidden_layers)
         return KVCache([torch.zeros(shape, dtype=dtype, device=w.device) for _ in layers],
                        [torch.zeros(shape, dtype=dtype, device=w.device) for _ in layers])
 
-    def forward(self, input_ids, positions=None, attention_mask=None, kv_cache=None, cache_rows=None, head=None):
+    def forward(self, input_ids, positions=None, attention_mask=None, kv_cache=None,
+                cache_rows=None, head=None):
         """
-        input_ids (B, T). positions (B, T): RoPE positions, default arange(T); pass them for left-padded batches so
-        each sequence's first real token sits at position 0. attention_mask (B, T) bool, True on real tokens.
-        kv_cache (a KVCache, or a view of one from kv_cache.upto(S)): write this step's keys/values at index
-        `positions` of cache rows `cache_rows` (B,) (default: rows 0..B-1), then let each query attend to the keys
-        of its row at indices <= its position (an attention_mask is then over those S keys).
-        Returns logits (B, T, V) in fp32, or head(hidden, lm_head_weight) when a head function is given: a loss that
-        applies the output layer in chunks (and, under FSDP, while the root's weights are gathered) instead of
-        holding all (B*T, V) logits, or a sampler that needs the last position only.
+        input_ids (B, T). positions (B, T): RoPE positions, default arange(T); pass them for
+        left-padded batches so each sequence's first real token sits at position 0.
+        attention_mask (B, T) bool, True on real tokens.
+        kv_cache (a KVCache, or a view of one from kv_cache.upto(S)): write this step's keys/values
+        at index `positions` of cache rows `cache_rows` (B,) (default: rows 0..B-1), then let each
+        query attend to the keys of its row at indices <= its position (an attention_mask is then
+        over those S keys).
+        Returns logits (B, T, V) in fp32, or head(hidden, lm_head_weight) when a head function is
+        given: a loss that applies the output layer in chunks (and, under FSDP, while the root's
+        weights are gathered) instead of holding all (B*T, V) logits, or a sampler that needs the
+        last position only.
         """
         B, T = input_ids.shape
         if positions is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
         if kv_cache is not None:  # keys are cache indices, and a token's index is its position
-            mask = attention_mask_4d(positions, kv_cache.length or kv_cache.k[0].shape[2], attention_mask)
+            S = kv_cache.length or kv_cache.k[0].shape[2]
+            mask = attention_mask_4d(positions, S, attention_mask)
         elif attention_mask is not None:  # keys are this call's columns
-            mask = attention_mask_4d(torch.arange(T, device=input_ids.device).expand(B, T), T, attention_mask)
+            columns = torch.arange(T, device=input_ids.device).expand(B, T)
+            mask = attention_mask_4d(columns, T, attention_mask)
         else:
             mask = None  # full causal (is_causal)
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)  # computed once, shared by all layers
+        # computed once, shared by all layers
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
         for block in self.model.layers:
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-                # keep only each block's input; recompute its activations in the backward (memory for compute)
+                # keep only each block's input; recompute its activations in the backward
+                # (memory for compute)
                 x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, mask, use_reentrant=False)
             else:
                 x = block(x, cos, sin, mask, kv_cache, positions, cache_rows)
@@ -322,46 +359,50 @@ class Qwen2(nn.Module):
             return head(x, self.lm_head.weight)
         return self.lm_head(x).float()  # (B, T, V)
 
-    # ------------------------------------------------------------------------------------------------------------------
+    # ----------------------------------------------------------------------------------------------
     # Hugging Face checkpoints
 
     @classmethod
     def from_pretrained(cls, path: str, dtype=None, device="cpu") -> "Qwen2":
-        """Load a Hugging Face Qwen2 directory (model.safetensors, or sharded files + model.safetensors.index.json).
-        The model is built on the meta device and the loaded tensors are assigned in place: no second copy, so a 32B
-        checkpoint needs its own size in memory, not twice that. dtype defaults to the config's torch_dtype."""
+        """Load a Hugging Face Qwen2 directory (model.safetensors, or sharded files +
+        model.safetensors.index.json). The model is built on the meta device and the loaded tensors
+        are assigned in place: no second copy, so a 32B checkpoint needs its own size in memory, not
+        twice that. dtype defaults to the config's torch_dtype."""
         cfg = ModelConfig.from_json(_need(path, "config.json"))
         dtype = dtype or getattr(torch, cfg.torch_dtype)
         with torch.device("meta"):
             model = cls(cfg)
-        expected = {k: v.shape for k, v in model.state_dict().items()}
-        if cfg.tie_word_embeddings:
-            expected.pop("lm_head.weight")  # stored once, as the embedding
+        tied = _tied_keys(cfg)
+        expected = {k: v.shape for k, v in model.state_dict().items() if k not in tied}
         state, file_of = {}, {}
         for file, keys in _checkpoint_files(path).items():
             try:
                 with safe_open(file, framework="pt", device=str(device)) as f:
                     for key in keys or f.keys():
-                        if key.endswith("rotary_emb.inv_freq") or (key == "lm_head.weight" and
-                                                                   cfg.tie_word_embeddings):
-                            continue  # derived buffers some old checkpoints carry; a tied head some carry anyway
+                        # derived buffers some old checkpoints carry; a tied head some carry anyway
+                        if key.endswith("rotary_emb.inv_freq") or key in tied:
+                            continue
                         if key not in expected:
-                            raise ValueError(f"{file}: unexpected key {key!r} (not part of a Qwen2 with this config)")
+                            raise ValueError(f"{file}: unexpected key {key!r} (not part of a "
+                                             "Qwen2 with this config)")
                         t = f.get_tensor(key)
                         if tuple(t.shape) != tuple(expected[key]):
-                            raise ValueError(f"{file}: key {key!r} has shape {tuple(t.shape)}, the config implies "
-                                             f"{tuple(expected[key])}")
+                            raise ValueError(f"{file}: key {key!r} has shape {tuple(t.shape)}, "
+                                             f"the config implies {tuple(expected[key])}")
                         state[key], file_of[key] = t.to(dtype), file
-            except SafetensorError as e:  # "incomplete metadata, file not fully covered" and the like
-                raise ValueError(f"{file}: not a readable safetensors file, truncated or corrupt (an interrupted "
-                                 f"download or copy?): {e}") from None
+            except SafetensorError as e:
+                # "incomplete metadata, file not fully covered" and the like
+                raise ValueError(f"{file}: not a readable safetensors file, truncated or corrupt "
+                                 f"(an interrupted download or copy?): {e}") from None
         missing = sorted(set(expected) - set(state))
         if missing:
-            raise ValueError(f"{path}: checkpoint lacks {len(missing)} key(s), first {missing[0]!r}")
+            raise ValueError(f"{path}: checkpoint lacks {len(missing)} key(s), "
+                             f"first {missing[0]!r}")
         bad = first_nonfinite(state)
-        if bad:  # a diverged run's weights would train on, reporting nothing but zero informative groups
-            raise ValueError(f"{file_of[bad]}: {bad!r} holds {_count_nonfinite(state[bad])}: refusing to load "
-                             "a model with non-finite weights")
+        # a diverged run's weights would train on, reporting nothing but zero informative groups
+        if bad:
+            raise ValueError(f"{file_of[bad]}: {bad!r} holds {_count_nonfinite(state[bad])}: "
+                             "refusing to load a model with non-finite weights")
         if cfg.tie_word_embeddings:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
         model.load_state_dict(state, strict=True, assign=True)
@@ -373,6 +414,11 @@ class Qwen2(nn.Module):
         save_hf_checkpoint(self.state_dict(), self.config, path, max_shard_bytes)
 
 
+def _tied_keys(cfg) -> set:
+    """The keys a checkpoint leaves out: transformers stores a tied head once, as the embedding."""
+    return {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+
+
 def _need(path, name):
     file = os.path.join(path, name)
     if not os.path.isfile(file):
@@ -381,15 +427,16 @@ def _need(path, name):
 
 
 def _checkpoint_files(path) -> dict:
-    """{safetensors file: [keys in it] (or None = all)} from the index of a sharded checkpoint or the single file."""
+    """{safetensors file: [keys in it] (or None = all)} from the index of a sharded checkpoint or
+    the single file."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
             try:
                 weight_map = json.load(f)["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{index}: not a safetensors index (a JSON object with a weight_map): "
-                                 f"{type(e).__name__}: {e}") from None
+                raise ValueError(f"{index}: not a safetensors index (a JSON object with a "
+                                 f"weight_map): {type(e).__name__}: {e}") from None
         files = {}
         for key, name in weight_map.items():
             files.setdefault(name, []).append(key)
@@ -400,18 +447,18 @@ def _checkpoint_files(path) -> dict:
 
 
 def first_nonfinite(tensors: dict) -> str | None:
-    """The name of the first floating tensor holding a NaN or an inf, or None. The common case costs one fused pass:
-    every tensor's norm at once, then one isfinite over the norms (a single host sync). Only when a norm is not finite
-    are tensors looked at one by one: a NaN anywhere makes its norm NaN, and a norm that overflowed on finite values
-    is not reported."""
+    """The name of the first floating tensor holding a NaN or an inf, or None. The common case
+    costs one fused pass: every tensor's norm at once, then one isfinite over the norms (a single
+    host sync). Only when a norm is not finite are tensors looked at one by one: a NaN anywhere
+    makes its norm NaN, and a norm that overflowed on finite values is not reported."""
     names = [k for k, t in tensors.items() if t.is_floating_point()]
     if not names:
         return None
     norms = torch._foreach_norm([tensors[k] for k in names], 2, dtype=torch.float32)
     if torch.isfinite(torch.stack(norms)).all():
         return None
-    return next((k for k, n in zip(names, norms) if not torch.isfinite(n) and not torch.isfinite(tensors[k]).all()),
-                None)
+    suspects = (k for k, n in zip(names, norms) if not torch.isfinite(n))
+    return next((k for k in suspects if not torch.isfinite(tensors[k]).all()), None)
 
 
 def _count_nonfinite(t) -> str:
@@ -419,17 +466,22 @@ def _count_nonfinite(t) -> str:
     return f"{nan} NaN and {inf} inf value(s) among its {t.numel()}"
 
 
-# The files a model directory's weights consist of; save_hf_checkpoint replaces these and keeps every other file
-OWN_FILES = re.compile(r"config\.json|model\.safetensors(\.index\.json)?|model-\d{5}-of-\d{5}\.safetensors")
+# The files a model directory's weights consist of; save_hf_checkpoint replaces these and keeps
+# every other file
+OWN_FILES = re.compile(r"config\.json|model\.safetensors(\.index\.json)?"
+                       r"|model-\d{5}-of-\d{5}\.safetensors")
 
 
-def save_hf_checkpoint(state_dict: dict, cfg: ModelConfig, path: str, max_shard_bytes: int = 5 * 2**30):
-    """Write config.json + safetensors (sharded with an index above max_shard_bytes), the layout transformers writes.
-    Everything goes to a temporary directory first, is flushed to disk and renamed into place, so a crash (or a full
-    disk) never leaves half a checkpoint under `path`. Saving into an existing model directory replaces its weights
-    and config and keeps everything else there (tokenizer files, generation_config.json, a README...).
+def save_hf_checkpoint(state_dict: dict, cfg: ModelConfig, path: str,
+                       max_shard_bytes: int = 5 * 2**30):
+    """Write config.json + safetensors (sharded with an index above max_shard_bytes), the layout
+    transformers writes. Everything goes to a temporary directory first, is flushed to disk and
+    renamed into place, so a crash (or a full disk) never leaves half a checkpoint under `path`.
+    Saving into an existing model directory replaces its weights and config and keeps everything
+    else there (tokenizer files, generation_config.json, a README...).
     Refuses weights that hold a NaN or an inf, naming the tensor."""
-    state = {k: v.detach().contiguous().cpu() for k, v in state_dict.items() if k in _hf_keys(cfg, state_dict)}
+    tied = _tied_keys(cfg)
+    state = {k: v.detach().contiguous().cpu() for k, v in state_dict.items() if k not in tied}
     bad = first_nonfinite(state)
     if bad:
         raise ValueError(f"not saving {path}: {bad!r} holds {_count_nonfinite(state[bad])}")
@@ -444,11 +496,12 @@ def save_hf_checkpoint(state_dict: dict, cfg: ModelConfig, path: str, max_shard_
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-ckpt-", dir=parent)
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private (0700); a model directory is normally readable by all
+    # mkdtemp makes it private (0700); a model directory is normally readable by all
+    os.chmod(tmp, 0o755)
     try:
-        dtypes = {v.dtype for v in state.values()}
+        dtypes = {str(v.dtype).removeprefix("torch.") for v in state.values()}
         hf = cfg.to_hf()
-        hf["torch_dtype"] = str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else cfg.torch_dtype
+        hf["torch_dtype"] = dtypes.pop() if len(dtypes) == 1 else cfg.torch_dtype
         write_json(os.path.join(tmp, "config.json"), hf)
         if len(shards) == 1:
             _save_safetensors(shards[0], os.path.join(tmp, "model.safetensors"))
@@ -463,7 +516,8 @@ def save_hf_checkpoint(state_dict: dict, cfg: ModelConfig, path: str, max_shard_
                        {"metadata": {"total_size": total}, "weight_map": weight_map})
         if os.path.isdir(path):
             _link_others(path, tmp)
-        fsync(tmp)  # the files (each synced as written) and their names, before the rename makes them visible
+        # the files (each synced as written) and their names, before the rename makes them visible
+        fsync(tmp)
         _replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -472,24 +526,27 @@ def save_hf_checkpoint(state_dict: dict, cfg: ModelConfig, path: str, max_shard_
 
 @contextlib.contextmanager
 def writing(file: str):
-    """Turn a failed write into an error that names the file. torch.save on a full disk says only "[enforce fail
-    at inline_container.cc:672] unexpected pos", safetensors "IoError(...)", neither the file."""
+    """Turn a failed write into an error that names the file. torch.save on a full disk says only
+    "[enforce fail at inline_container.cc:672] unexpected pos", safetensors "IoError(...)", neither
+    the file."""
     try:
         yield
     except (OSError, RuntimeError, SafetensorError) as e:
-        full = getattr(e, "errno", None) == errno.ENOSPC or "unexpected pos" in str(e) or "StorageFull" in str(e)
-        raise OSError(f"could not write {file}" + (": the disk is full" if full else " (is the disk full?)") +
-                      f" ({type(e).__name__}: {e})") from e
+        full = getattr(e, "errno", None) == errno.ENOSPC or "unexpected pos" in str(e) or \
+            "StorageFull" in str(e)
+        why = ": the disk is full" if full else " (is the disk full?)"
+        raise OSError(f"could not write {file}{why} ({type(e).__name__}: {e})") from e
 
 
 def fsync(path: str):
-    """Flush a file's data, or a directory's entries, to the disk: without it a power cut after a rename can
-    leave the new name pointing at data that was never written."""
+    """Flush a file's data, or a directory's entries, to the disk: without it a power cut after a
+    rename can leave the new name pointing at data that was never written."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     except OSError as e:
-        if not (os.path.isdir(path) and e.errno == errno.EINVAL):  # some filesystems cannot sync a directory
+        # some filesystems cannot sync a directory
+        if not (os.path.isdir(path) and e.errno == errno.EINVAL):
             raise
     finally:
         os.close(fd)
@@ -505,13 +562,14 @@ def write_json(file: str, obj):
 def _save_safetensors(tensors: dict, file: str):
     with writing(file):
         save_file(tensors, file, metadata={"format": "pt"})
-        os.chmod(file, 0o644)  # safetensors creates its files private (0600), unlike every other file here
+        # safetensors creates its files private (0600), unlike every other file here
+        os.chmod(file, 0o644)
         fsync(file)
 
 
 def _link_others(old: str, new: str):
-    """Bring every entry of model directory `old` that is not weights or config into `new`: hard links (no copy of a
-    large file), or a copy where the filesystem cannot link."""
+    """Bring every entry of model directory `old` that is not weights or config into `new`: hard
+    links (no copy of a large file), or a copy where the filesystem cannot link."""
     for name in os.listdir(old):
         src, dst = os.path.join(old, name), os.path.join(new, name)
         if OWN_FILES.fullmatch(name) or os.path.lexists(dst):
@@ -532,34 +590,17 @@ def _link_or_copy(src, dst):
         shutil.copy2(src, dst)
 
 
-def _hf_keys(cfg, state_dict):
-    keys = set(state_dict)
-    if cfg.tie_word_embeddings:
-        keys.discard("lm_head.weight")  # transformers stores a tied head once, as the embedding
-    return keys
-
-
 def _replace_dir(src, dst):
-    """Move directory src to dst atomically enough: dst is either the old or the new checkpoint, never a mix."""
-    if os.path.exists(dst):
-        old = dst.rstrip("/") + f".old-{os.getpid()}"
+    """Move directory src to dst atomically enough: dst is either the old or the new checkpoint,
+    never a mix."""
+    old = dst.rstrip("/") + f".old-{os.getpid()}" if os.path.exists(dst) else None
+    if old:
         os.replace(dst, old)
-        os.replace(src, dst)
-        fsync(os.path.dirname(os.path.abspath(dst)))
+    os.replace(src, dst)
+    fsync(os.path.dirname(os.path.abspath(dst)))
+    if old:
         shutil.rmtree(old)
-    else:
-        os.replace(src, dst)
-        fsync(os.path.dirname(os.path.abspath(dst)))
 
 
 def num_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())  # parameters() counts a tied weight once
-
-
-if __name__ == "__main__":  # a smoke run: python model.py
-    torch.manual_seed(0)
-    m = Qwen2(preset("tiny", vocab_size=1000))
-    x = torch.randint(0, 1000, (2, 16))
-    print(f"tiny Qwen2: {num_params(m):,} parameters, logits {tuple(m(x).shape)}, "
-          f"loss at init {F.cross_entropy(m(x)[:, :-1].flatten(0, 1), x[:, 1:].flatten()):.3f} "
-          f"(ln V = {math.log(1000):.3f})")
