@@ -41,16 +41,17 @@ class Config:
     temperature: float = _flag(1.0, "rollout sampling temperature")
     top_p: float = _flag(1.0, "rollout nucleus sampling (1 = off)")
     top_k: int = _flag(0, "rollout top-k (0 = off)")
-    rollout_batch_size: int = _flag(512, "sequences decoding at once per process, the KV cache's "
-                                         "rows: bounds its memory (0 = all)")
+    rollout_batch_size: int = _flag(64, "sequences decoding at once per process, the KV cache's "
+                                        "rows: bounds its memory (0 = all)")
     compile: bool = _flag(False, "decode with a torch.compile'd step (CUDA graphs on a GPU)")
     # update
     mini_batch_prompts: int = _flag(8, "prompts per optimizer step (paper: 32)")
-    micro_batch_size: int = _flag(64, "sequences per forward/backward")
+    micro_batch_size: int = _flag(64, "sequences per forward/backward when --micro-batch-tokens "
+                                      "is 0")
     fused_head: bool = _flag(True, "the output layer inside the log-prob kernel, a chunk of tokens "
                                    "at a time; off: the (B, R, V) logits, for comparison")
-    micro_batch_tokens: int = _flag(0, "instead: micro-batches of length-sorted sequences up to "
-                                       "this many padded tokens (0 = off)")
+    micro_batch_tokens: int = _flag(1024, "micro-batches of length-sorted sequences up to this "
+                                          "many padded tokens (0: --micro-batch-size rows)")
     lr: float = _flag(3e-4, "AdamW learning rate (paper: 1e-6)")
     weight_decay: float = _flag(0.0, "AdamW weight decay (paper: 0.1)")
     grad_clip: float = _flag(1.0, "max grad norm")

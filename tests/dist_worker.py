@@ -21,8 +21,8 @@ from batch import Batch  # noqa: E402
 from batches import random_batch  # noqa: E402
 
 GROUP = 4
-CFG = Config(group_size=GROUP, mini_batch_prompts=2, micro_batch_size=3, grad_clip=1e9,
-             device="cpu")
+CFG = Config(group_size=GROUP, mini_batch_prompts=2, micro_batch_size=3, micro_batch_tokens=0,
+             grad_clip=1e9, device="cpu")
 PROBE = torch.arange(2 * 9).view(2, 9) % 50 + 3  # a fixed input whose logits the tests compare
 
 

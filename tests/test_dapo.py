@@ -112,7 +112,9 @@ def test_update_is_the_same_for_any_micro_batch_split(token_level):
     each), 20 or 40 padded tokens: the same weights, because the loss's denominator is counted
     over the mini-batch before the split."""
     results = []
-    for split in (dict(micro_batch_size=1), dict(micro_batch_size=2), dict(micro_batch_size=4),
+    for split in (dict(micro_batch_size=1, micro_batch_tokens=0),
+                  dict(micro_batch_size=2, micro_batch_tokens=0),
+                  dict(micro_batch_size=4, micro_batch_tokens=0),
                   dict(micro_batch_tokens=1), dict(micro_batch_tokens=20),
                   dict(micro_batch_tokens=40)):
         torch.manual_seed(0)
@@ -137,7 +139,8 @@ def test_update_is_the_same_with_the_fused_and_the_unfused_head(tied):
         torch.manual_seed(0)
         model = Qwen2(preset("tiny", vocab_size=50, tie_word_embeddings=tied))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        cfg = Config(group_size=4, mini_batch_prompts=1, micro_batch_size=3, fused_head=fused)
+        cfg = Config(group_size=4, mini_batch_prompts=1, micro_batch_size=3, micro_batch_tokens=0,
+                     fused_head=fused)
         update_policy(model, opt, random_batch(50), cfg, eps_high=0.28)
         results.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert ((results[0] - results[1]).abs() / results[1].abs().clamp(min=1e-3)).max() < 1e-6
