@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: run test bench ablate clean
+.PHONY: run test bench ablate handout grade clean
 
 $(VENV)/.runtime: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,16 @@ bench: $(VENV)/.test
 # Writes runs/ablate/table.md and runs/ablate/ablation.png (matplotlib: requirements-extra.txt).
 ablate: $(VENV)/.extra
 	$(PY) ablate.py
+
+# Course assignments (docs/instructors.md): the student copy, each exercise's body replaced by a raise
+# that names it (assign.py needs nothing but Python and git), and the score of a copy or of this one.
+OUT ?= runs/handout
+handout:
+	$(PYTHON) assign.py handout $(OUT)
+
+# ARGS: e.g. ARGS="--extra-tests ../private --json results.json"
+grade: $(VENV)/.test
+	$(PY) assign.py grade $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs
