@@ -186,9 +186,9 @@ EXERCISES = [
 ]
 BY_ID = {e.id: e for e in EXERCISES}
 
-# The integration check: a short run of the demo (make run's task, from the same cached base
-# model, with the student's code everywhere). Measured with the reference code (2 cores, one
-# thread each): val/acc avg@4 0.16 at step 0, 0.53-0.56 after 6 steps over 5 seeds, 10-20 s.
+# The integration check: a short run of the demo (make run's task and settings), the student's
+# code everywhere. Measured with the reference (2 cores, one thread each): val/acc (avg@4) 0.16
+# at step 0, 0.53-0.56 after 6 steps over 5 seeds, 10-20 s after the base model's warm-up.
 INTEGRATION_ARGS = ("--steps", "6", "--eval-every", "6")
 INTEGRATION_MIN_ACC = 0.40
 INTEGRATION_POINTS = 10
@@ -233,6 +233,14 @@ def blank(text: str, regions: list[Region]) -> str:
         message = json.dumps(f"{r.id}: {BY_ID[r.id].todo}")
         lines[r.start + 1:r.end] = [f"{r.indent}raise {NOT_DONE}({message})\n"]
     return "".join(lines)
+
+
+def functions(root: str, exercise: Exercise, regions: dict[str, list[Region]]) -> list[str]:
+    """The functions an exercise's regions sit in: ['rope_cos_sin', 'apply_rope']."""
+    with open(os.path.join(root, exercise.file), encoding="utf-8") as f:
+        text = f.read()
+    return list(dict.fromkeys(enclosing(text, r.start) for r in regions[exercise.file]
+                              if r.id == exercise.id))
 
 
 def enclosing(text: str, line: int) -> str:
@@ -343,15 +351,14 @@ def exercises_md(root: str, regions: dict[str, list[Region]]) -> str:
         "`make run` (the demo) runs every exercise: it works again once all are written.", "",
         f"The grade is out of {total}: the points of each exercise, in proportion to its tests "
         f"that pass, and {INTEGRATION_POINTS} for the integration check, a "
-        f"{INTEGRATION_ARGS[1]}-step run of the demo (`make run`'s task) with your code everywhere that must reach "
-        f"val/acc >= {INTEGRATION_MIN_ACC} (the base model: ~0.16). The paper: "
+        f"{INTEGRATION_ARGS[1]}-step run of the demo (`make run`'s task) with your code "
+        f"everywhere that must reach val/acc >= {INTEGRATION_MIN_ACC} (the base model: ~0.16). "
+        "The paper: "
         "[arXiv 2503.14476](https://arxiv.org/abs/2503.14476); the README maps it to the code.",
         "", "| exercise | file | difficulty | points |", "| --- | --- | --- | --- |"]
     lines += [f"| `{e.id}` | `{e.file}` | {e.difficulty} | {e.points} |" for e in EXERCISES]
     for n, e in enumerate(EXERCISES, 1):
-        with open(os.path.join(root, e.file), encoding="utf-8") as f:
-            text = f.read()
-        where = dict.fromkeys(enclosing(text, r.start) for r in regions[e.file] if r.id == e.id)
+        where = functions(root, e, regions)
         lines += [
             "", f"## {n}. `{e.id}`: {e.title}", "",
             f"- **Where**: {', '.join(f'`{name}()`' for name in where)} in `{e.file}`",
@@ -497,16 +504,18 @@ def grade(ids=(), extra_tests=None, json_path=None, integration=True, root=ROOT,
                             score=round(e.points * passed / total, 2), max_score=e.points,
                             failures=failures))
     unknown = sorted({g for r in records for g in r.get("grades", [])} - set(BY_ID))
+    if unknown:
+        raise ValueError(f"{extra_tests}: tests mark unknown exercises {', '.join(unknown)}")
     unmarked = [r["nodeid"] for r in records if r["outcome"] == "unmarked"]
-    if unknown or unmarked:
-        raise ValueError(f"extra tests: unknown exercises {unknown}, or tests that name none "
-                         f"(@pytest.mark.grades(<exercise>)): {unmarked[:5]}")
+    if unmarked:
+        raise ValueError(f"{extra_tests}: {len(unmarked)} test(s) name no exercise (mark each "
+                         f"@pytest.mark.grades(<exercise id>)), first {unmarked[0]}")
     check = None
     if integration and not ids:  # the training loop runs every exercise: none may be unwritten
         unwritten = [e.id for e in EXERCISES if any(r.get("exercise") == e.id for r in records)]
         check = integration_check(root) if not unwritten else dict(
-            passed=False, acc=None, message="not run: it needs every exercise, and "
-                                            f"{', '.join(unwritten)} still raise")
+            passed=False, acc=None, message=f"not run: it needs every exercise, and "
+                                            f"{len(unwritten)} still raise: {', '.join(unwritten)}")
     seconds = time.time() - t0
     report = as_json(results, check, seconds)
     print_table(results, check, report, log)
@@ -575,6 +584,10 @@ def as_json(results, check, seconds) -> dict:
             "tests": tests}
 
 
+def clip(line, width=100):
+    return line if len(line) <= width else line[:width - 3] + "..."
+
+
 def print_table(results, check, report, log):
     """One row per exercise; under a row, its first failure unless every failure is its own
     unwritten body."""
@@ -587,13 +600,13 @@ def print_table(results, check, report, log):
         if r["failures"] and not unwritten:
             test, message = r["failures"][0]
             more = f" (+{len(r['failures']) - 1} more)" if len(r["failures"]) > 1 else ""
-            print(f"    {test.split('::')[-1]}{more}"[:100])
-            print(f"    {message}"[:100])
+            print(clip(f"    {test.split('::')[-1]}{more}"))
+            print(clip(f"    {message}"))
     if check is not None:
         points = INTEGRATION_POINTS if check["passed"] else 0
         print(f"{'integration':<18} {'dapo.py (demo run)':<21} {'':>7} "
               f"{points:>6.1f} / {INTEGRATION_POINTS:<3}")
-        print(f"    {check['message']}"[:100])
+        print(clip(f"    {check['message']}"))
     print(f"{'total':<48} {report['score']:>6.1f} / {report['max_score']}")
     print(f"pytest's output: {log}")
 
@@ -615,17 +628,20 @@ def main(argv=None):
     p.add_argument("--no-integration", action="store_true", help="skip the demo run")
     p.add_argument("--timeout", type=float, default=900, help="seconds for the tests (%(default)s)")
     args = parser.parse_args(argv)
+    try:
+        run(args, parser)
+    except ValueError as e:  # a refused handout directory, a marker or an extra test: no traceback
+        sys.exit(f"assign.py {args.command}: {e}")
+
+
+def run(args, parser):
     if args.command == "list":
         files = source_files(ROOT)
         regions = marked_regions(ROOT, files)
         print(f"{'exercise':<18} {'where':<40} {'points':>6}  difficulty  paper")
         for e in EXERCISES:
-            with open(os.path.join(ROOT, e.file), encoding="utf-8") as f:
-                text = f.read()
-            names = dict.fromkeys(enclosing(text, r.start) for r in regions[e.file] if r.id == e.id)
-            where = f"{e.file} {', '.join(n + '()' for n in names)}"
-            print(f"{e.id:<18} {where:<40} {e.points:>6}  "
-                  f"{e.difficulty:<10}  {e.paper}")
+            where = f"{e.file} {', '.join(n + '()' for n in functions(ROOT, e, regions))}"
+            print(f"{e.id:<18} {where:<40} {e.points:>6}  {e.difficulty:<10}  {e.paper}")
         print(f"{'integration':<18} {'dapo.py (the demo, ' + INTEGRATION_ARGS[1] + ' steps)':<40} "
               f"{INTEGRATION_POINTS:>6}")
     elif args.command == "handout":

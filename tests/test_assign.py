@@ -3,6 +3,7 @@ the reference and on a fresh handout (whose own suite runs, minus its slowest te
 import ast
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -58,6 +59,17 @@ def test_the_registry_agrees_with_the_markers_and_names_tests_that_exist():
                             if isinstance(n, ast.FunctionDef)}, test
     blanked = assign.blank(read(ROOT, "model.py"), regions["model.py"])
     assert max(len(line) for line in blanked.splitlines() if NOT_DONE in line) <= 100
+
+
+def test_the_instructors_table_is_the_registry():
+    regions = assign.marked_regions(ROOT, assign.source_files(ROOT))
+    rows = re.findall(r"^\| `(\w+)` \| (.+) \| (.+) \| (\w+) \| (\d+) \|$",
+                      read(ROOT, "docs/instructors.md"), re.M)
+    assert [(id, paper, level, int(points)) for id, _, paper, level, points in rows] == \
+        [(e.id, e.paper, e.difficulty, e.points) for e in EXERCISES]
+    for (_, where, *_), e in zip(rows, EXERCISES):
+        assert where.endswith(f" in {e.file}"), where
+        assert all(f"`{name}()`" in where for name in assign.functions(ROOT, e, regions)), where
 
 
 @pytest.mark.parametrize("text,error", [
@@ -182,6 +194,34 @@ def test_the_grader_gives_full_marks_on_the_reference(tmp_path):
     assert [(t["name"], t["score"], t["status"]) for t in report["tests"]] == \
         [(e.id, e.points, "passed") for e in EXERCISES]
     assert json.loads((tmp_path / "results.json").read_text()) == report
+
+
+PRIVATE = """
+import pytest
+import torch
+
+from dapo import keep_groups
+
+
+@pytest.mark.grades("keep_groups")
+def test_private_groups_of_two():
+    assert keep_groups(torch.tensor([True, False, True, True]), 2).tolist() == [True, False]
+
+
+@pytest.mark.grades("keep_groups")
+def test_private_expects_the_wrong_answer():
+    assert keep_groups(torch.tensor([True, True]), 2).tolist() == [True]
+"""
+
+
+def test_extra_tests_count_for_the_exercise_they_name(tmp_path):
+    (tmp_path / "private").mkdir()
+    (tmp_path / "private" / "test_private_groups.py").write_text(PRIVATE)
+    report = assign.grade(["keep_groups"], extra_tests=str(tmp_path / "private"),
+                          json_path=str(tmp_path / "results.json"))
+    (entry,) = report["tests"]  # one exercise asked for: no integration check either
+    assert (entry["tests_passed"], entry["tests_total"]) == (3, 4) and entry["score"] == 3.75
+    assert "test_private_expects_the_wrong_answer" in entry["output"]
 
 
 def test_each_exercise_is_graded_by_tests_that_run_it_and_no_other(tmp_path, monkeypatch):
