@@ -38,8 +38,8 @@ bench: $(VENV)/.test
 ablate: $(VENV)/.extra
 	$(PY) ablate.py
 
-# Course assignments (docs/instructors.md): the student copy, each exercise's body replaced by a raise
-# that names it (assign.py needs nothing but Python and git), and the score of a copy or of this one.
+# Course assignments (docs/instructors.md): the student copy, each exercise's body replaced by
+# a raise that names it (assign.py needs only Python and git), and the score of a copy or of this.
 OUT ?= runs/handout
 handout:
 	$(PYTHON) assign.py handout $(OUT)
