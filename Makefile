@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 BENCH_VENV := .venv-bench
 
-.PHONY: run test bench bench-step ablate clean
+.PHONY: run test bench bench-step ablate handout grade clean
 
 $(VENV)/.runtime: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,16 @@ bench-step: $(BENCH_VENV)/.bench
 # Writes runs/ablate/table.md and runs/ablate/ablation.png (matplotlib: requirements-extra.txt).
 ablate: $(VENV)/.extra
 	$(PY) ablate.py
+
+# Course assignments (docs/instructors.md): the student copy, each exercise's body replaced by
+# a raise that names it (assign.py needs only Python and git), and the score of a copy or of this.
+OUT ?= runs/handout
+handout:
+	$(PYTHON) assign.py handout $(OUT)
+
+# ARGS: e.g. ARGS="--extra-tests ../private --json results.json"
+grade: $(VENV)/.test
+	$(PY) assign.py grade $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) .pytest_cache runs

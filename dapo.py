@@ -49,10 +49,12 @@ def group_advantages(rewards, group_size, eps=1e-6):
 
     rewards (N,), each group's G responses contiguous -> (N,). std is unbiased (N - 1), as
     torch.std and verl; a group of one sample gets mean 0 and std 1 (verl's convention)."""
+    # exercise: group_advantages
     r = rewards.view(-1, group_size)  # (N/G, G)
     if group_size == 1:
         return (r / (1 + eps)).flatten()
     return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).flatten()  # (N,)
+    # end exercise
 
 
 def keep_groups(acc, group_size):
@@ -61,8 +63,10 @@ def keep_groups(acc, group_size):
     effective batch. acc (N,) is correctness, not the shaped reward (a group all correct but with
     different overlong penalties is still dropped) -> (N/G,) bool. As verl: population std > 0,
     or a group of one."""
+    # exercise: keep_groups
     a = acc.float().view(-1, group_size)  # (N/G, G)
     return (a.std(1, unbiased=False) > 0) | (group_size == 1)
+    # end exercise
 
 
 def policy_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom, dual_clip=0.0):
@@ -77,6 +81,7 @@ def policy_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom, dual_c
     logp, old_logp, loss_mask (B, R); adv (B,); denom a number or (B, 1).
     dual_clip > 1 caps the loss of a negative-advantage token at -A * c (verl's dual clip).
     Returns the loss and the sums over masked tokens of the statistics the loop logs."""
+    # exercise: policy_loss
     mask = loss_mask.float()
     adv = adv[:, None]  # (B, 1): one advantage for every token of a response
     # clamped as verl does: exp() of a log-ratio above ~88.7 is inf, and one inf makes the whole
@@ -89,6 +94,7 @@ def policy_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom, dual_c
         dual = (adv < 0) & (loss_tok > -adv * dual_clip)  # (B, R)
         loss_tok = torch.where(dual, -adv * dual_clip, loss_tok)
     loss = (loss_tok * mask / denom).sum()
+    # end exercise
     with torch.no_grad():  # sums over the tokens in the loss; the loop divides by their count
         up_clipped = (adv > 0) & (ratio > 1 + eps_high)  # (B, R)
         old_prob = old_logp.exp() * mask
@@ -328,9 +334,11 @@ def update_policy(model, opt, batch: Batch, cfg, eps_high) -> dict:
         # --- DAPO technique 3: the token-level loss's denominator, counted over the whole
         # mini-batch on every rank before it is split into micro-batches, so that the gradient
         # does not depend on the split (verl PR #623, TRL #5619: dividing per micro-batch) ---
+        # exercise: token_count
         mask = loss_mask(mini_batch, cfg)  # (B, R)
         n_tokens, n_seqs = distributed.all_reduce(
             [mask.sum().item(), mask.any(-1).sum().item()], device=cfg.device)
+        # end exercise
         if n_tokens == 0:
             continue
         for rows, real in micro_batches(mini_batch, cfg):

@@ -156,17 +156,21 @@ class RMSNorm(nn.Module):
 
 def rope_cos_sin(positions, inv_freq, dtype):
     """positions (B, T) -> cos, sin (B, 1, T, head_dim), in fp32 then cast like transformers."""
+    # exercise: rope
     freqs = positions[..., None].float() * inv_freq  # (B, T, head_dim/2)
     # (B, T, head_dim): the "rotate half" layout pairs i with i + head_dim/2
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+    # end exercise
 
 
 def apply_rope(x, cos, sin):
     """x (B, H, T, D). Rotate-half RoPE: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), x1/x2 the
     two halves of D."""
+    # exercise: rope
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    # end exercise
 
 
 class Attention(nn.Module):
@@ -190,6 +194,7 @@ class Attention(nn.Module):
         if kv_cache is not None:
             # store this step's keys/values at their positions, attend over the cached rows
             k, v = kv_cache.update(self.layer_idx, k, v, positions, cache_rows)  # (B, Hkv, S, D)
+        # exercise: attention
         # GQA: each group of n_head / n_kv_head query heads shares one k/v head; enable_gqa does the
         # sharing without materialising repeated copies of k and v
         if T == 1 and kv_cache is not None:
@@ -201,6 +206,7 @@ class Attention(nn.Module):
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                                enable_gqa=Hkv != H)  # (B, H, T, D)
+        # end exercise
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
 
 
@@ -248,6 +254,7 @@ class KVCache:
     def update(self, layer, k, v, positions, rows=None):
         """k, v (n, Hkv, T, D) of tokens at positions (n, T) in cache rows `rows` (n,) (None: rows
         0..n-1) -> those rows' keys and values, (n, Hkv, S, D) each, S = self.length."""
+        # exercise: kv_cache
         n = k.shape[0]
         index = torch.arange(n, device=k.device) if rows is None else rows  # (n,)
         # index[:, None] and positions index dims 0 and 2 together: the indexed shape is
@@ -259,6 +266,7 @@ class KVCache:
             return self.k[layer][:n, :, :S], self.v[layer][:n, :, :S]
         # a prefill into some rows: a gather
         return self.k[layer][rows, :, :S], self.v[layer][rows, :, :S]
+        # end exercise
 
 
 def attention_mask_4d(q_index, S, key_mask=None):

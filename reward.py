@@ -69,6 +69,7 @@ def normalize(answer: str) -> str:
     """math_dapo's normalize_final_answer: the text after the last "=", then the three steps above,
     then "$" removed, commas dropped from a plain number ("1,000" -> "1000"), surrounding whitespace
     stripped."""
+    # exercise: normalize
     s = answer.rpartition("=")[2]  # "x = 3" -> " 3"; no "=" keeps everything
     for old, new in REPLACEMENTS:
         s = s.replace(old, new)
@@ -81,14 +82,17 @@ def normalize(answer: str) -> str:
     if s.replace(",", "").isdigit():
         s = s.replace(",", "")
     return s.strip()
+    # end exercise
 
 
 def extract_answer(response: str) -> str:
     """The text after the last "Answer:" in the last WINDOW characters, or NO_ANSWER. "Last" means
     the last match of a left-to-right scan: a match takes the rest of its line, so
     "Answer: 5 Answer: 6" yields "5 Answer: 6"."""
+    # exercise: extract_answer
     found = ANSWER_RE.findall(response[-WINDOW:])
     return found[-1] if found else NO_ANSWER
+    # end exercise
 
 
 def compute_score(solution_str: str, ground_truth: str) -> dict:
@@ -121,6 +125,7 @@ def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float =
 
     length counts the response's tokens including EOS. The penalty is added to the correctness
     reward, so a response cut at max_len that has no answer gets -2."""
+    # exercise: overlong_penalty
     if not 0 < buffer_len <= max_len:
         raise ValueError(f"overlong buffer_len must be in (0, max_len={max_len}], got {buffer_len}")
     expected = max_len - buffer_len
@@ -129,6 +134,7 @@ def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float =
     if length > max_len:
         return -1.0 * factor
     return (expected - length) / buffer_len * factor
+    # end exercise
 
 
 # Which verifier scores a row, by its data_source, as verl's default_compute_score dispatches.

@@ -106,6 +106,7 @@ def filter_logits(logits, top_k: int = 0, top_p: float = 1.0):
     top-k keeps every token whose logit equals the k-th largest, and top-p keeps a token iff the
     tokens strictly more likely than it hold less than top_p of the mass (renormalised after top-k),
     so the argmax always survives."""
+    # exercise: filter_logits
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (..., 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -117,6 +118,7 @@ def filter_logits(logits, top_k: int = 0, top_p: float = 1.0):
         threshold = sorted_logits.gather(-1, n_keep - 1)  # (..., 1): the smallest logit kept
         logits = logits.masked_fill(logits < threshold, float("-inf"))
     return logits
+    # end exercise
 
 
 def sample(logits, temperature: float, top_k: int, top_p: float, generator=None):
@@ -126,6 +128,7 @@ def sample(logits, temperature: float, top_k: int, top_p: float, generator=None)
     top-k/top-p truncation (under log_softmax(logits) when greedy, temperature 0): the full
     distribution of the policy at that temperature, which is what the trainer's own forward
     computes, not the truncated one actually sampled from."""
+    # exercise: sample
     if temperature == 0:
         token = logits.argmax(-1)  # (B,); top-k and top-p always keep the argmax: nothing to do
         scaled = logits
@@ -141,6 +144,7 @@ def sample(logits, temperature: float, top_k: int, top_p: float, generator=None)
         token = torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(-1)  # (B,): first cdf >= u
     logp = scaled.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)  # (B,)
     return token, logp
+    # end exercise
 
 
 def agree_across_ranks(working: bool, refilling: bool) -> tuple[bool, bool]:

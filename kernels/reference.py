@@ -50,6 +50,7 @@ def forward(rows, targets, temperature, chunk_rows=None):
 
 def forward_chunk(chunk, targets, temperature):
     """chunk (n, V), targets (n,) int64 -> (4, n): logp, entropy, lse, mean_z."""
+    # exercise: logprobs_forward
     # our own copy: changed in place below
     z = chunk.to(torch.float32, copy=True).mul_(1.0 / temperature)  # (n, V)
     # Everything relative to the row max m, as the kernel does: z - m is exact near the max, and
@@ -67,6 +68,7 @@ def forward_chunk(chunk, targets, temperature):
     s_d = p.mul_(z_m.clamp_(min=FLOAT_MIN)).sum(dim=-1) / d  # (n,)
     entropy = log_d - s_d  # H = lse - E[z] = log d - s / d
     return torch.stack([logp, entropy, m + log_d, m + s_d])
+    # end exercise
 
 
 def backward(rows, targets, lse, mean_z, grad_logp, grad_entropy, temperature, chunk_rows=None):
@@ -87,6 +89,7 @@ def backward(rows, targets, lse, mean_z, grad_logp, grad_entropy, temperature, c
 def backward_chunk(chunk, targets, lse, mean_z, grad_logp, grad_entropy, temperature):
     """chunk (n, V) -> its gradient, (n, V) fp32; the other arguments are (n,), a gradient
     may be None."""
+    # exercise: logprobs_backward
     z = chunk.to(torch.float32, copy=True).mul_(1.0 / temperature)  # (n, V)
     if grad_entropy is None:
         # the usual training case (logp in the loss, entropy only logged): -g_logp * p
@@ -101,3 +104,4 @@ def backward_chunk(chunk, targets, lse, mean_z, grad_logp, grad_entropy, tempera
     if grad_logp is not None:
         dz.scatter_add_(1, targets[:, None], grad_logp[:, None])
     return dz.mul_(1.0 / temperature)
+    # end exercise

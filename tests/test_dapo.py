@@ -1,4 +1,5 @@
-"""dapo.py: each DAPO technique on hand-computed cases, the update's invariance to micro-batching, and the loop."""
+"""dapo.py: each DAPO technique on hand-computed cases, the update's invariance to micro-batching,
+and the loop."""
 import json
 import math
 import os
@@ -21,8 +22,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(autouse=True)
 def torch_kernel_path(monkeypatch):
-    """The loop on CPU takes the kernel's PyTorch path (what `make run` does); conftest.py turns on Triton's
-    interpreter for the kernel's own tests, which would make these end-to-end runs needlessly slow."""
+    """The loop on CPU takes the kernel's PyTorch path (what `make run` does); conftest.py turns on
+    Triton's interpreter for the kernel's own tests, which would make these end-to-end runs
+    needlessly slow."""
     from kernels import linear_logprobs_and_entropy, logprobs_and_entropy
     monkeypatch.setattr(dapo, "logprobs_and_entropy",
                         lambda *a, **k: logprobs_and_entropy(*a, **k, backend="torch"))
@@ -45,7 +47,8 @@ def test_all_equal_group_has_zero_advantage():
 
 
 def test_group_of_one_keeps_its_reward():  # mean 0, std 1 (verl's convention)
-    assert torch.allclose(group_advantages(torch.tensor([1.0, -1.0, 0.5]), 1), torch.tensor([1.0, -1.0, 0.5]))
+    rewards = torch.tensor([1.0, -1.0, 0.5])
+    assert torch.allclose(group_advantages(rewards, 1), rewards)
 
 
 # --- dynamic sampling filter (Eq. 11) ---
@@ -63,8 +66,9 @@ def test_keep_groups_keeps_groups_of_one():
 
 def _loss(ratio, adv, eps_high=0.28, dual_clip=0.0):
     logp = torch.log(torch.tensor([[ratio]]))
-    return policy_loss(logp, torch.zeros(1, 1), torch.tensor([adv]), torch.ones(1, 1, dtype=torch.bool),
-                       0.2, eps_high, 1.0, dual_clip)[0].item()
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    return policy_loss(logp, torch.zeros(1, 1), torch.tensor([adv]), mask, 0.2, eps_high, 1.0,
+                       dual_clip)[0].item()
 
 
 @pytest.mark.parametrize("ratio,adv,eps_high,expected", [
@@ -86,8 +90,8 @@ def test_dual_clip_caps_negative_advantage_loss():
 
 def test_clipped_tokens_get_no_gradient():
     logp = torch.log(torch.tensor([[1.5, 1.1]])).requires_grad_()
-    loss, stats = policy_loss(logp, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2, dtype=torch.bool),
-                              0.2, 0.28, 2.0)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    loss, stats = policy_loss(logp, torch.zeros(1, 2), torch.tensor([1.0]), mask, 0.2, 0.28, 2.0)
     loss.backward()
     assert logp.grad[0, 0] == 0 and logp.grad[0, 1] == pytest.approx(-1.1 / 2)
     assert stats["clip_high"] == 1 and stats["clip_low"] == 0
@@ -100,12 +104,15 @@ def test_token_level_loss_weighs_every_token_equally():
     adv = torch.tensor([2.0, 1.0])
     token_level, _ = policy_loss(logp, logp, adv, mask, 0.2, 0.28, denom=4)
     assert token_level.item() == pytest.approx(-(2 + 1 + 1 + 1) / 4)
-    per_sequence, _ = policy_loss(logp, logp, adv, mask, 0.2, 0.28, denom=mask.sum(-1, keepdim=True) * 2)
+    per_sequence, _ = policy_loss(logp, logp, adv, mask, 0.2, 0.28,
+                                  denom=mask.sum(-1, keepdim=True) * 2)
     assert per_sequence.item() == pytest.approx(-(2 / 1 + 3 / 3) / 2)
 
 
 # --- the update: gradient independent of the micro-batch split ---
 
+@pytest.mark.needs("policy_loss", "token_count", "logprobs_forward", "logprobs_backward", "rope",
+                   "attention")
 @pytest.mark.parametrize("token_level", [True, False])
 def test_update_is_the_same_for_any_micro_batch_split(token_level):
     """1, 2 or 4 rows per micro-batch, or rows sorted by length under a budget of 1 (one row
@@ -132,6 +139,82 @@ def test_update_is_the_same_for_any_micro_batch_split(token_level):
     assert (results[0][0] - untrained).abs().max() > 0  # the update did something
 
 
+# --- the token count before the split (Eq. 12), with a stand-in policy and loss ---
+# update_policy alone: model.py, the kernels and policy_loss() are exercises of their own
+
+class TablePolicy(torch.nn.Module):
+    """A policy without context: one logit per vocabulary token."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.logits = torch.nn.Parameter(torch.randn(vocab, generator=g))
+
+
+def table_logprobs(model, batch, temperature, fused_head=True):  # as dapo.response_logprobs
+    logp_all = (model.logits / temperature).log_softmax(-1)  # (V,)
+    entropy = -(logp_all.exp() * logp_all).sum()
+    logp = logp_all[batch.response_ids] * batch.response_mask  # (B, R)
+    return logp, entropy.expand(logp.shape)
+
+
+def unclipped_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom, dual_clip=0.0):
+    """policy_loss's contract, without the clip."""
+    loss = (-adv[:, None] * torch.exp(logp - old_logp) * loss_mask / denom).sum()
+    return loss, dict.fromkeys(dapo.STAT_NAMES[:7], torch.zeros(()))
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    """-> the denominators that update_policy hands the loss, one per micro-batch."""
+    denoms = []
+    monkeypatch.setattr(dapo, "response_logprobs", table_logprobs)
+    monkeypatch.setattr(dapo, "policy_loss",
+                        lambda *args: (denoms.append(args[6]), unclipped_loss(*args))[1])
+    return denoms
+
+
+@pytest.mark.parametrize("token_level", [True, False])
+def test_the_loss_denominator_is_the_mini_batch_token_count(stand_ins, token_level):
+    batch = random_batch(50)  # 8 responses of 1-8 tokens, response 3 truncated
+    cfg = Config(group_size=4, mini_batch_prompts=1, micro_batch_size=3, micro_batch_tokens=0,
+                 overlong_filtering=True, token_level_loss=token_level)
+    model = TablePolicy(50)
+    update_policy(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, cfg, 0.28)
+    mask = batch.response_mask & ~batch.truncated[:, None]  # overlong filtering: response 3 is out
+    lengths = mask.sum(-1, keepdim=True).clamp(min=1)  # (8, 1)
+    expected = []
+    for mini in (slice(0, 4), slice(4, 8)):  # mini-batches of 4 rows, micro-batches of 3 and 1
+        for micro in ((slice(mini.start, mini.start + 3)), slice(mini.start + 3, mini.stop)):
+            if token_level:  # every token of the mini-batch, whatever micro-batch it falls in
+                expected.append(mask[mini].sum().item())
+            else:  # naive GRPO: each sequence's length times the sequences in the loss
+                expected.append(lengths[micro] * mask[mini].any(-1).sum().item())
+    assert len(stand_ins) == len(expected)
+    for got, want in zip(stand_ins, expected):
+        assert torch.equal(torch.as_tensor(got, dtype=torch.float32),
+                           torch.as_tensor(want, dtype=torch.float32))
+
+
+def test_a_stand_in_policy_update_is_the_same_for_any_micro_batch_split(stand_ins):
+    results = []
+    for split in (dict(micro_batch_size=1, micro_batch_tokens=0),
+                  dict(micro_batch_size=3, micro_batch_tokens=0),
+                  dict(micro_batch_size=8, micro_batch_tokens=0),
+                  dict(micro_batch_tokens=1), dict(micro_batch_tokens=30)):
+        model = TablePolicy(50)
+        cfg = Config(group_size=4, mini_batch_prompts=2, grad_clip=1e9, overlong_filtering=True,
+                     **split)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        update_policy(model, opt, random_batch(50), cfg, 0.28)
+        results.append(model.logits.detach().clone())
+    assert (results[0] - TablePolicy(50).logits).abs().max() > 1e-3  # the update did something
+    for logits in results[1:]:
+        assert (logits - results[0]).abs().max() < 1e-6
+
+
+@pytest.mark.needs("policy_loss", "token_count", "logprobs_forward", "logprobs_backward", "rope",
+                   "attention")
 @pytest.mark.parametrize("tied", [True, False])
 def test_update_is_the_same_with_the_fused_and_the_unfused_head(tied):
     results = []
@@ -157,12 +240,17 @@ def test_micro_batches_by_tokens_pack_sorted_rows_under_the_budget():
         assert padded <= 30 or len(part) == 1
 
 
+@pytest.mark.needs("policy_loss", "token_count", "logprobs_forward", "logprobs_backward", "rope",
+                   "attention")
 def test_non_finite_gradient_skips_the_update(monkeypatch):
     torch.manual_seed(0)
     model = Qwen2(preset("tiny", vocab_size=50))
     before = [p.detach().clone() for p in model.parameters()]
     real = dapo.policy_loss
-    monkeypatch.setattr(dapo, "policy_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), real(*a, **k)[1]))
+    def nan_loss(*args, **kwargs):
+        loss, stats = real(*args, **kwargs)
+        return loss * float("nan"), stats
+    monkeypatch.setattr(dapo, "policy_loss", nan_loss)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     m = update_policy(model, opt, random_batch(50), Config(group_size=4), 0.28)
     assert m["train/skipped_updates"] == 1 and m["train/updates"] == 0
@@ -172,12 +260,14 @@ def test_non_finite_gradient_skips_the_update(monkeypatch):
 # --- the loop, end to end on a tiny random model ---
 
 def _cfg(model_dir, out_dir, **kw):
-    return Config(**{**dict(model=model_dir, out_dir=str(out_dir), steps=3, train_prompts=4, gen_prompts=4,
-                            group_size=4, max_gen_batches=2, max_response_len=12, overlong_buffer=4,
-                            mini_batch_prompts=2, micro_batch_size=8, eval_every=2, eval_prompts=4,
-                            eval_samples=2, lr=1e-3), **kw})
+    small = dict(model=model_dir, out_dir=str(out_dir), steps=3, train_prompts=4, gen_prompts=4,
+                 group_size=4, max_gen_batches=2, max_response_len=12, overlong_buffer=4,
+                 mini_batch_prompts=2, micro_batch_size=8, eval_every=2, eval_prompts=4,
+                 eval_samples=2, lr=1e-3)
+    return Config(**{**small, **kw})
 
 
+@pytest.mark.needs("all")
 def test_three_steps_write_metrics_and_a_transformers_loadable_checkpoint(tiny_model_dir, tmp_path):
     transformers = pytest.importorskip("transformers")
     # a random model never writes "Answer:", so every group is all wrong: without dynamic
@@ -198,6 +288,7 @@ def test_three_steps_write_metrics_and_a_transformers_loadable_checkpoint(tiny_m
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000003"
 
 
+@pytest.mark.needs("all")
 def test_resume_continues_exactly(tiny_model_dir, tmp_path):
     dapo.main(_cfg(tiny_model_dir, tmp_path / "straight", steps=4, eval_every=0))
     dapo.main(_cfg(tiny_model_dir, tmp_path / "resumed", steps=2, eval_every=0))
@@ -208,6 +299,7 @@ def test_resume_continues_exactly(tiny_model_dir, tmp_path):
         assert torch.equal(p, q), name
 
 
+@pytest.mark.needs("all")
 def test_dynamic_sampling_cap_trains_whole_mini_batches_and_says_so(tiny_model_dir, tmp_path,
                                                                      monkeypatch, capsys):
     # rows 0-3 in a generation batch of 2 prompts: all right, all wrong, right once, right once
@@ -223,15 +315,17 @@ def test_dynamic_sampling_cap_trains_whole_mini_batches_and_says_so(tiny_model_d
     assert f"with {kept} of 4 groups with signal; training on" in "".join(capsys.readouterr())
 
 
+@pytest.mark.needs("keep_groups", "overlong_penalty")
 def test_dynamic_sampling_cap_stops_with_an_error_when_asked(monkeypatch):
     monkeypatch.setattr(dapo, "rollout", scripted_rollout)
     cfg = Config(train_prompts=4, gen_prompts=4, group_size=2, mini_batch_prompts=2,
                  max_gen_batches=1, on_gen_cap="error")
     iterator = PromptIterator([indexed_rows(4)[k] for k in (0, 1, 2, 3)], 4, seed=0)
-    with pytest.raises(RuntimeError, match="found 2 of 4 groups with signal in --max-gen-batches 1"):
+    with pytest.raises(RuntimeError, match="found 2 of 4 groups with signal in --max-gen-batches"):
         dapo.collect_batch(torch.nn.Linear(1, 1), iterator, None, cfg, None)
 
 
+@pytest.mark.needs("keep_groups", "overlong_penalty")
 def test_filtered_counts_groups_without_signal_not_the_surplus(monkeypatch):
     # 3 groups with signal and 1 all-correct, for a batch of 2: 1 filtered, 1 surplus
     monkeypatch.setattr(dapo, "rollout", scripted_rollout)
@@ -243,6 +337,7 @@ def test_filtered_counts_groups_without_signal_not_the_surplus(monkeypatch):
     assert m["train/groups_kept"] == batch.num_groups == 2
 
 
+@pytest.mark.needs("keep_groups", "overlong_penalty")
 def test_two_ranks_keep_the_groups_one_process_keeps(tmp_path, monkeypatch):
     """From the same (scripted) generations, 2 ranks train each mini-batch on the same groups as
     one process, although the ranks found groups with signal at different rates."""
@@ -299,6 +394,8 @@ def test_training_batch_score_includes_the_overlong_penalty():
     assert m["response_length/mean"] == batch.response_mask.sum().item() / 4
 
 
+@pytest.mark.needs("policy_loss", "token_count", "logprobs_forward", "logprobs_backward", "rope",
+                   "attention")
 def test_entropy_is_pi_olds_before_the_update():
     torch.manual_seed(0)
     model = Qwen2(preset("tiny", vocab_size=50))
@@ -324,6 +421,8 @@ def test_learning_rate_warms_up_from_zero(warmup, expected):
     assert lrs == pytest.approx(expected)
 
 
+@pytest.mark.needs("extract_answer", "normalize", "filter_logits", "sample", "rope", "attention",
+                   "kv_cache")
 def test_eval_only_prints_avg_and_pass_at_k(tiny_model_dir, tmp_path, capsys):
     dapo.main(_cfg(tiny_model_dir, tmp_path, eval_only=True))
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -331,12 +430,15 @@ def test_eval_only_prints_avg_and_pass_at_k(tiny_model_dir, tmp_path, capsys):
 
 
 def test_help_lists_the_flags():
-    out = subprocess.run([sys.executable, "dapo.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "dapo.py", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
     assert out.returncode == 0
-    for flag in ("--eps-high", "--no-dynamic-sampling", "--token-level-loss", "--overlong-buffer", "--resume"):
+    for flag in ("--eps-high", "--no-dynamic-sampling", "--token-level-loss", "--overlong-buffer",
+                 "--resume", "--micro-batch-tokens", "--on-gen-cap", "--overwrite"):
         assert flag in out.stdout
 
 
+@pytest.mark.needs("logprobs_forward", "rope", "attention")
 def test_response_logprobs_equal_each_sequence_alone():
     torch.manual_seed(0)
     model = Qwen2(preset("tiny", vocab_size=50))

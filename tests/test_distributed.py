@@ -62,6 +62,8 @@ def two_rank_step(tiny_model_dir, tmp_path_factory):
     # micro-batches by token budget on 2 ranks, against fixed-size ones in one process
     ("sgd-tokens", 1e-6),
 ])
+@pytest.mark.needs("policy_loss", "token_count", "logprobs_forward", "logprobs_backward", "rope",
+                   "attention")
 def test_two_ranks_take_the_same_step_as_one(tiny_model_dir, two_rank_step, opt_name, tol):
     _, two = two_rank_step[opt_name]
     one, metrics = one_process_update(tiny_model_dir, opt_name)
@@ -75,12 +77,16 @@ def test_two_ranks_take_the_same_step_as_one(tiny_model_dir, two_rank_step, opt_
     assert two["metrics"]["actor/pg_loss"] == pytest.approx(metrics["actor/pg_loss"], rel=1e-5)
 
 
+@pytest.mark.needs("policy_loss", "token_count", "logprobs_forward", "logprobs_backward", "rope",
+                   "attention")
 def test_ranks_needing_fewer_micro_batches_by_tokens_still_match(two_rank_step):
     out, _ = two_rank_step["sgd-tokens"]  # ...so the stand-in micro-batches were exercised
     counts = [json.loads((out / f"micro_batches_rank{r}.json").read_text()) for r in (0, 1)]
     assert counts[0] != counts[1]
 
 
+@pytest.mark.needs("policy_loss", "token_count", "logprobs_forward", "logprobs_backward", "rope",
+                   "attention")
 def test_two_rank_checkpoint_loads_in_one_process_with_identical_logits(two_rank_step):
     out, two = two_rank_step["adamw"]
     ckpt = out / "checkpoints" / "step_000001"
@@ -91,6 +97,7 @@ def test_two_rank_checkpoint_loads_in_one_process_with_identical_logits(two_rank
         assert torch.equal(model(PROBE), two["logits"])
 
 
+@pytest.mark.needs("all")
 def test_two_rank_run_resumes_exactly(tiny_model_dir, tmp_path):
     args = ["dapo.py", "--model", tiny_model_dir, "--train-prompts", "4", "--gen-prompts", "4",
             "--group-size", "4", "--max-gen-batches", "2", "--max-response-len", "10",

@@ -11,6 +11,7 @@ import torch
 
 from kernels import default_backend, logprobs_and_entropy
 from kernels.logprobs import TRITON_INTERPRET, as_rows, triton_logprobs
+from kernels.reference import backward_chunk, forward_chunk
 
 # not a multiple of the block: the last block, [2560, 3072), is partial (441 real columns)
 V, BLOCK = 3001, 512
@@ -24,6 +25,18 @@ EPS32 = torch.finfo(torch.float32).eps
 # mode), which can lose a whole ulp. Relative tolerances of one ulp cover both.
 GRAD_RTOL = {torch.float32: 0.0, torch.float16: 2**-10, torch.bfloat16: 2**-7}
 GRAD_ATOL = 1e-5
+
+
+def backends(*needs):
+    """Both paths: the PyTorch reference (its chunk functions are exercises, assign.py) and the
+    Triton kernels."""
+    no_triton = triton_logprobs is None or not TRITON_INTERPRET
+    return [pytest.param("torch", marks=pytest.mark.needs(*needs)),
+            pytest.param("triton", marks=pytest.mark.skipif(
+                no_triton, reason="Triton on CPU needs triton and TRITON_INTERPRET=1"))]
+
+
+FORWARD, BACKWARD = backends("logprobs_forward"), backends("logprobs_forward", "logprobs_backward")
 
 
 def run(logits, targets, temperature=1.0, backend="torch", **kw):
@@ -67,7 +80,50 @@ def forward_tol(logits, temperature):
     return 1e-5 + 4 * EPS32 * z
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+def float64_statistics(logits, temperature):
+    """lse and E[z] of each row of z = logits / T, in float64 (p E[z]'s terms are 0 where p is)."""
+    z = logits.double() / temperature
+    lse = z.logsumexp(-1)
+    p = (z - lse[:, None]).exp()
+    return lse, torch.where(p > 0, p * z, 0.0).sum(-1)
+
+
+# forward_chunk and backward_chunk on their own: what the reference path runs on each chunk
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
+def test_forward_chunk_matches_float64(dtype, temperature):
+    logits, targets = trap_rows(dtype)
+    out = forward_chunk(logits, targets, temperature)
+    assert out.dtype == torch.float32 and out.shape == (4, 8)  # logp, entropy, lse, mean_z
+    _, ref_logp, ref_entropy = float64_oracle(logits, targets, temperature)
+    tol = forward_tol(logits, temperature)
+    for got, want in zip(out, (ref_logp, ref_entropy, *float64_statistics(logits, temperature))):
+        assert ((got - want).abs() <= tol).all(), (got - want).abs()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("wrt", ["logp", "entropy", "both"])
+def test_backward_chunk_matches_float64(dtype, wrt):
+    logits, targets = trap_rows(dtype, seed=1)
+    temperature = 1.3  # not 1: a missing 1/T shows
+    w_logp, w_entropy = torch.randn(2, 8, generator=torch.Generator().manual_seed(2))
+    x64, ref_logp, ref_entropy = float64_oracle(logits, targets, temperature)
+    loss = 0.0
+    if wrt != "entropy":
+        loss = loss + (w_logp * ref_logp).sum()
+    if wrt != "logp":
+        loss = loss + (w_entropy * ref_entropy).sum()
+    loss.backward()
+    lse, mean_z = (t.float() for t in float64_statistics(logits, temperature))
+    grad = backward_chunk(logits, targets, lse, mean_z, w_logp if wrt != "entropy" else None,
+                          w_entropy if wrt != "logp" else None, temperature)
+    assert grad.dtype == torch.float32 and grad.shape == logits.shape
+    err = (grad.double() - x64.grad).abs()
+    assert (err <= GRAD_ATOL).all(), err.max()
+
+
+@pytest.mark.parametrize("backend", FORWARD)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
 def test_forward_matches_float64(backend, dtype, temperature):
@@ -80,7 +136,7 @@ def test_forward_matches_float64(backend, dtype, temperature):
     assert ((entropy - ref_entropy).abs() <= tol).all(), (entropy - ref_entropy).abs()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKWARD)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("wrt", ["logp", "entropy", "both"])
 def test_gradients_match_float64(backend, dtype, wrt):
@@ -104,6 +160,7 @@ def test_gradients_match_float64(backend, dtype, wrt):
     assert (err <= GRAD_ATOL + GRAD_RTOL[dtype] * x64.grad.abs()).all(), err.max()
 
 
+@pytest.mark.needs("logprobs_forward", "logprobs_backward")
 def test_logp_only_backward_gets_no_entropy_gradient(monkeypatch):
     # entropy is logged, not in the loss (the paper's objective, Eq. 8, has no entropy term): the
     # backward must then skip its term, not multiply zeros by it
@@ -122,14 +179,14 @@ def test_logp_only_backward_gets_no_entropy_gradient(monkeypatch):
     assert seen == [None]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", FORWARD)
 def test_uniform_row_has_entropy_log_V(backend):
     logp, entropy = run(torch.full((2, V), -3.0), torch.tensor([0, V - 1]), 1.0, backend)
     assert (entropy - math.log(V)).abs().max() < 1e-5
     assert (logp + math.log(V)).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", FORWARD)
 def test_shifting_a_row_by_100_changes_nothing(backend):
     logits, targets = torch.randn(2, V) * 2, torch.tensor([5, 2900])
     logp, entropy = run(logits, targets, 1.0, backend)
@@ -139,7 +196,7 @@ def test_shifting_a_row_by_100_changes_nothing(backend):
     assert (entropy_shifted - entropy).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKWARD)
 def test_non_contiguous_slice_reads_in_place_and_matches(backend):
     # the training loop's shape: logits (B, T, V) from the model, the last position has no
     # next token
@@ -172,7 +229,7 @@ def test_rows_of_common_layouts_are_views_not_copies():
         assert torch.equal(rows.reshape(logits.shape), logits)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKWARD)
 def test_gradient_of_a_plain_sum(backend):
     # logp.sum().backward() hands the backward a stride-0 expanded gradient, not a dense (N,) one
     logits, targets = trap_rows(seed=4)
@@ -184,6 +241,7 @@ def test_gradient_of_a_plain_sum(backend):
     assert (x.grad - x64.grad).abs().max() < GRAD_ATOL
 
 
+@pytest.mark.needs("logprobs_forward", "logprobs_backward")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_reference_chunk_size_never_changes_the_numbers(dtype):
     # chunks of 1, 3 (straddling the rows of two sequences: the gathered case) and all rows at once
@@ -282,6 +340,7 @@ def test_cpu_tensors_take_the_kernel_only_under_the_interpreter(monkeypatch):
     assert default_backend(cpu) == "torch"
 
 
+@pytest.mark.needs("logprobs_forward")
 def test_imports_and_runs_without_triton():
     # sys.modules["triton"] = None makes `import triton` raise ImportError, as on a machine
     # without it

@@ -77,6 +77,7 @@ def rel_err(got, want):
 
 
 # one token, a ragged last chunk, one chunk for all
+@pytest.mark.needs("logprobs_forward", "logprobs_backward")
 @pytest.mark.parametrize("chunk_tokens", [1, 7, 1000])
 @pytest.mark.parametrize("wrt", ["logp", "both"])
 def test_matches_the_unfused_path_in_fp32(chunk_tokens, wrt):
@@ -91,6 +92,7 @@ def test_matches_the_unfused_path_in_fp32(chunk_tokens, wrt):
         assert a.dtype == torch.float32 and rel_err(a, b) < GRAD_RTOL, (name, rel_err(a, b))
 
 
+@pytest.mark.needs("logprobs_forward", "logprobs_backward")
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_matches_float64_autograd(temperature):
     hidden, weight, targets, upstream = inputs(seed=1)
@@ -102,6 +104,7 @@ def test_matches_float64_autograd(temperature):
     assert rel_err(got[2], want[2]) < GRAD_RTOL and rel_err(got[3], want[3]) < GRAD_RTOL
 
 
+@pytest.mark.needs("logprobs_forward", "logprobs_backward")
 def test_a_tied_weight_gets_both_gradients():
     # Qwen2.5-0.5B's head is its embedding: the weight's gradient is the embedding's plus the head's
     _, weight, targets, upstream = inputs(seed=2)
@@ -121,6 +124,7 @@ def test_a_tied_weight_gets_both_gradients():
     assert rel_err(tied, weight_grad(fused, embed=False, chunk_tokens=5)) > 1e-2
 
 
+@pytest.mark.needs("logprobs_forward", "logprobs_backward")
 def test_masked_positions_are_skipped():
     # (B, R) right-padded responses: padding positions get logp = entropy = 0 and no gradient, and
     # their targets (here -100, outside the vocab) are never read
@@ -147,6 +151,7 @@ def test_an_all_padding_micro_batch_gives_zero_gradients():
     assert all((t == 0).all() for t in (logp, entropy, d_hidden, d_weight))
 
 
+@pytest.mark.needs("logprobs_forward")
 def test_outputs_are_their_own_tensors_not_views():
     # FSDP2 hooks the root's forward outputs, and warns that in-place ops on a view would lose
     # the hooks
@@ -170,6 +175,7 @@ def test_triton_path_matches_float64_autograd():
     assert rel_err(got[2], want[2]) < GRAD_RTOL and rel_err(got[3], want[3]) < GRAD_RTOL
 
 
+@pytest.mark.needs("logprobs_forward", "logprobs_backward")
 def test_a_bf16_weight_gradient_is_summed_in_fp32():
     # 64 chunks of one token. Summed in fp32 and rounded once, d weight is within one bf16 ulp
     # (<= 2^-7 relative) of the unfused single matmul's, which sums in fp32 internally; summed in
@@ -182,6 +188,7 @@ def test_a_bf16_weight_gradient_is_summed_in_fp32():
     assert ((got.float() - want.float()).abs() <= ulp).all()
 
 
+@pytest.mark.needs("logprobs_forward", "logprobs_backward")
 def test_autocast_bf16_runs_the_matmul_in_bf16_like_the_unfused_path():
     hidden, weight, targets, upstream = inputs(seed=7)
     results = {}
@@ -216,6 +223,7 @@ class LargestTensor(TorchDispatchMode):
         return out
 
 
+@pytest.mark.needs("logprobs_forward", "logprobs_backward")
 def test_no_op_creates_more_than_a_chunk_of_logits():
     hidden, weight, targets, upstream = inputs(n=64, seed=8)
     with LargestTensor(weight) as fused_mode:
@@ -239,6 +247,7 @@ def saved_bytes(head, hidden, weight, targets, **kw):
     return sum(sizes)
 
 
+@pytest.mark.needs("logprobs_forward")
 def test_saved_state_holds_no_vocab_sized_tensor():
     hidden, weight, targets, _ = inputs(n=64, seed=9)
     inputs_bytes = hidden.nbytes + weight.nbytes  # alive anyway: the activations and the parameter
@@ -250,6 +259,7 @@ def test_saved_state_holds_no_vocab_sized_tensor():
     assert unfused_saved - inputs_bytes >= 64 * V * 4
 
 
+@pytest.mark.needs("logprobs_forward", "logprobs_backward", "rope", "attention")
 def test_activation_checkpointing_changes_no_gradient():
     torch.manual_seed(0)
     model = Qwen2(preset("tiny", vocab_size=V)).train()
@@ -358,6 +368,7 @@ def fsdp_errors(tmp_path_factory):
     return results[0]
 
 
+@pytest.mark.needs("logprobs_forward", "logprobs_backward", "rope", "attention")
 @pytest.mark.parametrize("head", ["tied", "untied"])
 def test_fsdp2_gradients_equal_one_process(fsdp_errors, head):
     errors = fsdp_errors[head]

@@ -43,6 +43,7 @@ def test_fewer_rows_than_a_generation_batch_names_the_flag(tiny_model_dir, tmp_p
         dapo.main(_cfg(tiny_model_dir, tmp_path / "run", train_data=str(rows)))
 
 
+@pytest.mark.needs("all")
 def test_a_new_run_never_destroys_the_run_in_its_directory(tiny_model_dir, tmp_path):
     dapo.main(_cfg(tiny_model_dir, tmp_path, steps=1, eval_every=0))
     before = (tmp_path / "metrics.jsonl").read_text()
@@ -53,6 +54,7 @@ def test_a_new_run_never_destroys_the_run_in_its_directory(tiny_model_dir, tmp_p
     dapo.main(_cfg(tiny_model_dir, tmp_path, steps=1, eval_every=0, overwrite=True))
 
 
+@pytest.mark.needs("all")
 def test_a_resume_that_changes_the_algorithm_is_refused(tiny_model_dir, tmp_path):
     dapo.main(_cfg(tiny_model_dir, tmp_path, steps=1, eval_every=0))
     with pytest.raises(ValueError, match="--group-size: 4 in the checkpoint, 2 now"):
@@ -61,6 +63,7 @@ def test_a_resume_that_changes_the_algorithm_is_refused(tiny_model_dir, tmp_path
     dapo.main(_cfg(tiny_model_dir, tmp_path, steps=2, eval_every=0, resume=True))  # --steps may
 
 
+@pytest.mark.needs("all")
 def test_a_step_logged_but_not_saved_is_logged_once_after_the_resume(tiny_model_dir, tmp_path):
     dapo.main(_cfg(tiny_model_dir, tmp_path, steps=2, eval_every=0, save_every=1))
     with open(tmp_path / "metrics.jsonl", "a") as f:  # step 3 logged, then a crash before its save
@@ -70,6 +73,7 @@ def test_a_step_logged_but_not_saved_is_logged_once_after_the_resume(tiny_model_
     assert steps == [1, 2, 3, 4]
 
 
+@pytest.mark.needs("all")
 def test_keep_checkpoints_keeps_the_last_ones(tiny_model_dir, tmp_path):
     dapo.main(_cfg(tiny_model_dir, tmp_path, steps=3, eval_every=0, save_every=1,
                    keep_checkpoints=2))
@@ -77,6 +81,8 @@ def test_keep_checkpoints_keeps_the_last_ones(tiny_model_dir, tmp_path):
     assert kept == ["step_000002", "step_000003"]
 
 
+@pytest.mark.needs("policy_loss", "token_count", "logprobs_forward", "logprobs_backward", "rope",
+                   "attention")
 def test_a_nan_weight_after_an_optimizer_step_stops_the_update():
     torch.manual_seed(0)
     model = Qwen2(preset("tiny", vocab_size=50))

@@ -1,12 +1,15 @@
 """model.py against transformers' Qwen2ForCausalLM on the same random weights (no downloads)."""
 import json
+import math
 import os
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from model import ModelConfig, Qwen2, preset
+import model as model_module
+from model import (Attention, KVCache, ModelConfig, Qwen2, apply_rope, attention_mask_4d, preset,
+                   rope_cos_sin)
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,6 +46,7 @@ CONFIGS = [
 ]
 
 
+@pytest.mark.needs("rope", "attention")
 @pytest.mark.parametrize("vocab,kv,heads,hidden,tied", CONFIGS)
 def test_logits_match_transformers(tmp_path, vocab, kv, heads, hidden, tied):
     hf = hf_model(vocab, kv, heads, hidden, tied)
@@ -56,6 +60,7 @@ def test_logits_match_transformers(tmp_path, vocab, kv, heads, hidden, tied):
     assert (got - ref).abs().max() < TOL
 
 
+@pytest.mark.needs("rope", "attention")
 def test_left_padded_batch_matches_each_sequence_alone(tmp_path):
     hf = hf_model(vocab=300, kv_heads=2)
     ours = ours_from(hf, tmp_path)
@@ -77,6 +82,7 @@ def test_left_padded_batch_matches_each_sequence_alone(tmp_path):
             assert (hf_batch[i, T - len(s):] - alone).abs().max() < TOL
 
 
+@pytest.mark.needs("rope", "attention", "kv_cache")
 def test_cached_decode_matches_full_forward(tmp_path):
     ours = ours_from(hf_model(vocab=300), tmp_path)
     x = torch.randint(0, 300, (2, 20))
@@ -90,6 +96,111 @@ def test_cached_decode_matches_full_forward(tmp_path):
     assert (torch.cat(steps, 1) - full).abs().max() < TOL
 
 
+# The pieces on their own: RoPE, grouped-query attention, the KV-cache write
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("theta,head_dim", [(1e6, 16), (1e4, 8)])
+def test_rope_matches_transformers(dtype, theta, head_dim):
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding, apply_rotary_pos_emb
+    cfg = transformers.Qwen2Config(hidden_size=4 * head_dim, num_attention_heads=4,
+                                   num_key_value_heads=2, rope_theta=theta)
+    rotary = Qwen2RotaryEmbedding(cfg)
+    positions = torch.tensor([[0, 1, 2, 3, 40], [0, 0, 0, 1, 2]])  # the second row left-padded
+    q, k = torch.randn(2, 4, 5, head_dim, dtype=dtype), torch.randn(2, 2, 5, head_dim, dtype=dtype)
+    ref_cos, ref_sin = rotary(q, positions)
+    ref_q, ref_k = apply_rotary_pos_emb(q, k, ref_cos, ref_sin)
+    cos, sin = rope_cos_sin(positions, rotary.inv_freq, dtype)
+    assert cos.dtype == sin.dtype == dtype
+    assert torch.equal(cos, ref_cos[:, None]) and torch.equal(sin, ref_sin[:, None])
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert (apply_rope(q, cos, sin) - ref_q).abs().max() < tol
+    assert (apply_rope(k, cos, sin) - ref_k).abs().max() < tol
+
+
+def test_rope_attention_scores_depend_on_the_relative_position_only():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 1, 1, 16, generator=g), torch.randn(1, 1, 1, 16, generator=g)
+    inv_freq = 1.0 / (1e4 ** (torch.arange(0, 16, 2).float() / 16))
+
+    def rotated(x, position):
+        return apply_rope(x, *rope_cos_sin(torch.tensor([[position]]), inv_freq, torch.float32))
+
+    def score(m, n):
+        return (rotated(q, m) * rotated(k, n)).sum().item()
+    assert score(5, 2) == pytest.approx(score(13, 10), abs=1e-4)
+    assert score(5, 2) == pytest.approx(score(3, 0), abs=1e-4)
+    assert abs(score(5, 2) - score(5, 4)) > 1e-2  # and the relative position does matter
+    assert rotated(q, 7).norm().item() == pytest.approx(q.norm().item(), rel=1e-5)  # a rotation
+
+
+def textbook_attention(q, k, v, sees):
+    """softmax(q k^T / sqrt(D)) v where sees (B, 1, T, S) is True; query head h reads key/value
+    head h // (H / Hkv)."""
+    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~sees, -math.inf)
+    return scores.softmax(-1) @ v  # (B, H, T, D)
+
+
+@pytest.mark.parametrize("case", ["causal", "padded", "decode"])
+def test_attention_matches_the_textbook_formula(monkeypatch, case):
+    # RoPE is an exercise of its own: none here
+    monkeypatch.setattr(model_module, "apply_rope", lambda x, cos, sin: x)
+    torch.manual_seed(0)
+    cfg = preset("tiny", vocab_size=11, hidden_size=48, num_attention_heads=6,
+                 num_key_value_heads=2)
+    attn = Attention(cfg, layer_idx=0).double()  # 6 query heads, 2 key/value heads, head_dim 8
+    B, T, H, D = 2, 7, 6, 8
+    x = torch.randn(B, T, 48, dtype=torch.float64)
+    q, k, v = (proj(x).view(B, T, -1, D).transpose(1, 2)
+               for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+    columns = torch.arange(T).expand(B, T)
+    key_mask = torch.ones(B, T, dtype=torch.bool)
+    key_mask[1, :3] = False  # the second sequence left-padded by 3
+    mask = attention_mask_4d(columns, T, key_mask if case == "padded" else None)  # (B, 1, T, T)
+    y = textbook_attention(q, k, v, mask)
+    expected = attn.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
+    if case == "decode":  # the last token alone, against the keys of all 7 positions
+
+        class Cache:  # for KVCache (an exercise of its own): 6 cached positions, then this step's
+            length = T
+
+            def update(self, layer, k_new, v_new, positions, rows):
+                return torch.cat([k[:, :, :-1], k_new], 2), torch.cat([v[:, :, :-1], v_new], 2)
+        last = torch.full((B, 1), T - 1)
+        got = attn(x[:, -1:], None, None, attention_mask_4d(last, T), Cache(), last)
+        expected = expected[:, -1:]
+    else:  # the causal case as the model runs it without padding: mask None
+        got = attn(x, None, None, mask if case == "padded" else None)
+    assert got.shape == expected.shape and (got - expected).abs().max() < 1e-10
+
+
+def test_kv_cache_writes_each_token_at_its_position_in_its_row():
+    # 4 rows of 10 positions, read up to 6; two sequences of 3 tokens, k and v (n, Hkv, T, D)
+    cache = KVCache([torch.zeros(4, 2, 10, 3)], [torch.zeros(4, 2, 10, 3)], length=6)
+    k, v = torch.randn(2, 2, 3, 3), torch.randn(2, 2, 3, 3)
+    positions, rows = torch.tensor([[0, 1, 2], [3, 4, 5]]), torch.tensor([2, 0])
+    got_k, got_v = cache.update(0, k, v, positions, rows)
+    for got, new, stored in ((got_k, k, cache.k[0]), (got_v, v, cache.v[0])):
+        expected = torch.zeros(4, 2, 10, 3)
+        expected[2, :, 0:3], expected[0, :, 3:6] = new[0], new[1]
+        assert torch.equal(stored, expected)
+        assert torch.equal(got, expected[rows, :, :6])  # the rows asked for, up to length 6
+
+
+def test_kv_cache_without_rows_writes_the_first_rows():
+    cache = KVCache([torch.zeros(3, 1, 8, 2)], [torch.zeros(3, 1, 8, 2)])  # read: all 8 positions
+    first = torch.randn(3, 1, 1, 2)
+    cache.update(0, first, -first, torch.tensor([[4], [0], [7]]))  # one decode token per row
+    second = torch.randn(3, 1, 1, 2)
+    got_k, got_v = cache.update(0, second, -second, torch.tensor([[5], [1], [0]]))
+    expected = torch.zeros(3, 1, 8, 2)
+    expected[0, :, 4], expected[1, :, 0], expected[2, :, 7] = first[:, :, 0]
+    expected[0, :, 5], expected[1, :, 1], expected[2, :, 0] = second[:, :, 0]
+    assert torch.equal(got_k, expected) and torch.equal(got_v, -expected)
+    assert torch.equal(cache.k[0], expected)
+
+
+@pytest.mark.needs("rope", "attention")
 def test_hidden_and_head_paths_give_the_logits(tmp_path):
     ours = ours_from(hf_model(vocab=300, tied=False), tmp_path)
     x = torch.randint(0, 300, (2, 10))
@@ -103,6 +214,7 @@ def test_hidden_and_head_paths_give_the_logits(tmp_path):
     assert (via_head - logits).abs().max() < TOL
 
 
+@pytest.mark.needs("rope", "attention")
 @pytest.mark.parametrize("tied", [True, False])
 def test_our_checkpoint_loads_in_transformers(tmp_path, tied):
     torch.manual_seed(1)
@@ -121,6 +233,7 @@ def test_our_checkpoint_loads_in_transformers(tmp_path, tied):
         assert again.lm_head.weight is again.model.embed_tokens.weight
 
 
+@pytest.mark.needs("rope", "attention")
 def test_sharded_checkpoint_loads(tmp_path):
     torch.manual_seed(2)
     ours = Qwen2(preset("tiny", vocab_size=211, tie_word_embeddings=False))
@@ -196,6 +309,7 @@ def test_bad_config_json_is_named(saved):
         Qwen2.from_pretrained(str(saved))
 
 
+@pytest.mark.needs("rope", "attention")
 def test_save_replaces_an_existing_checkpoint_whole(saved):
     torch.manual_seed(4)
     m = Qwen2(preset("tiny", vocab_size=50, tie_word_embeddings=True))
@@ -251,6 +365,7 @@ def test_a_truncated_safetensors_file_is_named(saved, keep):
         Qwen2.from_pretrained(str(saved))
 
 
+@pytest.mark.needs("rope", "attention")
 def test_saving_into_a_model_directory_keeps_the_files_it_does_not_own(tmp_path):
     d = tmp_path / "m"
     sharded = Qwen2(preset("tiny", vocab_size=50, tie_word_embeddings=False))
@@ -316,6 +431,7 @@ def test_from_pretrained_does_not_copy_weights(saved):
     assert m.inv_freq.device.type == "cpu"
 
 
+@pytest.mark.needs("rope", "attention")
 def test_activation_checkpointing_gives_the_same_gradients():
     torch.manual_seed(5)
     m = Qwen2(preset("tiny", vocab_size=97))

@@ -91,7 +91,7 @@ def selected():
 
 
 def test_the_instructors_section_has_commands():
-    assert len(pytest_commands()) >= 6
+    assert len(pytest_commands()) >= 1
 
 
 @pytest.mark.parametrize("command,promised", pytest_commands(), ids=lambda x: str(x)[:50])

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from reward import (WINDOW, compute_score, extract_answer, has_scorer, normalize,
+from reward import (NO_ANSWER, WINDOW, compute_score, extract_answer, has_scorer, normalize,
                     normalized_ground_truth, overlong_penalty, score_response)
 
 # (raw answer text, what math_dapo's normalisation makes of it)
@@ -112,6 +112,7 @@ RESPONSE_CASES = [
 ]
 
 
+@pytest.mark.needs("extract_answer", "normalize")
 @pytest.mark.parametrize("response,gt,pred,acc", RESPONSE_CASES)
 def test_compute_score_matches_math_dapo(response, gt, pred, acc):
     out = compute_score(response, gt)
@@ -119,6 +120,7 @@ def test_compute_score_matches_math_dapo(response, gt, pred, acc):
     assert type(out["acc"]) is bool and type(out["score"]) is float
 
 
+@pytest.mark.needs("extract_answer", "normalize")
 def test_only_the_last_300_characters_are_read():
     answer = "Answer: 42\n"
     # exactly 300 characters: the answer line is the window's start
@@ -131,11 +133,40 @@ def test_only_the_last_300_characters_are_read():
     assert compute_score("Answer: 7\n" + "y" * 400, "7")["pred"] == "[INVALID]"
 
 
+# (response, the text math_dapo's extraction takes from it, before normalisation)
+EXTRACT_CASES = [
+    ("3+5=8, 8+2=10.\nAnswer: 10", "10"),
+    ("So the total is 10.", NO_ANSWER),
+    ("Answer: 3\nwait, no.\nAnswer: 4", "4"),  # the last line wins
+    ("answer : 7", "7"),  # any case, spaces around the colon
+    ("ANSWER:7", "7"),
+    ("Answer: 5 Answer: 6", "5 Answer: 6"),  # a match takes the rest of its line
+    ("Answer:\n42", "42"),  # the \s* after the colon crosses the newline...
+    ("Answer:\n\nAnswer: 9", "Answer: 9"),  # ...and then swallows the next Answer: line
+    ("Answer: $\\boxed{42}$ ", "$\\boxed{42}$ "),  # nothing stripped yet: normalize() does it
+    ("The answer is \\boxed{7}.", NO_ANSWER),
+]
+
+
+@pytest.mark.parametrize("response,expected", EXTRACT_CASES)
+def test_extract_answer_matches_math_dapo(response, expected):
+    assert extract_answer(response) == expected
+
+
+def test_extract_answer_reads_only_the_last_300_characters():
+    line = "Answer: 42\n"
+    inside = line + "z" * (WINDOW - len(line))  # exactly WINDOW characters, the line first
+    assert extract_answer("x" * 10_000 + inside) == "42"
+    # one character more: the window starts at "nswer: 42"
+    assert extract_answer(line + "z" * (WINDOW - len(line) + 1)) == NO_ANSWER
+
+
 def test_extract_answer_takes_the_last_of_thousands_of_lines():
     text = "".join(f"Answer: {i}\n" for i in range(5000))
     assert extract_answer(text) == "4999"
 
 
+@pytest.mark.needs("extract_answer", "normalize")
 def test_score_is_plus_or_minus_one():
     assert compute_score("Answer: 1", "1")["score"] == 1.0
     assert compute_score("Answer: 2", "1")["score"] == -1.0
@@ -163,6 +194,7 @@ ADVERSARIAL = [
 ]
 
 
+@pytest.mark.needs("extract_answer", "normalize")
 @pytest.mark.parametrize("response", ADVERSARIAL, ids=range(len(ADVERSARIAL)))
 def test_adversarial_responses_are_scored_fast(response):
     start = time.perf_counter()
@@ -173,6 +205,7 @@ def test_adversarial_responses_are_scored_fast(response):
     assert elapsed < 0.05, f"{elapsed:.3f} s"
 
 
+@pytest.mark.needs("extract_answer", "normalize")
 def test_a_long_ground_truth_is_normalised_once_per_group():
     # the "$...$" regex is quadratic on a line without "$": ~0.8 s for these 10k characters, once; a
     # group of 16 responses would otherwise pay it 16 times
@@ -192,6 +225,7 @@ def test_a_long_ground_truth_is_normalised_once_per_group():
     assert normalized_ground_truth(gt) == normalize(gt) == gt
 
 
+@pytest.mark.needs("extract_answer", "normalize")
 def test_response_text_is_never_executed(tmp_path):
     marker = tmp_path / "pwned"
     code = f"__import__('pathlib').Path({str(marker)!r}).touch()"
@@ -232,6 +266,7 @@ def test_overlong_penalty_rejects_a_buffer_outside_the_max_length(buffer_len):
 
 # --- dispatch by data_source ----------------------------------------------------------------------
 
+@pytest.mark.needs("extract_answer", "normalize")
 @pytest.mark.parametrize("source", ["math_dapo", "toy_sum", "aime2024", "aime_2025"])
 def test_score_response_routes_math_sources_to_math_dapo(source):
     right = score_response(source, "2+2=4.\nAnswer: 4", "4")

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import sampler
 from model import Qwen2, preset
 from sampler import filter_logits, generate, sample
 
@@ -124,6 +125,68 @@ def test_rows_are_filtered_independently():
 
 
 # --------------------------------------------------------------------------------------------------
+# sample on known logits
+
+@pytest.fixture
+def top_k_only(monkeypatch):
+    """sample() truncates through filter_logits(), an exercise of its own: a plain top-k stands in
+    for it here, so that these tests grade sample() alone (they use no top-p)."""
+    def top_k(logits, top_k=0, top_p=1.0):
+        if not top_k:
+            return logits
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        return logits.masked_fill(logits < kth, float("-inf"))
+    monkeypatch.setattr(sampler, "filter_logits", top_k)
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.6, 0), (1.0, 2)])
+def test_sample_draws_in_proportion_to_the_tempered_softmax(top_k_only, temperature, top_k):
+    logits = torch.tensor([1.0, 0.0, -1.0, 1.5]).expand(4000, 4)
+    token, _ = sample(logits, temperature, top_k, 1.0, torch.Generator().manual_seed(0))
+    kept = torch.tensor([1.0, 0.0, -1.0, 1.5])
+    if top_k:
+        kept[[1, 2]] = -math.inf
+    p = (kept / temperature).softmax(-1)
+    freq = torch.bincount(token, minlength=4) / 4000
+    assert ((freq - p).abs() <= 4 * (p * (1 - p) / 4000).sqrt()).all(), (freq, p)  # 4 std devs
+
+
+def test_sample_logprob_is_the_policys_before_truncation(top_k_only):
+    logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(1)) * 3
+    token, logp = sample(logits, 0.7, 1, 1.0, torch.Generator().manual_seed(0))
+    assert torch.equal(token, logits.argmax(-1))  # top-1 leaves the argmax alone...
+    expected = (logits / 0.7).log_softmax(-1).gather(-1, token[:, None])[:, 0]
+    # ...whose log-prob is the policy's, not 0
+    assert logp.dtype == torch.float32 and (logp - expected).abs().max() < 1e-6
+    assert (logp < -1e-3).all()
+
+
+def test_greedy_sample_takes_the_argmax(top_k_only):
+    logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(2)) * 3
+    token, logp = sample(logits, 0.0, 0, 1.0, torch.Generator().manual_seed(0))
+    assert torch.equal(token, logits.argmax(-1))
+    assert (logp - logits.log_softmax(-1).gather(-1, token[:, None])[:, 0]).abs().max() < 1e-6
+
+
+def test_sample_is_reproducible_with_a_generator(top_k_only):
+    logits = torch.zeros(200, 10)
+
+    def draw(seed):
+        return sample(logits, 1.0, 0, 1.0, torch.Generator().manual_seed(seed))[0]
+    assert torch.equal(draw(1), draw(1)) and not torch.equal(draw(1), draw(2))
+
+
+def test_sampling_never_draws_a_token_of_zero_probability(top_k_only):
+    logits = torch.full((2000, 6), float("-inf"))
+    # every row: all the mass on token 2, the tokens before and after it impossible
+    logits[:, 2] = 0.0
+    logits[1::2, 4] = 0.0  # odd rows: tokens 2 and 4, half each
+    token, _ = sample(logits, 1.0, 0, 1.0, torch.Generator().manual_seed(0))
+    assert (token[0::2] == 2).all()
+    assert set(token[1::2].tolist()) == {2, 4}
+
+
+# --------------------------------------------------------------------------------------------------
 # generate: one batch of slots
 
 def full_sequences(r):
@@ -133,6 +196,7 @@ def full_sequences(r):
             torch.cat([r.prompt_mask, r.response_mask], 1))
 
 
+@pytest.mark.needs("sample", "rope", "attention", "kv_cache")
 def test_greedy_cached_decoding_matches_a_full_forward_at_every_step():
     model = tiny_model()
     r = generate(model, PROMPTS, max_new_tokens=12, temperature=0, eos_token_ids=[])
@@ -148,6 +212,7 @@ def test_greedy_cached_decoding_matches_a_full_forward_at_every_step():
     assert len(set(r.response_ids[:, 0].tolist())) > 1
 
 
+@pytest.mark.needs("filter_logits", "sample", "rope", "attention", "kv_cache")
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_are_those_of_a_full_forward_at_the_temperature_before_truncation(temperature):
     model = tiny_model(head_scale=4.0)  # broad enough that EOS ids come up
@@ -167,6 +232,7 @@ def test_logprobs_are_those_of_a_full_forward_at_the_temperature_before_truncati
     assert (r.logprobs[~m] == 0).all()
 
 
+@pytest.mark.needs("sample", "rope", "attention", "kv_cache")
 def test_greedy_logprobs_are_log_softmax_of_the_raw_logits():
     model = tiny_model()
     r = generate(model, PROMPTS, max_new_tokens=6, temperature=0, eos_token_ids=[])
@@ -178,6 +244,7 @@ def test_greedy_logprobs_are_log_softmax_of_the_raw_logits():
 
 
 # 5: the pad id is itself an EOS id, as <|endoftext|> is for Qwen
+@pytest.mark.needs("filter_logits", "sample", "rope", "attention", "kv_cache")
 @pytest.mark.parametrize("pad", [0, 5])
 def test_eos_ends_a_response_and_sets_mask_lengths_and_truncated(pad):
     model = tiny_model(vocab=32, head_scale=1.0)  # near-uniform: each EOS id about 1/32 per token
@@ -203,6 +270,7 @@ def test_eos_ends_a_response_and_sets_mask_lengths_and_truncated(pad):
     assert last == set(eos_ids)
 
 
+@pytest.mark.needs("filter_logits", "sample", "rope", "attention", "kv_cache")
 def test_max_new_tokens_is_respected():
     model = tiny_model()
     calls = count_forwards(model)
@@ -214,6 +282,7 @@ def test_max_new_tokens_is_respected():
     assert len(calls) == 7
 
 
+@pytest.mark.needs("filter_logits", "sample", "rope", "attention", "kv_cache")
 def test_loop_stops_once_every_row_has_finished():
     model = tiny_model(vocab=32, head_scale=1.0)
     calls = count_forwards(model)
@@ -224,6 +293,7 @@ def test_loop_stops_once_every_row_has_finished():
     assert len(calls) == r.lengths.max() < 300
 
 
+@pytest.mark.needs("filter_logits", "sample", "rope", "attention", "kv_cache")
 def test_same_seed_same_samples_and_different_seeds_differ():
     model = tiny_model()
 
@@ -235,6 +305,7 @@ def test_same_seed_same_samples_and_different_seeds_differ():
     assert not torch.equal(a.response_ids, c.response_ids)
 
 
+@pytest.mark.needs("filter_logits", "sample", "rope", "attention", "kv_cache")
 def test_sampling_follows_the_truncated_distribution():
     model = tiny_model()
     r = generate(model, [[7, 8]] * 400, max_new_tokens=1, temperature=1.0, top_k=2,
@@ -247,16 +318,7 @@ def test_sampling_follows_the_truncated_distribution():
     assert abs(freq - p2[0].item()) < 4 * math.sqrt(p2[0] * p2[1] / 400)
 
 
-def test_sampling_never_draws_a_token_of_zero_probability():
-    logits = torch.full((2000, 6), float("-inf"))
-    # every row: all the mass on token 2, the tokens before and after it impossible
-    logits[:, 2] = 0.0
-    logits[1::2, 4] = 0.0  # odd rows: tokens 2 and 4, half each
-    token, _ = sample(logits, 1.0, 0, 1.0, torch.Generator().manual_seed(0))
-    assert (token[0::2] == 2).all()
-    assert set(token[1::2].tolist()) == {2, 4}
-
-
+@pytest.mark.needs("filter_logits", "sample", "rope", "attention", "kv_cache")
 def test_progress_bar_changes_nothing_and_training_mode_is_restored(capsys):
     model = tiny_model().train()
     kw = dict(max_new_tokens=5, eos_token_ids=[])
@@ -312,6 +374,7 @@ def hf_and_ours(tmp_path_factory):
     return ours, eos, alone
 
 
+@pytest.mark.needs("sample", "rope", "attention", "kv_cache")
 @pytest.mark.parametrize("slots,compile",
                          [(1, False), (3, False), (None, False), (1, True), (3, True)])
 def test_greedy_rows_equal_transformers_generate_on_each_prompt_alone(hf_and_ours, slots, compile):
@@ -325,6 +388,7 @@ def test_greedy_rows_equal_transformers_generate_on_each_prompt_alone(hf_and_our
         assert bool(r.truncated[i]) == (expected[-1] != eos)
 
 
+@pytest.mark.needs("filter_logits", "sample", "rope", "attention", "kv_cache")
 def test_kv_cache_is_allocated_once_for_the_slots_whatever_the_number_of_sequences():
     model = tiny_model()
     shapes = []
@@ -337,6 +401,7 @@ def test_kv_cache_is_allocated_once_for_the_slots_whatever_the_number_of_sequenc
     assert r.response_ids.shape[0] == len(prompts)
 
 
+@pytest.mark.needs("filter_logits", "sample", "rope", "attention", "kv_cache")
 def test_draws_do_not_depend_on_the_slot():
     """1400 copies of one prompt, 2 tokens each, in 7 slots: every sequence lasts exactly 2 steps,
     so sequence i runs in slot i % 7. With top_k=2 each sequence is one of 4 token pairs. Pearson's
@@ -434,12 +499,14 @@ def two_ranks(tmp_path_factory):
     return {r: torch.load(out / f"rank{r}.pt") for r in range(2)}
 
 
+@pytest.mark.needs("filter_logits", "sample", "rope", "attention", "kv_cache")
 def test_ranks_run_the_same_number_of_forwards(two_ranks):
     # 6 forwards though its rows ended at 1
     assert two_ranks[0]["lockstep"] == dict(forwards=6, T=1, truncated=0)
     assert two_ranks[1]["lockstep"] == dict(forwards=6, T=6, truncated=len(PROMPTS))
 
 
+@pytest.mark.needs("filter_logits", "sample", "rope", "attention", "kv_cache")
 def test_ranks_with_unequal_work_finish_with_the_results_of_one_process(two_ranks):
     assert two_ranks[0]["forwards"] == two_ranks[1]["forwards"]
     model = tiny_model()

@@ -60,6 +60,7 @@ def test_toy_train_and_test_problems_are_disjoint():
     assert len(test) >= 50  # and the held-out set is not a handful of problems (54 of the 252)
 
 
+@pytest.mark.needs("extract_answer", "normalize")
 def test_toy_warmup_is_right_only_some_of_the_time():
     pairs = toy_warmup_pairs(4000, 0)
     acc = [reward.score_response("toy_sum", resp,

@@ -1,0 +1,660 @@
+"""
+Course assignments from this repository: a student handout generated from the code, and a grader.
+
+An exercise is a function body (or a few lines of one) between a comment pair at the body's
+indentation, in the reference code itself, so the handout never drifts from it:
+
+    # exercise: group_advantages
+    r = rewards.view(-1, group_size)  # (N/G, G)
+    ...
+    # end exercise
+
+    python assign.py list                 # the exercises: id, file, points, difficulty
+    python assign.py handout OUT          # the student copy, with EXERCISES.md
+    python assign.py grade                # run each exercise's tests, then a short demo run
+    python assign.py grade --extra-tests DIR --json FILE   # with private tests, for an autograder
+
+The handout is every file git tracks, each marked body replaced by a `raise` that names its
+exercise (signatures, docstrings and the markers stay). Tests that run a student's code but grade
+another exercise carry `@pytest.mark.needs(...)` (tests/conftest.py): in the handout they fail
+until those exercises are done. EXERCISES below is the registry: what each exercise asks, where
+the paper defines it, its points, and the tests that grade it (each passes with that exercise
+alone written: the tests of sample() stand in for filter_logits(), and so on).
+"""
+import argparse
+import ast
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+# The builtin exception the handout raises, spelled in two parts so that a search of the
+# reference for unfinished code (that word) finds none here
+NOT_DONE = "NotImplemented" + "Error"
+START = re.compile(r"^(\s*)# exercise: (\w+)\s*$")
+END = re.compile(r"^(\s*)# end exercise\s*$")
+# Never part of a handout, even where git tracks something under them
+SKIP_DIRS = {".git", ".venv", "runs", "__pycache__", ".pytest_cache", ".ruff_cache"}
+# The instructor's own: the tests of this file, which expect the reference's answers
+INSTRUCTOR_ONLY = {"tests/test_assign.py"}
+
+
+@dataclass(frozen=True)
+class Exercise:
+    id: str
+    file: str
+    title: str
+    paper: str  # where the paper (or the code it follows) defines it
+    difficulty: str  # easy, medium or hard
+    points: int
+    todo: str  # the one line the handout's raise says
+    hints: tuple[str, ...]
+    tests: tuple[str, ...]  # pytest node ids that grade it (a parametrized test: every case)
+
+
+def _tests(file, *names):
+    return tuple(f"tests/{file}::{name}" for name in names)
+
+
+EXERCISES = [
+    Exercise(
+        "group_advantages", "dapo.py", "the group-normalised advantage", "Eq. 9", "easy", 5,
+        "A_i = (R_i - mean) / (std + eps) per group, Eq. 9",
+        ("A group's G responses are contiguous: view the rewards as (N / G, G).",
+         "torch.std is the unbiased (N - 1) one, as verl; a group of one has mean 0 and std 1."),
+        _tests("test_dapo.py", "test_group_advantages_normalise_each_group_with_unbiased_std",
+               "test_all_equal_group_has_zero_advantage", "test_group_of_one_keeps_its_reward")),
+    Exercise(
+        "keep_groups", "dapo.py", "the dynamic-sampling filter", "Eq. 11 (Sec. 3.2)", "easy", 5,
+        "which groups have mixed accuracy, Eq. 11",
+        ("Filter on acc (right or wrong), not on the shaped reward.",
+         "verl keeps a group iff the population std (ddof 0) of its accuracy is > 0, or G = 1."),
+        _tests("test_dapo.py", "test_keep_groups_drops_all_right_and_all_wrong",
+               "test_keep_groups_keeps_groups_of_one")),
+    Exercise(
+        "policy_loss", "dapo.py", "the clipped surrogate with decoupled bounds, summed per token",
+        "Eq. 10, 12 (Sec. 3.1, 3.3)", "medium", 12,
+        "the clipped surrogate (Eq. 10) over denom (Eq. 12)",
+        ("r = exp(logp - old_logp); clamp the log-ratio to [-20, 20] first (exp(90) is inf).",
+         "Take the max of the two per-token losses (the pessimistic one), then the dual clip.",
+         "loss = sum(l * mask) / denom. The statistics below read mask (float), adv (B, 1), "
+         "ratio, loss_tok and dual (bool, where the dual clip binds): define them."),
+        _tests("test_dapo.py", "test_clip_higher_surrogate_on_hand_cases",
+               "test_dual_clip_caps_negative_advantage_loss", "test_clipped_tokens_get_no_gradient",
+               "test_token_level_loss_weighs_every_token_equally",
+               "test_log_ratio_is_clamped_so_an_overflowing_ratio_keeps_the_gradient_finite",
+               "test_clip_statistics_mean_what_verl_means")),
+    Exercise(
+        "token_count", "dapo.py", "the token-level loss's denominator, before the split",
+        "Eq. 12 (Sec. 3.3)", "medium", 8,
+        "mask, n_tokens, n_seqs of the whole mini-batch",
+        ("Set mask (the mini-batch's loss mask), n_tokens and n_seqs; the loop below uses them.",
+         "Count before the micro-batch loop: a count per micro-batch makes the gradient depend "
+         "on the split (verl PR #623, TRL #5619).",
+         "distributed.all_reduce sums a list of numbers over the ranks (one process: as is)."),
+        _tests("test_dapo.py", "test_the_loss_denominator_is_the_mini_batch_token_count",
+               "test_a_stand_in_policy_update_is_the_same_for_any_micro_batch_split")),
+    Exercise(
+        "overlong_penalty", "reward.py", "the soft overlong punishment", "Eq. 13 (Sec. 3.4)",
+        "easy", 5, "the soft overlong punishment of Eq. 13",
+        ("Three cases; check the boundaries: length == max_len - buffer_len and == max_len.",
+         "Refuse a buffer outside (0, max_len] with a ValueError."),
+        _tests("test_reward.py", "test_overlong_penalty_at_the_paper_settings",
+               "test_overlong_penalty_is_linear_inside_the_buffer",
+               "test_overlong_penalty_factor_scales_it",
+               "test_overlong_penalty_rejects_a_buffer_outside_the_max_length")),
+    Exercise(
+        "extract_answer", "reward.py", "math_dapo's answer extraction", "Eq. 7 (Sec. 2.4)",
+        "easy", 4, "the text after the last Answer: in the window",
+        ("ANSWER_RE and WINDOW are defined at the top of reward.py.",
+         "The last match of a left-to-right scan, not a search from the end."),
+        _tests("test_reward.py", "test_extract_answer_matches_math_dapo",
+               "test_extract_answer_reads_only_the_last_300_characters",
+               "test_extract_answer_takes_the_last_of_thousands_of_lines")),
+    Exercise(
+        "normalize", "reward.py", "math_dapo's answer normalisation", "Eq. 7 (Sec. 2.4)",
+        "medium", 5, "REPLACEMENTS, REMOVED, REWRITES, in order",
+        ("Keep the text after the last '=' first; the order of every later step matters.",
+         "Drop the commas of a number only (str.isdigit after removing them)."),
+        _tests("test_reward.py", "test_normalize_matches_math_dapo")),
+    Exercise(
+        "filter_logits", "sampler.py", "top-k, then top-p (nucleus) truncation", "Sec. 4.1",
+        "medium", 8, "-inf outside the top-k, then outside the top-p nucleus",
+        ("Top-k keeps every logit equal to the k-th largest (ties stay together).",
+         "Top-p: keep a token iff the mass strictly above it is < top_p, after top-k.",
+         "top_k = 0 and top_p = 1.0 must return the logits unchanged."),
+        _tests("test_sampler.py", "test_top_k_keeps_the_k_largest",
+               "test_top_k_keeps_every_token_tied_with_the_kth",
+               "test_top_p_keeps_the_smallest_nucleus_holding_top_p",
+               "test_top_p_nucleus_stops_as_soon_as_it_holds_top_p",
+               "test_top_p_always_keeps_the_argmax",
+               "test_top_p_applies_to_the_top_k_renormalised_distribution",
+               "test_top_k_0_and_top_p_1_are_no_ops", "test_rows_are_filtered_independently")),
+    Exercise(
+        "sample", "sampler.py", "the sampling draw and the drawn token's log-prob",
+        "Algorithm 1, line 3", "medium", 6, "draw a token per row; return it and its log-prob",
+        ("Divide by the temperature, filter_logits, softmax, then draw with the generator.",
+         "The log-prob is under log_softmax(logits / T) before truncation: the policy's own.",
+         "temperature 0 is greedy: the argmax, and log_softmax of the raw logits."),
+        _tests("test_sampler.py", "test_sample_draws_in_proportion_to_the_tempered_softmax",
+               "test_sample_logprob_is_the_policys_before_truncation",
+               "test_greedy_sample_takes_the_argmax",
+               "test_sample_is_reproducible_with_a_generator",
+               "test_sampling_never_draws_a_token_of_zero_probability")),
+    Exercise(
+        "logprobs_forward", "kernels/reference.py", "log-softmax and entropy of a chunk of rows",
+        "Fig. 2b (entropy)", "hard", 9, "log-prob, entropy, lse and mean logit of each row",
+        ("Work relative to the row max m: d = sum exp(z - m), lse = m + log d.",
+         "entropy = lse - E[z], E[z] = sum p z; a -inf logit has p = 0 and 0 * -inf is NaN.",
+         "Compute in fp32 whatever the chunk's dtype; divide by the temperature first."),
+        _tests("test_kernels.py", "test_forward_chunk_matches_float64")),
+    Exercise(
+        "logprobs_backward", "kernels/reference.py", "the gradient of log-prob and entropy",
+        "Fig. 2b (entropy)", "hard", 9, "the loss's gradient w.r.t. the chunk's logits",
+        ("p_j = exp(z_j - lse) from the saved lse; d logp / dz_j = 1[j = t] - p_j.",
+         "d H / dz_j = -p_j (z_j - E[z]); a gradient that is None contributes nothing.",
+         "z is the tempered logit: multiply the result by 1 / T."),
+        _tests("test_kernels.py", "test_backward_chunk_matches_float64")),
+    Exercise(
+        "rope", "model.py", "rotary position embeddings (rotate-half layout)", "Qwen2 (RoPE)",
+        "medium", 5, "rotary embeddings, rotate-half layout",
+        ("angle = position * inv_freq; Qwen2 pairs dimension i with i + head_dim / 2.",
+         "Compute the angles in fp32 and cast cos and sin to the activations' dtype."),
+        _tests("test_model.py", "test_rope_matches_transformers",
+               "test_rope_attention_scores_depend_on_the_relative_position_only")),
+    Exercise(
+        "attention", "model.py", "causal grouped-query attention", "Qwen2 (GQA)", "medium", 5,
+        "causal grouped-query attention of q over k, v",
+        ("Query head h reads key/value head h // (n_head / n_kv_head).",
+         "mask is None (causal) or (B, 1, T, S) bool, True where a query sees a key.",
+         "F.scaled_dot_product_attention takes a bool mask; y is (B, H, T, D)."),
+        _tests("test_model.py", "test_attention_matches_the_textbook_formula")),
+    Exercise(
+        "kv_cache", "model.py", "the KV-cache write", "gpt-fast's KVCache", "medium", 4,
+        "write k, v at their positions; return the rows",
+        ("Advanced indexing: rows (n, 1) and positions (n, T) index dims 0 and 2 together.",
+         "Return the rows' keys and values up to S = self.length (0: the whole cache)."),
+        _tests("test_model.py", "test_kv_cache_writes_each_token_at_its_position_in_its_row",
+               "test_kv_cache_without_rows_writes_the_first_rows")),
+]
+BY_ID = {e.id: e for e in EXERCISES}
+
+# The integration check: a short run of the demo (make run's task and settings), the student's
+# code everywhere. Measured with the reference (2 cores, one thread each): val/acc (avg@4) 0.16
+# at step 0, 0.53-0.56 after 6 steps over 5 seeds, 10-20 s after the base model's warm-up.
+INTEGRATION_ARGS = ("--steps", "6", "--eval-every", "6")
+INTEGRATION_MIN_ACC = 0.40
+INTEGRATION_POINTS = 10
+
+
+# ------------------------------------------------------------------------------------------------
+# Markers and the handout
+
+@dataclass(frozen=True)
+class Region:
+    id: str
+    start: int  # the line index of "# exercise: id"
+    end: int  # the line index of "# end exercise"
+    indent: str
+
+
+def find_regions(text: str, where: str) -> list[Region]:
+    """The marked regions of a file's text; malformed markers are an error naming the line."""
+    regions, open_ = [], None
+    for i, line in enumerate(text.splitlines()):
+        start, end = START.match(line), END.match(line)
+        if start:
+            if open_:
+                raise ValueError(f"{where}:{i + 1}: exercise inside exercise {open_[1]!r}")
+            open_ = (i, start.group(2), start.group(1))
+        elif end:
+            if not open_ or end.group(1) != open_[2]:
+                raise ValueError(f"{where}:{i + 1}: an end marker without a start at its indent")
+            if i == open_[0] + 1:
+                raise ValueError(f"{where}:{i + 1}: exercise {open_[1]!r} marks nothing")
+            regions.append(Region(open_[1], open_[0], i, open_[2]))
+            open_ = None
+    if open_:
+        raise ValueError(f"{where}:{open_[0] + 1}: exercise {open_[1]!r} is never closed")
+    return regions
+
+
+def blank(text: str, regions: list[Region]) -> str:
+    """The text with each region's lines replaced by a raise that names its exercise."""
+    lines = text.splitlines(keepends=True)
+    for r in sorted(regions, key=lambda r: r.start, reverse=True):
+        message = json.dumps(f"{r.id}: {BY_ID[r.id].todo}")
+        lines[r.start + 1:r.end] = [f"{r.indent}raise {NOT_DONE}({message})\n"]
+    return "".join(lines)
+
+
+def functions(root: str, exercise: Exercise, regions: dict[str, list[Region]]) -> list[str]:
+    """The functions an exercise's regions sit in: ['rope_cos_sin', 'apply_rope']."""
+    with open(os.path.join(root, exercise.file), encoding="utf-8") as f:
+        text = f.read()
+    return list(dict.fromkeys(enclosing(text, r.start) for r in regions[exercise.file]
+                              if r.id == exercise.id))
+
+
+def enclosing(text: str, line: int) -> str:
+    """The qualified name of the innermost def holding line (0-based): 'KVCache.update'."""
+    best = []
+
+    def visit(node, path):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.ClassDef)):
+                inner = path + [child.name]
+                if child.lineno <= line + 1 <= child.end_lineno:
+                    if isinstance(child, ast.FunctionDef) and len(inner) > len(best):
+                        best[:] = inner
+                visit(child, inner)
+
+    visit(ast.parse(text), [])
+    return ".".join(best)
+
+
+def source_files(root: str) -> list[str]:
+    """The files of the repository, relative to root: what git tracks (so that untracked files,
+    run outputs and caches stay out), or, outside a git checkout (a handout), every file but
+    those under SKIP_DIRS."""
+    try:
+        out = subprocess.run(["git", "-C", root, "ls-files", "-z"], capture_output=True,
+                             check=True).stdout.decode()
+        files = [f for f in out.split("\0") if f]
+    except (OSError, subprocess.CalledProcessError):
+        files = []
+        for d, dirs, names in os.walk(root):
+            dirs[:] = sorted(set(dirs) - SKIP_DIRS)  # os.walk descends into what is left
+            files += [os.path.relpath(os.path.join(d, name), root) for name in names]
+    return sorted(f for f in files if not SKIP_DIRS & set(f.split("/")[:-1]) and
+                  os.path.isfile(os.path.join(root, f)) and not f.endswith(".pyc"))
+
+
+def marked_regions(root: str, files: list[str]) -> dict[str, list[Region]]:
+    """{file: its regions}, checked against the registry: every id known and in its own file,
+    every exercise marked."""
+    found = {}
+    for path in files:
+        if path.endswith(".py") and path != "assign.py":  # whose docstring shows a marker
+            with open(os.path.join(root, path), encoding="utf-8") as f:
+                regions = find_regions(f.read(), path)
+            if regions:
+                found[path] = regions
+    for path, regions in found.items():
+        for r in regions:
+            if r.id not in BY_ID:
+                raise ValueError(f"{path}:{r.start + 1}: {r.id!r} is not in assign.EXERCISES")
+            if BY_ID[r.id].file != path:
+                raise ValueError(f"{path}:{r.start + 1}: {r.id!r} belongs to {BY_ID[r.id].file}")
+    marked = {r.id for regions in found.values() for r in regions}
+    missing = [e.id for e in EXERCISES if e.id not in marked]
+    if missing:
+        raise ValueError(f"no marked region for {', '.join(missing)}")
+    return found
+
+
+def write_handout(out: str, root: str = ROOT) -> list[str]:
+    """Write the student copy into out (empty, or a handout written before, whose .git is kept)
+    and return its files."""
+    out, root = os.path.realpath(out), os.path.realpath(root)
+    common = os.path.commonpath([out, root])
+    if common == out or (common == root and not out.startswith(os.path.join(root, "runs", ""))):
+        raise ValueError(f"{out}: holds the repository, or lies in it outside runs/")
+    if os.path.isdir(out) and os.listdir(out):
+        if not os.path.isfile(os.path.join(out, "EXERCISES.md")):
+            raise ValueError(f"{out} is not empty and holds no handout: refusing to replace it")
+        for name in os.listdir(out):  # a handout written before; its git history stays
+            path = os.path.join(out, name)
+            if name == ".git":
+                continue
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+    files = source_files(root)
+    regions = marked_regions(root, files)
+    files = [f for f in files if f not in INSTRUCTOR_ONLY]
+    for path in files:
+        src, dst = os.path.join(root, path), os.path.join(out, path)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        if path in regions:
+            with open(src, encoding="utf-8") as f:
+                text = f.read()
+            with open(dst, "w", encoding="utf-8") as f:
+                f.write(blank(text, regions[path]))
+            shutil.copymode(src, dst)
+        else:
+            shutil.copy2(src, dst, follow_symlinks=False)
+    with open(os.path.join(out, "EXERCISES.md"), "w", encoding="utf-8") as f:
+        f.write(exercises_md(root, regions))
+    return files + ["EXERCISES.md"]
+
+
+def exercises_md(root: str, regions: dict[str, list[Region]]) -> str:
+    total = sum(e.points for e in EXERCISES) + INTEGRATION_POINTS
+    lines = [
+        "# Exercises", "",
+        "Each exercise is a body in the code that raises `" + NOT_DONE + "` between "
+        "`# exercise: <id>` and `# end exercise`. Write it there (the docstring above it is the "
+        "specification), run its tests, and keep the markers: the grader needs nothing else.", "",
+        "```bash",
+        "make test    # the whole suite: a test that needs an unfinished exercise fails naming it",
+        "make grade   # the score: each exercise's tests, then a short training run of the demo",
+        "```", "",
+        "`make run` (the demo) runs every exercise: it works again once all are written.", "",
+        f"The grade is out of {total}: the points of each exercise, in proportion to its tests "
+        f"that pass, and {INTEGRATION_POINTS} for the integration check, a "
+        f"{INTEGRATION_ARGS[1]}-step run of the demo (`make run`'s task) with your code "
+        f"everywhere that must reach val/acc >= {INTEGRATION_MIN_ACC} (the base model: ~0.16). "
+        "The paper: "
+        "[arXiv 2503.14476](https://arxiv.org/abs/2503.14476); the README maps it to the code.",
+        "", "| exercise | file | difficulty | points |", "| --- | --- | --- | --- |"]
+    lines += [f"| `{e.id}` | `{e.file}` | {e.difficulty} | {e.points} |" for e in EXERCISES]
+    for n, e in enumerate(EXERCISES, 1):
+        where = functions(root, e, regions)
+        lines += [
+            "", f"## {n}. `{e.id}`: {e.title}", "",
+            f"- **Where**: {', '.join(f'`{name}()`' for name in where)} in `{e.file}`",
+            f"- **Paper**: {e.paper}",
+            f"- **Difficulty**: {e.difficulty}, {e.points} points",
+            f"- **What to write**: {e.todo}",
+            "- **Hints**:", *[f"  - {h}" for h in e.hints],
+            "- **Tests**:", "", "```bash",
+            ".venv/bin/python -m pytest -q " + " \\\n    ".join(e.tests), "```"]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------
+# The grader
+
+class Recorder:
+    """A pytest plugin, loaded in the grader's pytest process: keeps the tests it is asked for
+    (all, when none are named) and those an extra file marks with @pytest.mark.grades(id), and
+    writes each one's outcome as a JSON line as soon as it ends, so that a run stopped by the
+    timeout keeps what finished."""
+
+    def __init__(self, path, only=()):
+        self.out, self.only = open(path, "w"), tuple(only)
+        self.marks, self.failure, self.skipped = {}, {}, set()
+
+    def pytest_configure(self, config):
+        config.addinivalue_line("markers", "grades(exercise): a test of --extra-tests that "
+                                           "counts for that exercise")
+
+    def pytest_collection_modifyitems(self, config, items):
+        if self.only:
+            keep = [item for item in items if item.get_closest_marker("grades") or
+                    any(_matches(item.nodeid, t) for t in self.only)]
+            left = [item for item in items if item not in keep]
+            config.hook.pytest_deselected(items=left)
+            items[:] = keep
+            tests = os.path.join(os.getcwd(), "tests", "")
+            for item in left:  # an extra test that names no exercise would count for nothing
+                if not str(item.path).startswith(tests):
+                    self._write(nodeid=item.nodeid, outcome="unmarked", message="")
+        for item in items:
+            self.marks[item.nodeid] = {name: [a for m in item.iter_markers(name) for a in m.args]
+                                       for name in ("grades", "needs")}
+
+    def pytest_collectreport(self, report):
+        if report.failed:
+            self._write(nodeid=report.nodeid, outcome="error", message=_message(report))
+
+    def pytest_runtest_logreport(self, report):
+        if report.failed:
+            self.failure.setdefault(report.nodeid, (_message(report), _exercise(report)))
+        elif report.skipped:
+            self.skipped.add(report.nodeid)
+        if report.when == "teardown":
+            message, exercise = self.failure.get(report.nodeid, ("", None))
+            outcome = "failed" if message else \
+                "skipped" if report.nodeid in self.skipped else "passed"
+            self._write(nodeid=report.nodeid, outcome=outcome, message=message,
+                        exercise=exercise, **self.marks.get(report.nodeid, {}))
+
+    def _write(self, **record):
+        self.out.write(json.dumps(record) + "\n")
+        self.out.flush()
+
+
+def _message(report) -> str:
+    crash = getattr(report.longrepr, "reprcrash", None)
+    text = crash.message if crash else str(report.longrepr)
+    return text.strip().splitlines()[0] if text.strip() else "failed"
+
+
+def _exercise(report) -> str | None:
+    """The exercise whose unwritten body a failure came from: the first whose raise message is in
+    its report (the traceback, or a subprocess's output), or None."""
+    text = str(report.longrepr) + "".join(content for _, content in report.sections)
+    return next((e.id for e in EXERCISES if f"{e.id}: {e.todo}" in text), None)
+
+
+def _matches(nodeid: str, test: str) -> bool:
+    """Whether nodeid is test, or one of its parametrized cases."""
+    return nodeid == test or nodeid.startswith(test + "[")
+
+
+def pytest_main(results: str, only: list[str], args: list[str]) -> int:
+    """What the grader's subprocess runs: pytest with a Recorder."""
+    import pytest
+    return pytest.main(args, plugins=[Recorder(results, only)])
+
+
+def run_tests(args: list[str], only=(), root: str = ROOT, timeout: float = 900,
+              log: str | None = None) -> list[dict]:
+    """Run pytest on args in a fresh process in root, keeping the tests of `only` (node ids) if
+    given; -> one record per test: nodeid, outcome, message, grades, needs. A test that had not
+    ended at the timeout is missing."""
+    env = dict(os.environ, PYTHONPATH=root, PYTHONDONTWRITEBYTECODE="1")
+    env.setdefault("OMP_NUM_THREADS", "1")  # tiny tensors: threads only wait on each other
+    with tempfile.TemporaryDirectory() as tmp:
+        results = os.path.join(tmp, "results.jsonl")
+        code = ("import json, sys, assign; "
+                "sys.exit(assign.pytest_main(sys.argv[1], json.loads(sys.argv[2]), sys.argv[3:]))")
+        # native tracebacks: pytest's own take ~0.1 s each to format, and a blank handout has 100s
+        cmd = [sys.executable, "-c", code, results, json.dumps(list(only)), "-q", "--tb=native",
+               "-p", "no:cacheprovider", "--continue-on-collection-errors", *args]
+        with open(log or os.devnull, "w") as out:
+            proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+        if not os.path.exists(results):  # pytest never started
+            return []
+        with open(results) as f:
+            return [json.loads(line) for line in f]
+
+
+def grade(ids=(), extra_tests=None, json_path=None, integration=True, root=ROOT,
+          timeout=900) -> dict:
+    """Each chosen exercise's tests (and the extra tests marked for it), the integration check
+    (when every exercise is graded), a table on stdout and a JSON file -> the JSON's dict."""
+    chosen = [BY_ID[i] for i in ids] if ids else EXERCISES
+    wanted = [t for e in chosen for t in e.tests]
+    files = list(dict.fromkeys(t.split("::")[0] for t in wanted))
+    if extra_tests:
+        files.append(os.path.abspath(extra_tests))
+    json_path = json_path or os.path.join(root, "runs", "grade.json")
+    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+    log = os.path.splitext(json_path)[0] + "-tests.log"
+    t0 = time.time()
+    records = run_tests(files, wanted, root, timeout, log)
+    results = []
+    for e in chosen:
+        mine = [r for r in records if r.get("outcome") != "error" and
+                (any(_matches(r["nodeid"], t) for t in e.tests) or e.id in r.get("grades", []))]
+        # a test never run (its file did not import, or the timeout) counts as failed
+        missing = [t for t in e.tests if not any(_matches(r["nodeid"], t) for r in mine)]
+        failures = [(r["nodeid"], r["message"]) for r in mine if r["outcome"] != "passed"]
+        failures += [(t, why_missing(t, records)) for t in missing]
+        total = len(mine) + len(missing)
+        passed = total - len(failures)
+        results.append(dict(id=e.id, file=e.file, passed=passed, total=total,
+                            score=round(e.points * passed / total, 2), max_score=e.points,
+                            failures=failures))
+    unknown = sorted({g for r in records for g in r.get("grades", [])} - set(BY_ID))
+    if unknown:
+        raise ValueError(f"{extra_tests}: tests mark unknown exercises {', '.join(unknown)}")
+    unmarked = [r["nodeid"] for r in records if r["outcome"] == "unmarked"]
+    if unmarked:
+        raise ValueError(f"{extra_tests}: {len(unmarked)} test(s) name no exercise (mark each "
+                         f"@pytest.mark.grades(<exercise id>)), first {unmarked[0]}")
+    check = None
+    if integration and not ids:  # the training loop runs every exercise: none may be unwritten
+        unwritten = [e.id for e in EXERCISES if any(r.get("exercise") == e.id for r in records)]
+        check = integration_check(root) if not unwritten else dict(
+            passed=False, acc=None, message=f"not run: it needs every exercise, and "
+                                            f"{len(unwritten)} still raise: {', '.join(unwritten)}")
+    seconds = time.time() - t0
+    report = as_json(results, check, seconds)
+    print_table(results, check, report, log)
+    with open(json_path, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"the grade, for an autograder: {json_path} (Gradescope's results.json format)")
+    return report
+
+
+def why_missing(test, records) -> str:
+    errors = [r["message"] for r in records if r.get("outcome") == "error" and
+              test.startswith(r["nodeid"])]
+    return f"not run: {errors[0]}" if errors else "not run (the test run stopped first)"
+
+
+def integration_check(root: str, timeout: float = 600) -> dict:
+    """The demo trained for a few steps with the code in root (dapo.py in a fresh process)
+    -> {passed, acc, message}. The base model is warmed up with this code too, and cached under
+    runs/grade/ by the content of model.py, the only exercise file the warm-up runs: a cache
+    left by earlier code is never reused."""
+    with open(os.path.join(root, "model.py"), "rb") as f:
+        key = f"{zlib.crc32(f.read()):08x}"
+    work = os.path.join(root, "runs", "grade", "base-" + key)
+    if os.path.isdir(os.path.dirname(work)):
+        for old in os.listdir(os.path.dirname(work)):
+            if old.startswith("base-") and old != os.path.basename(work):
+                shutil.rmtree(os.path.join(os.path.dirname(work), old))
+    os.makedirs(work, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+    with tempfile.TemporaryDirectory() as out_dir:
+        # run in `work`: dapo.py caches the demo's base model under ./runs/demo-base
+        cmd = [sys.executable, os.path.join(root, "dapo.py"), "--out-dir", out_dir,
+               "--overwrite", *INTEGRATION_ARGS]
+        try:
+            proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return dict(passed=False, acc=None, message=f"did not finish in {timeout:.0f} s")
+        evals = []
+        if os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
+            with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+                evals = [row["val/acc"] for row in map(json.loads, f) if "val/acc" in row]
+    if proc.returncode != 0 or len(evals) < 2:
+        lines = (proc.stderr or proc.stdout).strip().splitlines()
+        return dict(passed=False, acc=None, message="the run failed: " +
+                    (lines[-1] if lines else f"exit code {proc.returncode}"))
+    acc = evals[-1]
+    return dict(passed=acc >= INTEGRATION_MIN_ACC, acc=acc,
+                message=f"val/acc {evals[0]:.3f} -> {acc:.3f} after {INTEGRATION_ARGS[1]} steps "
+                        f"(needs >= {INTEGRATION_MIN_ACC})")
+
+
+def as_json(results, check, seconds) -> dict:
+    """Gradescope's results.json: one entry per exercise (and the integration check)."""
+    tests = [{"name": r["id"], "score": r["score"], "max_score": r["max_score"],
+              "status": "passed" if r["passed"] == r["total"] else "failed",
+              "tests_passed": r["passed"], "tests_total": r["total"],
+              "output": "\n".join(f"{t}: {m}" for t, m in r["failures"])} for r in results]
+    if check is not None:
+        tests.append({"name": "integration", "score": INTEGRATION_POINTS if check["passed"] else 0,
+                      "max_score": INTEGRATION_POINTS,
+                      "status": "passed" if check["passed"] else "failed",
+                      "output": check["message"]})
+    return {"score": round(sum(t["score"] for t in tests), 2),
+            "max_score": sum(t["max_score"] for t in tests), "execution_time": round(seconds),
+            "tests": tests}
+
+
+def clip(line, width=100):
+    return line if len(line) <= width else line[:width - 3] + "..."
+
+
+def print_table(results, check, report, log):
+    """One row per exercise; under a row, its first failure unless every failure is its own
+    unwritten body."""
+    print(f"{'exercise':<18} {'file':<21} {'tests':>7} {'points':>12}")
+    for r in results:
+        unwritten = r["failures"] and all(m.startswith(f"{NOT_DONE}: {r['id']}:")
+                                          for _, m in r["failures"])
+        print(f"{r['id']:<18} {r['file']:<21} {r['passed']:>3}/{r['total']:<3} "
+              f"{r['score']:>6.1f} / {r['max_score']:<3}" + ("  not written" if unwritten else ""))
+        if r["failures"] and not unwritten:
+            test, message = r["failures"][0]
+            more = f" (+{len(r['failures']) - 1} more)" if len(r["failures"]) > 1 else ""
+            print(clip(f"    {test.split('::')[-1]}{more}"))
+            print(clip(f"    {message}"))
+    if check is not None:
+        points = INTEGRATION_POINTS if check["passed"] else 0
+        print(f"{'integration':<18} {'dapo.py (demo run)':<21} {'':>7} "
+              f"{points:>6.1f} / {INTEGRATION_POINTS:<3}")
+        print(clip(f"    {check['message']}"))
+    print(f"{'total':<48} {report['score']:>6.1f} / {report['max_score']}")
+    print(f"pytest's output: {log}")
+
+
+# ------------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="the exercises: id, file, function, points, difficulty")
+    p = sub.add_parser("handout", help="write the student copy into OUT")
+    p.add_argument("out", metavar="OUT")
+    p = sub.add_parser("grade", help="run each exercise's tests and the integration check")
+    p.add_argument("ids", nargs="*", metavar="ID", help="only these exercises (default: all)")
+    p.add_argument("--extra-tests", metavar="DIR",
+                   help="private tests; each marked @pytest.mark.grades(<exercise id>)")
+    p.add_argument("--json", metavar="FILE", help="default: runs/grade.json")
+    p.add_argument("--no-integration", action="store_true", help="skip the demo run")
+    p.add_argument("--timeout", type=float, default=900, help="seconds for the tests (%(default)s)")
+    args = parser.parse_args(argv)
+    try:
+        run(args, parser)
+    except ValueError as e:  # a refused handout directory, a marker or an extra test: no traceback
+        sys.exit(f"assign.py {args.command}: {e}")
+
+
+def run(args, parser):
+    if args.command == "list":
+        files = source_files(ROOT)
+        regions = marked_regions(ROOT, files)
+        print(f"{'exercise':<18} {'where':<40} {'points':>6}  difficulty  paper")
+        for e in EXERCISES:
+            where = f"{e.file} {', '.join(n + '()' for n in functions(ROOT, e, regions))}"
+            print(f"{e.id:<18} {where:<40} {e.points:>6}  {e.difficulty:<10}  {e.paper}")
+        print(f"{'integration':<18} {'dapo.py (the demo, ' + INTEGRATION_ARGS[1] + ' steps)':<40} "
+              f"{INTEGRATION_POINTS:>6}")
+    elif args.command == "handout":
+        files = write_handout(args.out)
+        print(f"wrote {args.out}: {len(files)} files, {len(EXERCISES)} exercises "
+              f"(EXERCISES.md); the tests of an unfinished exercise fail naming it")
+    else:
+        unknown = [i for i in args.ids if i not in BY_ID]
+        if unknown:
+            parser.error(f"unknown exercise {', '.join(unknown)}; known: {', '.join(BY_ID)}")
+        grade(args.ids, args.extra_tests, args.json, not args.no_integration,
+              timeout=args.timeout)
+
+
+if __name__ == "__main__":
+    main()
