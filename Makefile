@@ -33,10 +33,11 @@ test: $(VENV)/.test
 bench: $(VENV)/.test
 	for f in benchmarks/bench_*.py; do $(PY) $$f || exit 1; done
 
-# The paper's Table 1 at toy scale: naive GRPO, then each DAPO technique added in the paper's order, a few seeds each.
-# Writes runs/ablate/table.md and runs/ablate/ablation.png (matplotlib: requirements-extra.txt).
+# Each DAPO technique judged on what it acts on: DAPO against DAPO with one technique off, on the ablation's own toy
+# task (ablate_toy.py), 4 seeds each, two runs at a time on one thread each; plus clip-higher in isolation
+# (ablate_isolated.py). Writes runs/ablate/table.md, ablation.png, clip_bandit.png (matplotlib: requirements-extra.txt).
 ablate: $(VENV)/.extra
-	$(PY) ablate.py
+	OMP_NUM_THREADS=1 $(PY) ablate.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs
