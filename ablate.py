@@ -8,7 +8,7 @@ quantity the technique acts on:
   row                    the failure without the technique (paper)               judged on
   no clip-higher         low-probability tokens cannot rise, entropy collapses   entropy, distinct right answers
   no dynamic sampling    all-right groups carry no gradient: slower progress     steps to the target accuracy
-  no token-level loss    a long response's tokens weigh less: rambling lives on  length, rambling past the limit
+  no token-level loss    a long response's tokens weigh less: rambling lives on  length, repetition, truncation
   no overlong shaping    sound but truncated responses are punished: noise       truncated responses, accuracy
 
 The paper's Table 1 adds the techniques one at a time; removing each from DAPO instead compares every technique with
@@ -16,15 +16,17 @@ the same reference, in the setting where it is used, with one row per technique.
 model (ablate_toy.py's, trained once and cached) with the same settings (REGIME); a seed fixes the data order and the
 sampling, the same in every row, so rows are compared seed by seed (a paired t-test over the seeds).
 
-    python ablate.py                          # `make ablate`: every row x seed, the table and the figure
+    python ablate.py                          # `make ablate`: every row x seed, the bandit, the tables, the figures
     python ablate.py --report-only            # the table and figure again from the finished runs
     python ablate.py --rows 1 2 --seeds 0     # DAPO against no clip-higher, one seed
     python ablate.py --set lr=1e-4            # change a dapo.Config field for every row
 
 Writes out_dir/base-model/ (the base model, its tokenizer and the task's rows: every run's --model and data),
-out_dir/row{N}/seed{S}/ (metrics.jsonl, the final checkpoint, probe.json, run.json, log.txt), out_dir/table.md and
-out_dir/ablation.png. The final checkpoint of each run is probed on the held-out problems (probe.json): k samples per
-problem, read for what the logged metrics cannot say (distinct right answers, filler repeated, working shown).
+out_dir/row{N}/seed{S}/ (metrics.jsonl, the final checkpoint, probe.json, run.json, log.txt), out_dir/table.md,
+out_dir/ablation.png, and clip-higher in isolation (ablate_isolated.py): out_dir/clip_bandit.json and clip_bandit.png.
+The final checkpoint of each run is probed on the held-out problems (probe.json): k samples per problem, read for what
+the logged metrics cannot say (distinct right answers, filler repeated, working shown). docs/ablation.md discusses
+one run of it.
 """
 import argparse
 import concurrent.futures
@@ -49,8 +51,9 @@ TECHNIQUES = ("clip_higher", "dynamic_sampling", "token_level_loss", "overlong_s
 
 # The settings every row shares (dapo.Config fields): 32 prompts x 4 responses per rollout step, and the paper's 16
 # optimizer steps per rollout (2 prompts' groups each), so the policy moves between the first and the last one and the
-# clip bounds have something to bind. Groups of 4 (the paper: 16) make groups whose answers all agree common, as they
-# are at scale once a model solves most of its training problems; the 128 responses per step cost what 16 x 8 would.
+# clip has something to bind (it still binds on only ~0.3% of the tokens: docs/ablation.md). Groups of 4 (the paper:
+# 16) make groups whose answers all agree common, as they are at scale once a model solves most of its training
+# problems; the 128 responses per step cost what 16 x 8 would.
 REGIME = dict(group_size=4, train_prompts=32, gen_prompts=48, max_gen_batches=4, mini_batch_prompts=2,
               max_response_len=ablate_toy.ABL_MAX_RESPONSE_LEN, overlong_buffer=ablate_toy.ABL_OVERLONG_BUFFER,
               lr=3e-4, warmup_steps=2, eval_every=0)
@@ -78,10 +81,11 @@ ROWS = [
         [Metric("entropy", "entropy (nats/token)", "higher"),
          Metric("distinct", "distinct right answers / problem", "higher", ".2f")], "3.1"),
     Row("no dynamic sampling", dict(dynamic_sampling=False),
-        [Metric("steps_to_target", "steps to the target accuracy", "lower", ".1f"),
+        [Metric("steps_to_target", "steps to rollout accuracy {target:g}", "lower", ".1f"),
          Metric("signal_groups", "groups with signal / step", "higher", ".1f")], "3.2"),
     Row("no token-level loss", dict(token_level_loss=False),
         [Metric("length", "response length (tokens)", "lower", ".1f"),
+         Metric("repeats", "filler repeats / response (final policy)", "lower", ".2f"),
          Metric("truncated", "responses rambling past the limit", "lower")], "3.3"),
     Row("no overlong shaping", dict(overlong_shaping=False),
         [Metric("truncated", "truncated responses", "lower", ".3f"),
@@ -180,7 +184,7 @@ def train_and_probe(acfg, row, seed):
             contextlib.redirect_stderr(log):
         dapo.main(cfg)
         result = probe(os.path.join(cfg.out_dir, "checkpoints", f"step_{cfg.steps:06d}", "model"), cfg.val_data,
-                       acfg.probe_samples, seed)
+                       acfg.probe_samples, seed, cfg.max_response_len)
     with open(os.path.join(cfg.out_dir, "probe.json"), "w") as f:
         json.dump(result, f)
     wall = time.time() - t0
@@ -190,7 +194,7 @@ def train_and_probe(acfg, row, seed):
 
 
 @torch.no_grad()
-def probe(model_dir, rows_path, k, seed) -> dict:
+def probe(model_dir, rows_path, k, seed, max_response_len=ablate_toy.ABL_MAX_RESPONSE_LEN) -> dict:
     """Sample k responses to every held-out problem at temperature 1 (as the rollouts) and read them: accuracy, how
     many different right responses each problem gets (the diversity clip-higher keeps), filler repeats, truncation,
     and how often the working is shown."""
@@ -202,7 +206,7 @@ def probe(model_dir, rows_path, k, seed) -> dict:
     model = Qwen2.from_pretrained(model_dir, dtype=torch.float32)
     rows = load_rows(rows_path, tok)
     prompts, _ = encode_prompts(rows, tok, 64)
-    out = generate(model, [p for p in prompts for _ in range(k)], ablate_toy.ABL_MAX_RESPONSE_LEN,
+    out = generate(model, [p for p in prompts for _ in range(k)], max_response_len,
                    eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id,
                    generator=torch.Generator().manual_seed(1000 + seed))
     right, distinct, repeats, worked = [], [], [], []
@@ -277,7 +281,7 @@ def summarize(metrics, probed, config, target_acc, window):
     """One run's numbers; a quantity logged per step is its mean over the run (a technique acts while its failure
     is there, early or late). Steps to target: the first step at which the moving average of the rollout accuracy (on
     fresh training prompts, every response generated counted) reaches target_acc; a run that never does counts as
-    steps + 1 (and is flagged)."""
+    steps + 1 (and "reached" says so)."""
     rollouts = [m for m in metrics if "rollout/acc" in m]
     steps = [m["step"] for m in rollouts]
     smooth = moving_average([m["rollout/acc"] for m in rollouts], window)
@@ -303,13 +307,18 @@ def summarize(metrics, probed, config, target_acc, window):
 # ----------------------------------------------------------------------------------------------------------------------
 # The statistics and the table
 
-# Student's t, two-sided 95%, by degrees of freedom (seeds - 1): with 4 seeds a difference must be 3.18 standard errors
-T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 15: 2.13, 19: 2.09}
+# Student's t, two-sided 95%, by degrees of freedom (seeds - 1): with 6 seeds a difference must be 2.57 standard errors
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 11: 2.20, 12: 2.18,
+       13: 2.16, 14: 2.14, 15: 2.13, 16: 2.12, 17: 2.11, 18: 2.10, 19: 2.09, 20: 2.09, 25: 2.06, 30: 2.04}
+
+
+def t95(df):
+    return T95.get(df) or T95[max(k for k in T95 if k < df)]  # between table entries: the larger, stricter value
 
 
 def paired(dapo_values, row_values, better):
-    """DAPO minus the row, seed by seed, signed so that > 0 is the paper's direction: (mean, standard error, t, verdict).
-    Verdict: a two-sided paired t-test at 95% over the seeds."""
+    """DAPO minus the row, seed by seed, signed so that > 0 is the paper's direction -> (mean, standard error, t,
+    verdict), the verdict a two-sided paired t-test at 95% over the seeds."""
     seeds = sorted(set(dapo_values) & set(row_values))
     sign = 1 if better == "higher" else -1
     diffs = [sign * (dapo_values[s] - row_values[s]) for s in seeds]
@@ -317,7 +326,7 @@ def paired(dapo_values, row_values, better):
         return (diffs[0] if diffs else float("nan")), float("nan"), float("nan"), "1 seed: no test"
     mean, se = statistics.fmean(diffs), statistics.stdev(diffs) / len(diffs) ** 0.5
     t = mean / se if se > 0 else (float("inf") if mean > 0 else float("-inf") if mean < 0 else 0.0)
-    crit = T95.get(len(diffs) - 1, 2.0)
+    crit = t95(len(diffs) - 1)
     verdict = "yes" if t > crit else "opposite, beyond noise" if t < -crit else "within noise"
     return mean, se, t, verdict
 
@@ -334,9 +343,13 @@ def build_table(summaries, acfg, caption=""):
             a = {s: v[metric.key] for s, v in dapo_runs.items()}
             b = {s: v[metric.key] for s, v in summaries[row].items()}
             mean, se, t, verdict = paired(a, b, metric.better)
+            cells = [_mean_sd(a.values(), metric.fmt), _mean_sd(b.values(), metric.fmt)]
+            if metric.key == "steps_to_target":  # a run that never reaches the target counts as steps + 1
+                cells = [f"{c} ({sum(r['reached'] for r in runs.values())}/{len(runs)} reach it)"
+                         for c, runs in zip(cells, (dapo_runs, summaries[row]))]
             lines.append("| " + " | ".join([
-                f"{spec.label.replace('no ', '')} (Sec. {spec.section})", metric.label,
-                _mean_sd(a.values(), metric.fmt), _mean_sd(b.values(), metric.fmt),
+                f"{spec.label.replace('no ', '')} (Sec. {spec.section})", metric.label.format(target=acfg.target_acc),
+                *cells,
                 f"{mean:+{metric.fmt}} ± {se:{metric.fmt}}", f"{t:.1f}", verdict]) + " |")
     return "\n".join(lines)
 
@@ -353,7 +366,8 @@ def build_overview(summaries, acfg):
     cols = [("val_acc", "held-out acc", ".3f"), ("entropy", "entropy", ".3f"), ("distinct", "distinct right", ".2f"),
             ("steps_to_target", f"steps to {acfg.target_acc:g}", ".1f"), ("signal_groups", "signal groups", ".1f"),
             ("length", "length", ".1f"), ("repeats", "filler repeats", ".2f"), ("truncated", "truncated", ".3f"),
-            ("worked", "working shown", ".2f"), ("clip_high", "clipped high", ".4f"), ("responses", "generated", ".0f")]
+            ("worked", "working shown", ".2f"), ("clip_high", "clipped high", ".4f"),
+            ("responses", "generated", ".0f")]
     lines = ["| row | " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * (len(cols) + 1)]
     for row in sorted(summaries):
         runs = summaries[row].values()
@@ -384,7 +398,7 @@ def caption(runs, acfg):
     return (f"{len(seeds)} seeds ({', '.join(map(str, seeds))}) x {acfg.steps} rollout steps per row; one run took "
             f"{statistics.median(walls) / 60:.1f} min (median of {len(walls)}, one torch thread). Paired over seeds: "
             f"mean ± standard error of the per-seed difference, two-sided t-test at 95% "
-            f"(t > {T95.get(len(seeds) - 1, 2.0)} with {len(seeds) - 1} degrees of freedom).")
+            f"(t > {t95(len(seeds) - 1)} with {len(seeds) - 1} degrees of freedom).")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -392,9 +406,11 @@ def caption(runs, acfg):
 
 PANELS = [  # (row without the technique, metric logged per step, title)
     (2, "actor/entropy", "clip-higher: entropy (nats/token)"),
+    (2, "rollout/acc", "clip-higher: rollout accuracy"),
     (3, "rollout/acc", "dynamic sampling: rollout accuracy"),
     (3, "signal_groups", "dynamic sampling: groups with signal per step"),
     (4, "rollout/response_length/mean", "token-level loss: response length"),
+    (4, "rollout/clip_ratio", "token-level loss: responses rambling past the limit"),
     (5, "rollout/clip_ratio", "overlong shaping: truncated responses"),
 ]
 
@@ -422,7 +438,7 @@ def plot_ablation(runs, summaries, acfg, out):
         import matplotlib.pyplot as plt
     except ImportError:
         raise SystemExit("ablate.py draws its figure with matplotlib: pip install -r requirements-extra.txt") from None
-    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
+    fig, axes = plt.subplots(2, 4, figsize=(20, 8.5))
     for ax, (row, key, title) in zip(axes.flat, PANELS):
         for r, color in ((1, "black"), (row, f"C{row - 1}")):
             of_row = [v for (rr, _), v in sorted(runs.items()) if rr == r]
@@ -437,16 +453,15 @@ def plot_ablation(runs, summaries, acfg, out):
         ax.set_xlabel("rollout step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    ax = axes.flat[len(PANELS)]  # what the logs cannot show: the final policies probed on held-out problems
+    ax = axes.flat[len(PANELS)]  # the final policies, probed on held-out problems: one dot per seed
     rows = sorted(summaries)
-    for i, (key, label) in enumerate((("distinct", "distinct right answers / problem"),
-                                      ("repeats", "filler repeats / response"), ("val_acc", "held-out accuracy x 4"))):
-        scale = 4 if key == "val_acc" else 1
-        ax.bar([r + 0.27 * (i - 1) for r in rows], [scale * statistics.fmean(s[key] for s in summaries[r].values())
-                                                   for r in rows], width=0.27, label=label)
+    for r in rows:
+        accs = [s["val_acc"] for s in summaries[r].values()]
+        color = "black" if r == 1 else f"C{r - 1}"
+        ax.bar(r, statistics.fmean(accs), color=color, alpha=0.35)
+        ax.plot([r] * len(accs), accs, "o", color=color, markersize=4)
     ax.set_xticks(rows, [ROWS[r - 1].label.replace("no ", "no\n") for r in rows], fontsize=7)
-    ax.set_title(f"final policies on held-out problems ({acfg.probe_samples} samples each)", fontsize=10)
-    ax.legend(fontsize=8)
+    ax.set_title(f"held-out accuracy of the final policies ({acfg.probe_samples} samples/problem)", fontsize=10)
     ax.grid(alpha=0.3, axis="y")
     n_seeds = len({s for _, s in runs})
     fig.suptitle(f"DAPO against DAPO without one technique, toy scale: mean of {n_seeds} seeds, band = min..max")

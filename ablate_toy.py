@@ -128,8 +128,9 @@ def ablation_base_model(tok, device="cpu", seed=0, cache_root="runs/ablate-base"
     torch.manual_seed(seed)
     model = Qwen2(preset(ABL_WARMUP["preset"], vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_ids)).to(device)
     steps, batch = ABL_WARMUP["steps"], ABL_WARMUP["batch_size"]
+    pairs = ablation_warmup_pairs(steps * batch, seed, skill=ABL_WARMUP["skill_steps"] * batch)  # each seen once
     examples = [(tok.apply_chat_template(messages), tok.encode(response) + [tok.eos_token_ids[0]])
-                for messages, response in ablation_warmup_pairs(steps * batch, seed, ABL_WARMUP["skill_steps"] * batch)]
+                for messages, response in pairs]
     opt = torch.optim.AdamW(model.parameters(), lr=ABL_WARMUP["lr"], betas=(0.9, 0.95), weight_decay=0.0)
     t0 = time.time()
     for step in range(steps):
