@@ -323,7 +323,7 @@ def paired(dapo_values, row_values, better):
     sign = 1 if better == "higher" else -1
     diffs = [sign * (dapo_values[s] - row_values[s]) for s in seeds]
     if len(diffs) < 2:
-        return (diffs[0] if diffs else float("nan")), float("nan"), float("nan"), "1 seed: no test"
+        return (diffs[0] if diffs else float("nan")), float("nan"), float("nan"), f"{len(diffs)} seed(s): no test"
     mean, se = statistics.fmean(diffs), statistics.stdev(diffs) / len(diffs) ** 0.5
     t = mean / se if se > 0 else (float("inf") if mean > 0 else float("-inf") if mean < 0 else 0.0)
     crit = t95(len(diffs) - 1)

@@ -131,8 +131,8 @@ def run(out_dir, seeds=20) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seeds", type=int, default=20)
-    p.add_argument("--out-dir", default="runs/ablate")
+    p.add_argument("--seeds", type=int, default=20, help="runs per clip setting, paired by seed (default: 20)")
+    p.add_argument("--out-dir", default="runs/ablate", help="clip_bandit.json and .png go here")
     args = p.parse_args(argv)
     print(run(args.out_dir, args.seeds))
     with open(os.path.join(args.out_dir, "clip_bandit.json")) as f:

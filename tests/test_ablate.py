@@ -78,7 +78,7 @@ def test_paired_test_signs_the_difference_the_papers_way_and_says_when_it_is_noi
     assert paired(dapo_runs, row_runs, "lower")[3] == "opposite, beyond noise"
     # +0.02, +0.03, +0.01: 3.5 standard errors, but with 3 seeds a t-test at 95% needs 4.3
     assert paired({0: 0.52, 1: 0.53, 2: 0.51}, {0: 0.5, 1: 0.5, 2: 0.5}, "higher")[3] == "within noise"
-    assert paired({0: 1.0}, {0: 0.5}, "higher")[3] == "1 seed: no test"
+    assert paired({0: 1.0}, {0: 0.5}, "higher")[3] == "1 seed(s): no test"
 
 
 def test_report_writes_the_table_and_the_figure_and_refuses_mixed_settings(tmp_path):
