@@ -45,10 +45,12 @@ $(BENCH_VENV)/.bench: requirements-bench.txt requirements-test.txt requirements-
 bench-step: $(BENCH_VENV)/.bench
 	$(BENCH_VENV)/bin/python benchmarks/bench_step.py
 
-# The paper's Table 1 at toy scale: naive GRPO, then each DAPO technique added in the paper's order, a few seeds each.
-# Writes runs/ablate/table.md and runs/ablate/ablation.png (matplotlib: requirements-extra.txt).
+# Each DAPO technique judged on what it acts on: DAPO against DAPO with one technique off, on the
+# ablation's own toy task (ablate_toy.py), 6 seeds each, two runs at a time on one thread each;
+# plus clip-higher in isolation (ablate_isolated.py). Writes runs/ablate/table.md, ablation.png
+# and clip_bandit.png (matplotlib: requirements-extra.txt).
 ablate: $(VENV)/.extra
-	$(PY) ablate.py
+	OMP_NUM_THREADS=1 $(PY) ablate.py
 
 # Course assignments (docs/instructors.md): the student copy, each exercise's body replaced by
 # a raise that names it (assign.py needs only Python and git), and the score of a copy or of this.

@@ -1,25 +1,39 @@
 """
-The paper's ablation (Table 1) at toy scale, in one command. Naive GRPO first, then DAPO's techniques switched on one
-at a time in the paper's order, ending at full DAPO. Every run starts from the same base model (the demo's, trained
-once by warmup.py and cached), as every row of the paper starts from Qwen2.5-32B base; a seed varies the RL only (data
-order, sampling). Each row runs the same seeds for the same number of rollout steps and is otherwise the demo's
-configuration (dapo.Config's defaults).
+DAPO's four techniques at toy scale, each judged on what it acts on, in one command (`make ablate`).
 
-    python ablate.py                              # `make ablate`: every row x seed, then the table and the figure
-    python ablate.py --report-only                # rebuild table.md and ablation.png from the finished runs
-    python ablate.py --rows 1 6 --seeds 0         # naive GRPO against full DAPO, one seed
-    python ablate.py --set mini_batch_prompts=4   # change a dapo.Config field for every row
+Each technique of the paper fixes a failure (Sec. 3.1-3.4). Each row here is DAPO (dapo.py's defaults) with ONE
+technique switched off, so the row's difference from the DAPO row is that technique's effect alone, measured on the
+quantity the technique acts on:
 
-Writes out_dir/base-model/ (the base model with the toy tokenizer, the --model of every run), out_dir/row{N}/seed{S}/
-(each run's metrics.jsonl, checkpoint and run.json), out_dir/table.md and out_dir/ablation.png.
+  row                    the failure without the technique (paper)               judged on
+  no clip-higher         low-probability tokens cannot rise, entropy collapses   entropy, distinct right answers
+  no dynamic sampling    all-right groups carry no gradient: slower progress     steps to the target accuracy
+  no token-level loss    a long response's tokens weigh less: rambling lives on  length, repetition, truncation
+  no overlong shaping    sound but truncated responses are punished: noise       truncated responses, accuracy
 
-Rows are compared at equal rollout steps, as in the paper. The table also counts the responses each row generated:
-with dynamic sampling a step keeps sampling generation batches until it has enough groups whose answers disagree, so
-it trains on as many groups as the other rows but generates more of them (paper Sec. 4.2: more samples, fewer steps).
+The paper's Table 1 adds the techniques one at a time; removing each from DAPO instead compares every technique with
+the same reference, in the setting where it is used, with one row per technique. Every run starts from the same base
+model (ablate_toy.py's, trained once and cached) with the same settings (REGIME); a seed fixes the data order and the
+sampling, the same in every row, so rows are compared seed by seed (a paired t-test over the seeds).
+
+    python ablate.py                          # `make ablate`: every row x seed, the bandit, the tables, the figures
+    python ablate.py --report-only            # the table and figure again from the finished runs
+    python ablate.py --rows 1 2 --seeds 0     # DAPO against no clip-higher, one seed
+    python ablate.py --set lr=1e-4            # change a dapo.Config field for every row
+
+Writes out_dir/base-model/ (the base model, its tokenizer and the task's rows: every run's --model and data),
+out_dir/row{N}/seed{S}/ (metrics.jsonl, the final checkpoint, probe.json, run.json, log.txt), out_dir/table.md,
+out_dir/ablation.png, and clip-higher in isolation (ablate_isolated.py): out_dir/clip_bandit.json and clip_bandit.png.
+The final checkpoint of each run is probed on the held-out problems (probe.json): k samples per problem, read for what
+the logged metrics cannot say (distinct right answers, filler repeated, working shown). docs/ablation.md discusses
+one run of it.
 """
 import argparse
+import concurrent.futures
+import contextlib
 import itertools
 import json
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -28,44 +42,71 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 
 import torch
 
+import ablate_isolated
+import ablate_toy
 import dapo
 from plot import read_metrics, series
 
 TECHNIQUES = ("clip_higher", "dynamic_sampling", "token_level_loss", "overlong_shaping", "overlong_filtering")
 
-# The rows of the paper's Table 1: (label, the paper's AIME24 avg@32, what the row changes from the row above)
+# The settings every row shares (dapo.Config fields): 32 prompts x 4 responses per rollout step, and the paper's 16
+# optimizer steps per rollout (2 prompts' groups each), so the policy moves between the first and the last one and the
+# clip has something to bind (it still binds on only ~0.3% of the tokens: docs/ablation.md). Groups of 4 (the paper:
+# 16) make groups whose answers all agree common, as they are at scale once a model solves most of its training
+# problems; the 128 responses per step cost what 16 x 8 would.
+REGIME = dict(group_size=4, train_prompts=32, gen_prompts=48, max_gen_batches=4, mini_batch_prompts=2,
+              max_response_len=ablate_toy.ABL_MAX_RESPONSE_LEN, overlong_buffer=ablate_toy.ABL_OVERLONG_BUFFER,
+              lr=3e-4, warmup_steps=2, eval_every=0)
+
+
+@dataclass
+class Metric:
+    key: str  # in summarize()'s output
+    label: str
+    better: str  # the paper's direction for DAPO against the row without the technique: "higher" or "lower"
+    fmt: str = ".3f"
+
+
+@dataclass
+class Row:
+    label: str
+    switches: dict  # the dapo.Config fields this row changes from DAPO's defaults
+    judged_on: list = field(default_factory=list)  # Metric, the quantities the technique acts on
+    section: str = ""
+
+
 ROWS = [
-    ("naive GRPO", 30, dict(clip_higher=False, dynamic_sampling=False, token_level_loss=False,
-                           overlong_shaping=False, overlong_filtering=False)),
-    ("+ overlong filtering", 36, dict(overlong_filtering=True)),
-    ("+ clip-higher", 38, dict(clip_higher=True)),
-    # Sec. 3.4 tries filtering first ("to investigate the impact of this reward noise") and then proposes the soft
-    # punishment as the fix; Algorithm 1, the run's settings (Sec. 4.1) and verl's release shape the reward and mask
-    # nothing. So the punishment takes filtering's place here, and the last row is dapo.py's defaults.
-    ("+ soft overlong punishment", 41, dict(overlong_shaping=True, overlong_filtering=False)),
-    ("+ token-level loss", 42, dict(token_level_loss=True)),
-    ("+ dynamic sampling (DAPO)", 50, dict(dynamic_sampling=True)),
+    Row("DAPO", {}),
+    Row("no clip-higher", dict(clip_higher=False),
+        [Metric("entropy", "entropy (nats/token)", "higher"),
+         Metric("distinct", "distinct right answers / problem", "higher", ".2f")], "3.1"),
+    Row("no dynamic sampling", dict(dynamic_sampling=False),
+        [Metric("steps_to_target", "steps to rollout accuracy {target:g}", "lower", ".1f"),
+         Metric("signal_groups", "groups with signal / step", "higher", ".1f")], "3.2"),
+    Row("no token-level loss", dict(token_level_loss=False),
+        [Metric("length", "response length (tokens)", "lower", ".1f"),
+         Metric("repeats", "filler repeats / response (final policy)", "lower", ".2f"),
+         Metric("truncated", "responses rambling past the limit", "lower")], "3.3"),
+    Row("no overlong shaping", dict(overlong_shaping=False),
+        [Metric("truncated", "truncated responses", "lower", ".3f"),
+         Metric("val_acc", "held-out accuracy", "higher")], "3.4"),
 ]
 
 
 @dataclass
 class AblateConfig:
     out_dir: str = field(default="runs/ablate", metadata={"help": "the runs, table.md and ablation.png go here"})
-    # 6 rows x 3 seeds x 12 steps: 11 min on a busy 2-core CPU (one step ~3 s, with dynamic sampling up to ~5 s);
-    # the demo's accuracy is ~0.8 by step 10, so most of what the techniques change happens in these steps
-    steps: int = field(default=12, metadata={"help": "rollout steps of every run"})
-    seeds: list = field(default_factory=lambda: [0, 1, 2],
+    steps: int = field(default=24, metadata={"help": "rollout steps of every run"})
+    seeds: list = field(default_factory=lambda: [0, 1, 2, 3, 4, 5],
                         metadata={"help": "one run per seed and row; a seed fixes the data order and the sampling"})
     rows: list = field(default_factory=lambda: list(range(1, len(ROWS) + 1)),
-                       metadata={"help": "rows of the table to run or report (1 = naive GRPO, 6 = DAPO)"})
-    base_seed: int = field(default=0, metadata={"help": "the seed of the demo base model every run starts from"})
-    eval_every: int = field(default=4, metadata={"help": "evaluate every N steps (and at step 0 and the end)"})
-    # where many groups are all right, so dynamic sampling has something to drop (the demo levels off near 0.9)
-    target_acc: float = field(default=0.8, metadata={"help": "report the steps to this rollout accuracy"})
+                       metadata={"help": "rows to run or report (1 = DAPO)"})
+    base_seed: int = field(default=0, metadata={"help": "the seed of the base model every run starts from"})
+    target_acc: float = field(default=0.7, metadata={"help": "report the steps to this rollout accuracy"})
     window: int = field(default=3, metadata={"help": "moving average over this many steps (curves and target)"})
+    probe_samples: int = field(default=8, metadata={"help": "samples per held-out problem in the final probe"})
     set: list = field(default_factory=list, metadata={"help": "dapo.Config fields for every row, as name=value"})
-    # the demo's model is too small for a second thread to help, and on a busy machine two threads are much slower
-    threads: int = field(default=1, metadata={"help": "torch threads (0: torch's default)"})
+    jobs: int = field(default=2, metadata={"help": "runs at once, one process and one torch thread each"})
     report_only: bool = field(default=False, metadata={"help": "rebuild the table and figure from finished runs"})
 
 
@@ -84,14 +125,6 @@ def parse_args(argv=None) -> AblateConfig:
     return AblateConfig(**vars(p.parse_args(argv)))
 
 
-def row_switches(row):
-    """The technique switches of table row `row` (1-based): every change from row 1 down to it, in order."""
-    switches = {}
-    for _, _, change in ROWS[:row]:
-        switches.update(change)
-    return switches
-
-
 def parse_overrides(pairs):
     """["name=value", ...] -> {name: value}, typed as dapo.Config's fields."""
     types = {f.name: type(f.default) for f in fields(dapo.Config)}
@@ -101,9 +134,10 @@ def parse_overrides(pairs):
         name = name.strip().lstrip("-").replace("-", "_")
         if not sep or name not in types:
             raise SystemExit(f"--set {pair!r}: expected name=value with a field of dapo.Config")
-        if name in TECHNIQUES + ("seed", "steps", "out_dir", "eval_every", "resume", "eval_only"):
+        if name in TECHNIQUES + ("seed", "steps", "out_dir", "resume", "eval_only", "model", "train_data",
+                                 "val_data"):
             raise SystemExit(f"--set {name}: the ablation sets this itself (rows, --seeds, --steps, --out-dir, "
-                             "--eval-every)")
+                             "the base model and the task)")
         if types[name] is bool:
             if value.lower() not in ("true", "false", "1", "0"):
                 raise SystemExit(f"--set {pair!r}: a switch takes true or false")
@@ -118,59 +152,98 @@ def run_dir(out_dir, row, seed):
 
 
 def run_config(acfg, row, seed) -> dapo.Config:
-    overrides = parse_overrides(acfg.set)
-    return dapo.Config(**{"model": os.path.join(acfg.out_dir, "base-model"), **overrides, **row_switches(row),
-                          "seed": seed, "steps": acfg.steps, "eval_every": acfg.eval_every,
-                          "out_dir": run_dir(acfg.out_dir, row, seed)})
+    """DAPO's defaults, then REGIME, then --set, then the row's switch: nothing else differs between rows."""
+    base = os.path.join(acfg.out_dir, "base-model")
+    return dapo.Config(**{**REGIME, **parse_overrides(acfg.set), **ROWS[row - 1].switches,
+                          "model": base, "train_data": os.path.join(base, "train.jsonl"),
+                          "val_data": os.path.join(base, "test.jsonl"), "seed": seed, "steps": acfg.steps,
+                          "out_dir": run_dir(acfg.out_dir, row, seed), "overwrite": True})
 
 
 def prepare_base_model(acfg):
-    """The demo's base model (warmup.py: trained once per base seed, then cached in runs/demo-base) and the toy
-    tokenizer, written as one Hugging Face model directory: every run loads it as its --model. Without this, a run's
-    seed would also pick its base model, and each new seed would cost a warm-up."""
+    """The base model (trained once per base seed, then cached in runs/ablate-base), the demo's tokenizer and the
+    task's rows, in one Hugging Face model directory: every run loads it."""
     from toy import make_toy_tokenizer
-    from toy import demo_base_model
     path = os.path.join(acfg.out_dir, "base-model")
-    model = demo_base_model(make_toy_tokenizer(path), dapo.Config(**parse_overrides(acfg.set)).device,
-                            seed=acfg.base_seed)
+    model = ablate_toy.ablation_base_model(make_toy_tokenizer(path), seed=acfg.base_seed)
     model.save_pretrained(path)  # the weights and config.json, beside the tokenizer files
+    ablate_toy.write_rows(os.path.join(path, "train.jsonl"), ablate_toy.ablation_rows("train"))
+    ablate_toy.write_rows(os.path.join(path, "test.jsonl"), ablate_toy.ablation_rows("test"))
     return path
 
 
+def train_and_probe(acfg, row, seed):
+    """One run, in its own process with one torch thread (two OpenMP threads stall on a shared 2-core machine); its
+    output goes to log.txt. Returns (row, seed, wall seconds)."""
+    torch.set_num_threads(1)
+    cfg = run_config(acfg, row, seed)
+    shutil.rmtree(cfg.out_dir, ignore_errors=True)
+    os.makedirs(cfg.out_dir)
+    t0 = time.time()
+    with open(os.path.join(cfg.out_dir, "log.txt"), "w") as log, contextlib.redirect_stdout(log), \
+            contextlib.redirect_stderr(log):
+        dapo.main(cfg)
+        result = probe(os.path.join(cfg.out_dir, "checkpoints", f"step_{cfg.steps:06d}", "model"), cfg.val_data,
+                       acfg.probe_samples, seed, cfg.max_response_len)
+    with open(os.path.join(cfg.out_dir, "probe.json"), "w") as f:
+        json.dump(result, f)
+    wall = time.time() - t0
+    with open(os.path.join(cfg.out_dir, "run.json"), "w") as f:  # written last: marks a finished run
+        json.dump({"row": row, "seed": seed, "wall_s": wall, "threads": 1, "config": asdict(cfg)}, f)
+    return row, seed, wall
+
+
+@torch.no_grad()
+def probe(model_dir, rows_path, k, seed, max_response_len=ablate_toy.ABL_MAX_RESPONSE_LEN) -> dict:
+    """Sample k responses to every held-out problem at temperature 1 (as the rollouts) and read them: accuracy, how
+    many different right responses each problem gets (the diversity clip-higher keeps), filler repeats, truncation,
+    and how often the working is shown."""
+    from data import encode_prompts, load_rows, load_tokenizer
+    from model import Qwen2
+    from reward import score_response
+    from sampler import generate
+    tok = load_tokenizer(model_dir)
+    model = Qwen2.from_pretrained(model_dir, dtype=torch.float32)
+    rows = load_rows(rows_path, tok)
+    prompts, _ = encode_prompts(rows, tok, 64)
+    out = generate(model, [p for p in prompts for _ in range(k)], max_response_len,
+                   eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id,
+                   generator=torch.Generator().manual_seed(1000 + seed))
+    right, distinct, repeats, worked = [], [], [], []
+    for i, row in enumerate(rows):
+        texts = [tok.decode(out.response_ids[i * k + j, :out.lengths[i * k + j]].tolist()) for j in range(k)]
+        ok = [score_response(row["data_source"], t, row["reward_model"]["ground_truth"])["acc"] for t in texts]
+        right += ok
+        distinct.append(len({t for t, good in zip(texts, ok) if good}))
+        repeats += [ablate_toy.filler_repeats(t) for t in texts]
+        worked += [ablate_toy.is_worked(t) for t in texts]
+    return {"val_acc": statistics.fmean(right), "distinct": statistics.fmean(distinct),
+            "repeats": statistics.fmean(repeats), "worked": statistics.fmean(worked),
+            "truncated": out.truncated.float().mean().item(), "length": out.lengths.float().mean().item(),
+            "samples": k, "problems": len(rows)}
+
+
 def run_all(acfg):
-    """Train every (row, seed). Seeds outermost: a session cut short still leaves whole seeds to compare rows on."""
-    if "model" not in parse_overrides(acfg.set):  # --set model=DIR ablates that model instead of the demo's
+    """The clip-higher bandit (ablate_isolated.py, ~1 min) beside the base model's warm-up (cached after the first
+    time), then every (row, seed), acfg.jobs at a time; seeds outermost, so a session cut short leaves whole seeds."""
+    spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: no OpenMP state shared with this one
+    with concurrent.futures.ProcessPoolExecutor(acfg.jobs, mp_context=spawn) as pool:
+        bandit = pool.submit(ablate_isolated.run, acfg.out_dir)
+        torch.set_num_threads(1)
         prepare_base_model(acfg)
-    for seed in acfg.seeds:
-        for row in acfg.rows:
-            cfg = run_config(acfg, row, seed)
-            shutil.rmtree(cfg.out_dir, ignore_errors=True)  # metrics.jsonl is appended to: start each run afresh
-            print(f"=== row {row}: {ROWS[row - 1][0]}, seed {seed} ===", flush=True)
-            t0 = time.time()
-            dapo.main(cfg)
-            with open(os.path.join(cfg.out_dir, "run.json"), "w") as f:  # written last: marks a finished run
-                json.dump({"row": row, "seed": seed, "wall_s": time.time() - t0, "threads": torch.get_num_threads(),
-                           "config": asdict(cfg)}, f)
+        todo = [(row, seed) for seed in acfg.seeds for row in acfg.rows]
+        futures = [pool.submit(train_and_probe, acfg, row, seed) for row, seed in todo]
+        print(f"clip-higher in isolation: {bandit.result()}", flush=True)
+        for done in concurrent.futures.as_completed(futures):
+            row, seed, wall = done.result()
+            print(f"row {row} ({ROWS[row - 1].label}), seed {seed}: {wall:.0f} s", flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Reading the runs back
 
-def add_derived(metrics, group_size):
-    """Add to each rollout step of a run's metrics the responses generated so far and the fraction of groups
-    without signal (all right or all wrong). Returns the same list."""
-    generated = 0
-    for m in metrics:
-        if "rollout/acc" in m:  # a rollout step (an evaluation logs val/acc instead)
-            generated += (m["train/groups_kept"] + m["train/groups_filtered"]
-                          + m.get("train/groups_surplus", 0)) * group_size
-            m["responses_generated"] = generated
-            m["rollout/frac_no_signal"] = m["rollout/frac_all_correct"] + m["rollout/frac_all_wrong"]
-    return metrics
-
-
 def load_runs(acfg):
-    """{(row, seed): (run.json, metrics rows)} for the requested rows and seeds that finished."""
+    """{(row, seed): (run.json, metrics rows, probe.json)} for the requested rows and seeds that finished."""
     runs = {}
     for row, seed in itertools.product(acfg.rows, acfg.seeds):
         path = run_dir(acfg.out_dir, row, seed)
@@ -178,11 +251,12 @@ def load_runs(acfg):
             continue
         with open(os.path.join(path, "run.json")) as f:
             info = json.load(f)
-        runs[row, seed] = info, add_derived(read_metrics(os.path.join(path, "metrics.jsonl")),
-                                            info["config"]["group_size"])
+        with open(os.path.join(path, "probe.json")) as f:
+            probed = json.load(f)
+        runs[row, seed] = info, read_metrics(os.path.join(path, "metrics.jsonl")), probed
     shared = lambda config: {k: v for k, v in config.items() if k not in TECHNIQUES + ("seed", "out_dir")}
     first = next(iter(runs.values()), None)
-    for (row, seed), (info, _) in runs.items():  # rows are comparable only if nothing but the switches differs
+    for (row, seed), (info, _, _) in runs.items():  # rows are comparable only if nothing but the switches differs
         diff = {k for k, v in shared(info["config"]).items() if shared(first[0]["config"]).get(k) != v}
         if diff:
             raise SystemExit(f"{run_dir(acfg.out_dir, row, seed)} ran with other settings ({', '.join(sorted(diff))})"
@@ -195,186 +269,202 @@ def moving_average(values, window):
     return [statistics.fmean(values[max(0, i + 1 - window):i + 1]) for i in range(len(values))]
 
 
-def first_and_last_quarter(values):
-    """(mean of the first quarter, mean of the last quarter) of a run's per-step values; None if there are none."""
-    if not values:
-        return None
-    q = max(1, len(values) // 4)
-    return statistics.fmean(values[:q]), statistics.fmean(values[-q:])
+def signal_groups(m, dynamic_sampling):
+    """Groups with signal (answers not all equal) in the batch a step trained on. Dynamic sampling trains only on
+    those; without it the batch is every group generated, and the rollout counts the all-right and all-wrong."""
+    if dynamic_sampling:
+        return m["train/groups_kept"]
+    return m["train/groups_kept"] * (1 - m["rollout/frac_all_correct"] - m["rollout/frac_all_wrong"])
 
 
-def summarize(metrics, target_acc, window):
-    """One run's numbers for the table. "First/last" are the means over the first and the last quarter of the steps.
-    Steps to target: the first step at which the moving average of the rollout accuracy (the policy's accuracy on
-    fresh training prompts, every response generated counted) reaches target_acc; None if it never does."""
-    steps, acc = series(metrics, "rollout/acc")
-    _, generated = series(metrics, "responses_generated")
-    smooth = moving_average(acc, window)
+def summarize(metrics, probed, config, target_acc, window):
+    """One run's numbers; a quantity logged per step is its mean over the run (a technique acts while its failure
+    is there, early or late). Steps to target: the first step at which the moving average of the rollout accuracy (on
+    fresh training prompts, every response generated counted) reaches target_acc; a run that never does counts as
+    steps + 1 (and "reached" says so)."""
+    rollouts = [m for m in metrics if "rollout/acc" in m]
+    steps = [m["step"] for m in rollouts]
+    smooth = moving_average([m["rollout/acc"] for m in rollouts], window)
     hit = next((i for i, a in enumerate(smooth) if a >= target_acc), None)
-    _, val = series(metrics, "val/acc")
+    generated = list(itertools.accumulate(
+        (m["train/groups_kept"] + m["train/groups_filtered"] + m.get("train/groups_surplus", 0))
+        * config["group_size"] for m in rollouts))
     return {
-        "val_first": val[0] if val else None, "val_last": val[-1] if val else None,
-        "entropy": first_and_last_quarter(series(metrics, "actor/entropy")[1]),
-        "length": first_and_last_quarter(series(metrics, "rollout/response_length/mean")[1]),
-        "clip_high": statistics.fmean(series(metrics, "dapo/clipfrac_high")[1] or [0.0]),
-        "clip_low": statistics.fmean(series(metrics, "dapo/clipfrac_low")[1] or [0.0]),
-        "truncated": statistics.fmean(series(metrics, "rollout/clip_ratio")[1]),
-        "no_signal": statistics.fmean(series(metrics, "rollout/frac_no_signal")[1]),
-        "steps_to_target": None if hit is None else steps[hit],
-        "responses_to_target": None if hit is None else generated[hit],
-        "responses": generated[-1], "steps": steps[-1],
+        "entropy": statistics.fmean(series(rollouts, "actor/entropy")[1]),
+        "distinct": probed["distinct"],
+        "steps_to_target": steps[hit] if hit is not None else steps[-1] + 1, "reached": hit is not None,
+        "responses_to_target": generated[hit] if hit is not None else None,
+        "signal_groups": statistics.fmean(signal_groups(m, config["dynamic_sampling"]) for m in rollouts),
+        "length": statistics.fmean(m["rollout/response_length/mean"] for m in rollouts),
+        "repeats": probed["repeats"],
+        "truncated": statistics.fmean(m["rollout/clip_ratio"] for m in rollouts),
+        "val_acc": probed["val_acc"], "worked": probed["worked"],
+        "clip_high": statistics.fmean(m.get("dapo/clipfrac_high", 0.0) for m in rollouts),
+        "responses": generated[-1],
     }
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The table
+# The statistics and the table
 
-def _k(n):
-    return f"{n / 1000:.1f}k" if n >= 1000 else f"{n:.0f}"
-
-
-def _pair(pair, fmt):
-    return "-" if pair is None else f"{pair[0]:{fmt}} → {pair[1]:{fmt}}"
+# Student's t, two-sided 95%, by degrees of freedom (seeds - 1): with 6 seeds a difference must be 2.57 standard errors
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 11: 2.20, 12: 2.18,
+       13: 2.16, 14: 2.14, 15: 2.13, 16: 2.12, 17: 2.11, 18: 2.10, 19: 2.09, 20: 2.09, 25: 2.06, 30: 2.04}
 
 
-# Student's t, two-sided 95%, by degrees of freedom (seeds - 1): with 3 seeds a difference must be 4.3 standard errors
-T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23}
+def t95(df):
+    return T95.get(df) or T95[max(k for k in T95 if k < df)]  # between table entries: the larger, stricter value
 
 
-def delta_cell(now, before):
-    """Row minus the row above on final val/acc, paired by seed (a seed is the same data order and sampling in every
-    row): mean ± standard error over seeds, and "~ noise" when a paired t-test at 95% cannot tell it from 0."""
-    seeds = sorted(set(now) & set(before))
-    diffs = [now[s]["val_last"] - before[s]["val_last"] for s in seeds
-             if now[s]["val_last"] is not None and before[s]["val_last"] is not None]
-    if not diffs:
-        return "-"
-    mean = statistics.fmean(diffs)
-    if len(diffs) == 1:
-        return f"{mean:+.3f} (1 seed)"
-    se = statistics.stdev(diffs) / len(diffs) ** 0.5
-    return f"{mean:+.3f} ± {se:.3f}" + (" ~ noise" if abs(mean) <= T95.get(len(diffs) - 1, 2.0) * se else "")
+def paired(dapo_values, row_values, better):
+    """DAPO minus the row, seed by seed, signed so that > 0 is the paper's direction -> (mean, standard error, t,
+    verdict), the verdict a two-sided paired t-test at 95% over the seeds."""
+    seeds = sorted(set(dapo_values) & set(row_values))
+    sign = 1 if better == "higher" else -1
+    diffs = [sign * (dapo_values[s] - row_values[s]) for s in seeds]
+    if len(diffs) < 2:
+        return (diffs[0] if diffs else float("nan")), float("nan"), float("nan"), f"{len(diffs)} seed(s): no test"
+    mean, se = statistics.fmean(diffs), statistics.stdev(diffs) / len(diffs) ** 0.5
+    t = mean / se if se > 0 else (float("inf") if mean > 0 else float("-inf") if mean < 0 else 0.0)
+    crit = t95(len(diffs) - 1)
+    verdict = "yes" if t > crit else "opposite, beyond noise" if t < -crit else "within noise"
+    return mean, se, t, verdict
 
 
-def build_table(summaries, target_acc, caption=""):
-    """summaries {row: {seed: summarize(...)}} -> the markdown table (with its caption and notes)."""
-    head = ["row", "paper AIME24", "val/acc (mean ± sd)", "Δ vs row above", "entropy first → last",
-            "length first → last", "clipped high / low", "truncated", "no-signal groups",
-            f"steps (responses) to acc ≥ {target_acc:g}",
-            "responses generated"]
+def build_table(summaries, acfg, caption=""):
+    """summaries {row: {seed: summarize(...)}} -> markdown: one line per (technique, quantity it acts on)."""
+    head = ["technique (paper)", "judged on", "DAPO", "without it", "difference (+: the paper's direction)",
+            "t", "paper's direction, beyond noise?"]
     lines = ([caption, ""] if caption else []) + ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    baseline = None
-    rows = sorted(summaries)
-    for i, row in enumerate(rows):
-        runs = summaries[row]
-        seeds = sorted(runs)
-        vals = [runs[s]["val_last"] for s in seeds if runs[s]["val_last"] is not None]
-        val = "-" if not vals else f"{statistics.fmean(vals):.3f}" + (
-            f" ± {statistics.stdev(vals):.3f}" if len(vals) > 1 else "")
-        above = summaries.get(row - 1)
-        delta = delta_cell(runs, above) if above else "-"
-        mean_pair = lambda key: None if any(runs[s][key] is None for s in seeds) else tuple(
-            statistics.fmean(runs[s][key][j] for s in seeds) for j in (0, 1))
-        hits = [s for s in seeds if runs[s]["steps_to_target"] is not None]
-        to_target = "-" if not hits else (f"{statistics.fmean(runs[s]['steps_to_target'] for s in hits):.0f} "
-                                          f"({_k(statistics.fmean(runs[s]['responses_to_target'] for s in hits))})")
-        if len(hits) < len(seeds):
-            to_target += f", {len(hits)}/{len(seeds)} seeds"
-        responses = statistics.fmean(runs[s]["responses"] for s in seeds)
-        baseline = baseline or responses
-        lines.append("| " + " | ".join([
-            f"{row}. {ROWS[row - 1][0]}", str(ROWS[row - 1][1]), val, delta, _pair(mean_pair("entropy"), ".3f"),
-            _pair(mean_pair("length"), ".1f"),
-            " / ".join(f"{statistics.fmean(runs[s][k] for s in seeds):.2%}" for k in ("clip_high", "clip_low")),
-            f"{statistics.fmean(runs[s]['truncated'] for s in seeds):.1%}",
-            f"{statistics.fmean(runs[s]['no_signal'] for s in seeds):.1%}", to_target,
-            f"{_k(responses)} ({responses / baseline:.2f}x)"]) + " |")
-    lines += ["", "val/acc: held-out avg@k after the last step; ± is the standard deviation over seeds. Δ: the change "
-              "from the row above, paired by seed, ± its standard error; \"~ noise\": a paired t-test (95%) cannot "
-              "tell it from 0. Entropy (nats/token) and response length (tokens): means over the first and the last "
-              "quarter of the steps. Clipped: the fraction of trained tokens whose ratio was clipped at the top "
-              "(A > 0, r > 1 + eps_high) and at the bottom (A < 0, r < 1 - eps_low). Truncated: responses cut at the "
-              "length limit. No-signal groups: groups whose answers are all right or all wrong (zero advantage), "
-              "before dynamic sampling drops them. Steps (responses) to acc: the first step at which the moving "
-              "average of the rollout accuracy reaches it, mean over the seeds that did, and the responses generated "
-              "by then. Responses generated: over the whole run, and relative to the first row."]
+    dapo_runs = summaries.get(1, {})
+    for row in sorted(summaries):
+        spec = ROWS[row - 1]
+        for metric in spec.judged_on:
+            a = {s: v[metric.key] for s, v in dapo_runs.items()}
+            b = {s: v[metric.key] for s, v in summaries[row].items()}
+            mean, se, t, verdict = paired(a, b, metric.better)
+            cells = [_mean_sd(a.values(), metric.fmt), _mean_sd(b.values(), metric.fmt)]
+            if metric.key == "steps_to_target":  # a run that never reaches the target counts as steps + 1
+                cells = [f"{c} ({sum(r['reached'] for r in runs.values())}/{len(runs)} reach it)"
+                         for c, runs in zip(cells, (dapo_runs, summaries[row]))]
+            lines.append("| " + " | ".join([
+                f"{spec.label.replace('no ', '')} (Sec. {spec.section})", metric.label.format(target=acfg.target_acc),
+                *cells,
+                f"{mean:+{metric.fmt}} ± {se:{metric.fmt}}", f"{t:.1f}", verdict]) + " |")
     return "\n".join(lines)
 
 
-def caption(runs):
-    info, metrics = next(iter(runs.values()))
-    c = info["config"]
-    evals = [m for m in metrics if "val/acc" in m]
-    k = next((key.split("@")[1] for key in evals[0] if key.startswith("val/pass@")), "?") if evals else "?"
-    base = {seed: next((m["val/acc"] for m in ms if "val/acc" in m), None) for (_, seed), (_, ms) in runs.items()}
-    walls = [i["wall_s"] for i, _ in runs.values()]  # each run's own time: the base model was ready before
-    seeds = sorted({seed for _, seed in runs})
-    return (f"## The paper's Table 1 at toy scale\n\n{c['steps']} rollout steps of {c['train_prompts']} prompts x "
-            f"{c['group_size']} responses (dynamic sampling: generation batches of {c['gen_prompts']} prompts, at most "
-            f"{c['max_gen_batches']} a step), {c['mini_batch_prompts']} prompts per optimizer step, lr {c['lr']:g}, "
-            f"responses cut at {c['max_response_len']} tokens (overlong buffer {c['overlong_buffer']}); "
-            f"{len(seeds)} seed(s) ({', '.join(map(str, seeds))}) per row; val/acc is avg@{k} on {c['eval_prompts']} "
-            f"held-out problems, every {c['eval_every']} steps. Every run starts from the same base model; its "
-            f"val/acc at step 0, as each seed samples it: "
-            + ", ".join(f"seed {s} {v:.3f}" for s, v in sorted(base.items()) if v is not None)
-            + f". One run took {statistics.median(walls) / 60:.1f} min (median of {len(walls)}, "
-            f"{info.get('threads', '?')} torch thread(s)).")
+def _mean_sd(values, fmt):
+    values = list(values)
+    if not values:
+        return "-"
+    return f"{statistics.fmean(values):{fmt}}" + (f" ± {statistics.stdev(values):{fmt}}" if len(values) > 1 else "")
+
+
+def build_overview(summaries, acfg):
+    """Every row on every quantity (mean over seeds): what switching one technique off does to the others' numbers."""
+    cols = [("val_acc", "held-out acc", ".3f"), ("entropy", "entropy", ".3f"), ("distinct", "distinct right", ".2f"),
+            ("steps_to_target", f"steps to {acfg.target_acc:g}", ".1f"), ("signal_groups", "signal groups", ".1f"),
+            ("length", "length", ".1f"), ("repeats", "filler repeats", ".2f"), ("truncated", "truncated", ".3f"),
+            ("worked", "working shown", ".2f"), ("clip_high", "clipped high", ".4f"),
+            ("responses", "generated", ".0f")]
+    lines = ["| row | " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * (len(cols) + 1)]
+    for row in sorted(summaries):
+        runs = summaries[row].values()
+        lines.append(f"| {row}. {ROWS[row - 1].label} | " + " | ".join(
+            f"{statistics.fmean(r[key] for r in runs):{fmt}}" for key, _, fmt in cols) + " |")
+    return "\n".join(lines)
+
+
+def build_bandit_table(path):
+    """The clip-higher bandit's judged numbers (ablate_isolated.py), paired by seed like the runs."""
+    with open(path) as f:
+        bandit = json.load(f)
+    head = ["clip-higher in isolation", "eps_high = 0.28", "eps_high = 0.2", "difference (+: the paper's direction)",
+            "t", "paper's direction, beyond noise?"]
+    lines = [f"The one-step policy of ablate_isolated.py, {bandit['seeds']} seeds, paired:", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in bandit["rows"]:
+        mean, se, t, verdict = paired(dict(enumerate(row["raised"])), dict(enumerate(row["symmetric"])),
+                                      row["better"])
+        lines.append(f"| {row['label']} | {statistics.fmean(row['raised']):.2f} | "
+                     f"{statistics.fmean(row['symmetric']):.2f} | {mean:+.2f} ± {se:.2f} | {t:.1f} | {verdict} |")
+    return "\n".join(lines)
+
+
+def caption(runs, acfg):
+    walls = [info["wall_s"] for info, _, _ in runs.values()]
+    seeds = sorted({s for _, s in runs})
+    return (f"{len(seeds)} seeds ({', '.join(map(str, seeds))}) x {acfg.steps} rollout steps per row; one run took "
+            f"{statistics.median(walls) / 60:.1f} min (median of {len(walls)}, one torch thread). Paired over seeds: "
+            f"mean ± standard error of the per-seed difference, two-sided t-test at 95% "
+            f"(t > {t95(len(seeds) - 1)} with {len(seeds) - 1} degrees of freedom).")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The figure: every row's curves, averaged over seeds
+# The figure: each technique's quantity, DAPO against the row without it, mean over seeds
 
-PANELS = [  # (title, metric, x axis, smoothed)
-    ("held-out accuracy (val/acc)", "val/acc", "step", False),
-    ("rollout accuracy vs responses generated", "rollout/acc", "responses_generated", True),
-    ("entropy (nats/token)", "actor/entropy", "step", True),
-    ("response length (tokens)", "rollout/response_length/mean", "step", True),
-    ("truncated responses (fraction)", "rollout/clip_ratio", "step", True),
-    ("groups all right or all wrong (fraction)", "rollout/frac_no_signal", "step", True),
+PANELS = [  # (row without the technique, metric logged per step, title)
+    (2, "actor/entropy", "clip-higher: entropy (nats/token)"),
+    (2, "rollout/acc", "clip-higher: rollout accuracy"),
+    (3, "rollout/acc", "dynamic sampling: rollout accuracy"),
+    (3, "signal_groups", "dynamic sampling: groups with signal per step"),
+    (4, "rollout/response_length/mean", "token-level loss: response length"),
+    (4, "rollout/clip_ratio", "token-level loss: responses rambling past the limit"),
+    (5, "rollout/clip_ratio", "overlong shaping: truncated responses"),
 ]
 
 
-def mean_curve(runs, key, x_key, window):
-    """Mean over seeds at every step all the seeds logged: x (the mean of x_key), y (smoothed if window > 1), and
-    the min and max over seeds."""
+def curve(runs_of_row, key, window):
+    """Mean over seeds at each step (smoothed), and the min and max over seeds."""
     per_seed = []
-    for metrics in runs:
-        points = {m["step"]: (m[x_key] if x_key != "step" else m["step"], m[key]) for m in metrics
-                  if m.get(key) is not None}
-        per_seed.append(points)
-    steps = sorted(set.intersection(*(set(p) for p in per_seed))) if per_seed else []
-    x = [statistics.fmean(p[s][0] for p in per_seed) for s in steps]
-    ys = [moving_average([p[s][1] for s in steps], window) for p in per_seed]
-    y = [statistics.fmean(col) for col in zip(*ys)]
-    return x, y, [min(col) for col in zip(*ys)], [max(col) for col in zip(*ys)]
+    for info, metrics, _ in runs_of_row:
+        rollouts = [m for m in metrics if "rollout/acc" in m]
+        if key == "signal_groups":
+            ys = [signal_groups(m, info["config"]["dynamic_sampling"]) for m in rollouts]
+        else:
+            ys = [m[key] for m in rollouts]
+        per_seed.append(moving_average(ys, window))
+    n = min(len(y) for y in per_seed)
+    cols = [[y[i] for y in per_seed] for i in range(n)]
+    return (list(range(1, n + 1)), [statistics.fmean(c) for c in cols], [min(c) for c in cols],
+            [max(c) for c in cols])
 
 
-def plot_ablation(runs, out, window):
+def plot_ablation(runs, summaries, acfg, out):
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         raise SystemExit("ablate.py draws its figure with matplotlib: pip install -r requirements-extra.txt") from None
-    rows = sorted({row for row, _ in runs})
-    n_seeds = len({seed for _, seed in runs})
-    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
-    for ax, (title, key, x_key, smoothed) in zip(axes.flat, PANELS):
-        for row in rows:
-            x, y, lo, hi = mean_curve([m for (r, _), (_, m) in sorted(runs.items()) if r == row], key, x_key,
-                                      window if smoothed else 1)
-            if not x:
+    fig, axes = plt.subplots(2, 4, figsize=(20, 8.5))
+    for ax, (row, key, title) in zip(axes.flat, PANELS):
+        for r, color in ((1, "black"), (row, f"C{row - 1}")):
+            of_row = [v for (rr, _), v in sorted(runs.items()) if rr == r]
+            if not of_row:
                 continue
-            color = "black" if row == len(ROWS) else f"C{row - 1}"
-            ax.plot(x, y, "-o" if key == "val/acc" else "-", color=color, markersize=3,
-                    linewidth=2 if row == len(ROWS) else 1.2, label=f"{row}. {ROWS[row - 1][0]}")
-            if n_seeds > 1:
-                ax.fill_between(x, lo, hi, color=color, alpha=0.08, linewidth=0)
-        ax.set_title(title + (f", {window}-step mean" if smoothed and window > 1 else ""), fontsize=10)
-        ax.set_xlabel("responses generated" if x_key == "responses_generated" else "rollout step")
+            x, y, lo, hi = curve(of_row, key, acfg.window)
+            ax.plot(x, y, color=color, linewidth=2 if r == 1 else 1.4, label=ROWS[r - 1].label)
+            ax.fill_between(x, lo, hi, color=color, alpha=0.1, linewidth=0)
+        if key == "rollout/acc":
+            ax.axhline(acfg.target_acc, color="gray", linestyle=":", linewidth=1)
+        ax.set_title(title + (f", {acfg.window}-step mean" if acfg.window > 1 else ""), fontsize=10)
+        ax.set_xlabel("rollout step")
         ax.grid(alpha=0.3)
-    axes.flat[0].legend(fontsize=8)
-    fig.suptitle(f"DAPO ablation at toy scale (paper Table 1): mean of {n_seeds} seed(s), band = min..max over seeds")
+        ax.legend(fontsize=8)
+    ax = axes.flat[len(PANELS)]  # the final policies, probed on held-out problems: one dot per seed
+    rows = sorted(summaries)
+    for r in rows:
+        accs = [s["val_acc"] for s in summaries[r].values()]
+        color = "black" if r == 1 else f"C{r - 1}"
+        ax.bar(r, statistics.fmean(accs), color=color, alpha=0.35)
+        ax.plot([r] * len(accs), accs, "o", color=color, markersize=4)
+    ax.set_xticks(rows, [ROWS[r - 1].label.replace("no ", "no\n") for r in rows], fontsize=7)
+    ax.set_title(f"held-out accuracy of the final policies ({acfg.probe_samples} samples/problem)", fontsize=10)
+    ax.grid(alpha=0.3, axis="y")
+    n_seeds = len({s for _, s in runs})
+    fig.suptitle(f"DAPO against DAPO without one technique, toy scale: mean of {n_seeds} seeds, band = min..max")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
@@ -386,22 +476,25 @@ def report(acfg):
     if not runs:
         raise SystemExit(f"no finished run under {acfg.out_dir} for rows {acfg.rows} and seeds {acfg.seeds}")
     summaries = {}
-    for (row, seed), (_, metrics) in sorted(runs.items()):
-        summaries.setdefault(row, {})[seed] = summarize(metrics, acfg.target_acc, acfg.window)
-    table = build_table(summaries, acfg.target_acc, caption(runs))
+    for (row, seed), (info, metrics, probed) in sorted(runs.items()):
+        summaries.setdefault(row, {})[seed] = summarize(metrics, probed, info["config"], acfg.target_acc,
+                                                        acfg.window)
+    text = build_table(summaries, acfg, caption(runs, acfg)) + "\n\n" + build_overview(summaries, acfg)
+    bandit = os.path.join(acfg.out_dir, "clip_bandit.json")
+    if os.path.isfile(bandit):
+        text += "\n\n" + build_bandit_table(bandit)
     with open(os.path.join(acfg.out_dir, "table.md"), "w") as f:
-        f.write(table + "\n")
-    print(table)
-    print(f"\nwrote {os.path.join(acfg.out_dir, 'table.md')} and "
-          f"{plot_ablation(runs, os.path.join(acfg.out_dir, 'ablation.png'), acfg.window)}")
+        f.write(text + "\n")
+    print(text)
+    out = plot_ablation(runs, summaries, acfg, os.path.join(acfg.out_dir, "ablation.png"))
+    print(f"\nwrote {os.path.join(acfg.out_dir, 'table.md')} and {out}")
+    return summaries
 
 
 def main(acfg: AblateConfig):
     if not acfg.rows or not set(acfg.rows) <= set(range(1, len(ROWS) + 1)):
         raise SystemExit(f"--rows: numbers from 1 to {len(ROWS)}")
     parse_overrides(acfg.set)  # a typo fails now, not after the first run
-    if acfg.threads:
-        torch.set_num_threads(acfg.threads)
     if not acfg.report_only:
         t0 = time.time()
         run_all(acfg)

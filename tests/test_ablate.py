@@ -1,4 +1,4 @@
-"""ablate.py: the rows are the paper's Table 1, and the table is computed right from (hand-made) metrics logs."""
+"""ablate.py: each row is DAPO with one technique off, and the table is computed right from (hand-made) logs."""
 import json
 import os
 from dataclasses import asdict
@@ -6,115 +6,102 @@ from dataclasses import asdict
 import pytest
 
 import ablate
-from ablate import ROWS, TECHNIQUES, AblateConfig, add_derived, build_table, row_switches, summarize
+from ablate import REGIME, ROWS, TECHNIQUES, AblateConfig, paired, summarize
 from dapo import Config
 
 
-def fake_metrics(acc, val=(0.3, 0.5), kept=2, filtered=1, group_size=4):
-    """A run's metrics.jsonl rows as dapo.py logs them: an evaluation at step 0 and at the end, a rollout per step."""
-    rows = [{"step": 0, "val/acc": val[0], "val/pass@4": 0.5}]
-    for i, a in enumerate(acc):
-        rows.append({"step": i + 1, "rollout/acc": a, "actor/entropy": 1.0 - 0.1 * i, "rollout/response_length/mean": 20.0 + i,
-                     "dapo/clipfrac_high": 0.01 * i, "dapo/clipfrac_low": 0.02,
-                     "rollout/clip_ratio": 0.1, "train/groups_kept": kept, "train/groups_filtered": filtered,
-                     "rollout/frac_all_correct": 0.25, "rollout/frac_all_wrong": 0.125})
-    rows.append({"step": len(acc), "val/acc": val[1], "val/pass@4": 0.9})
-    return add_derived(rows, group_size)
+def fake_metrics(acc, no_signal=0.25, length=30.0, clip_ratio=0.1, kept=4, filtered=2):
+    """A run's metrics.jsonl rows as dapo.py logs them, one per rollout step."""
+    return [{"step": i + 1, "rollout/acc": a, "actor/entropy": 1.0 - 0.1 * i,
+             "rollout/response_length/mean": length + i, "rollout/clip_ratio": clip_ratio,
+             "rollout/frac_all_correct": no_signal, "rollout/frac_all_wrong": 0.0,
+             "dapo/clipfrac_high": 0.01, "train/groups_kept": kept, "train/groups_filtered": filtered}
+            for i, a in enumerate(acc)]
 
 
-def test_rows_add_the_techniques_in_the_papers_order_and_end_at_dapo_defaults():
-    assert [label for label, _, _ in ROWS] == ["naive GRPO", "+ overlong filtering", "+ clip-higher",
-                                               "+ soft overlong punishment", "+ token-level loss",
-                                               "+ dynamic sampling (DAPO)"]
-    assert row_switches(1) == dict.fromkeys(TECHNIQUES, False)
-    assert row_switches(len(ROWS)) == {t: getattr(Config(), t) for t in TECHNIQUES}  # the last row is full DAPO
-    turned_on = [{t for t in TECHNIQUES if row_switches(r)[t] and not row_switches(r - 1)[t]}
-                 for r in range(2, len(ROWS) + 1)]
-    assert turned_on == [{"overlong_filtering"}, {"clip_higher"}, {"overlong_shaping"}, {"token_level_loss"},
-                         {"dynamic_sampling"}]
-    assert not row_switches(4)["overlong_filtering"]  # the soft punishment replaces filtering
+PROBED = {"val_acc": 0.5, "distinct": 1.5, "repeats": 0.2, "worked": 0.9, "truncated": 0.0, "length": 30.0}
 
 
-def test_every_run_of_a_seed_differs_only_in_the_switches():
+def test_the_first_row_is_dapo_and_every_other_row_switches_one_technique_off():
+    assert ROWS[0].switches == {}
+    for row in ROWS[1:]:
+        assert len(row.switches) == 1 and set(row.switches) <= set(TECHNIQUES)
+        name, value = next(iter(row.switches.items()))
+        assert value is False and getattr(Config(), name) is True  # on in DAPO, off in the row
+    assert len({name for row in ROWS for name in row.switches}) == len(ROWS) - 1
+
+
+def test_runs_of_a_seed_differ_only_in_the_rows_switch():
     acfg = AblateConfig(steps=7, seeds=[3], set=["lr=1e-3"])
     configs = [asdict(ablate.run_config(acfg, row, 3)) for row in range(1, len(ROWS) + 1)]
     assert all(c["steps"] == 7 and c["seed"] == 3 and c["lr"] == 1e-3 for c in configs)
-    for c in configs[1:]:
-        assert {k for k in c if c[k] != configs[0][k]} <= set(TECHNIQUES) | {"out_dir"}
-    assert len({c["out_dir"] for c in configs}) == len(ROWS)  # no run overwrites another
+    assert all(configs[0][k] == v for k, v in REGIME.items() if k != "lr")
+    for row, c in zip(ROWS[1:], configs[1:]):
+        assert {k for k in c if c[k] != configs[0][k]} == set(row.switches) | {"out_dir"}
 
 
 def test_overrides_are_typed_and_the_switches_are_refused():
     assert ablate.parse_overrides(["lr=1e-3", "group_size=4", "activation_checkpointing=true"]) == \
         {"lr": 1e-3, "group_size": 4, "activation_checkpointing": True}
-    for bad in (["clip_higher=false"], ["seed=1"], ["no_such_field=1"], ["lr"]):
+    for bad in (["clip_higher=false"], ["seed=1"], ["model=x"], ["no_such_field=1"], ["lr"]):
         with pytest.raises(SystemExit):
             ablate.parse_overrides(bad)
 
 
-def test_steps_to_target_use_the_moving_average_of_rollout_accuracy():
+def test_steps_to_target_use_the_moving_average_and_count_a_miss_as_one_past_the_end():
+    config = {"group_size": 4, "dynamic_sampling": True}
     metrics = fake_metrics([0.2, 0.7, 0.3, 0.7, 0.7])
-    one = summarize(metrics, target_acc=0.6, window=1)
-    assert one["steps_to_target"] == 2 and one["responses_to_target"] == 2 * 12  # (2 kept + 1 filtered) x 4
-    two = summarize(metrics, target_acc=0.6, window=2)  # means 0.2, 0.45, 0.5, 0.5, 0.7
-    assert two["steps_to_target"] == 5 and two["responses_to_target"] == 5 * 12
-    assert summarize(metrics, target_acc=0.9, window=1)["steps_to_target"] is None
+    one = summarize(metrics, PROBED, config, target_acc=0.6, window=1)
+    assert one["steps_to_target"] == 2 and one["responses_to_target"] == 2 * 6 * 4  # (4 kept + 2 filtered) x 4
+    two = summarize(metrics, PROBED, config, target_acc=0.6, window=2)  # means 0.2, 0.45, 0.5, 0.5, 0.7
+    assert two["steps_to_target"] == 5 and two["reached"]
+    miss = summarize(metrics, PROBED, config, target_acc=0.9, window=1)
+    assert miss["steps_to_target"] == 6 and not miss["reached"]
 
 
-def test_summary_reads_the_last_evaluation_and_the_quarters():
-    s = summarize(fake_metrics([0.5] * 8, val=(0.25, 0.75)), target_acc=0.6, window=1)
-    assert (s["val_first"], s["val_last"]) == (0.25, 0.75)
-    assert s["entropy"] == pytest.approx((0.95, 0.35))  # steps 1-2: 1.0, 0.9; steps 7-8: 0.4, 0.3
-    assert s["length"] == pytest.approx((20.5, 26.5))
-    assert s["no_signal"] == pytest.approx(0.375) and s["responses"] == 8 * 12
+def test_groups_with_signal_are_the_kept_groups_only_with_dynamic_sampling():
+    metrics = fake_metrics([0.5] * 4, no_signal=0.25, kept=8)
+    with_ds = summarize(metrics, PROBED, {"group_size": 4, "dynamic_sampling": True}, 0.9, 1)
+    without = summarize(metrics, PROBED, {"group_size": 4, "dynamic_sampling": False}, 0.9, 1)
+    assert with_ds["signal_groups"] == 8 and without["signal_groups"] == 6  # a quarter of 8 all right
 
 
-def _summaries(final_vals, target_acc=0.6):
-    """{row: {seed: summary}} with the given final val/acc per row and seed; rollout accuracy 0.3, 0.4, 0.5, 0.6."""
-    return {row: {seed: summarize(fake_metrics([0.3, 0.4, 0.5, 0.6], val=(0.3, v)), target_acc, 1)
-                  for seed, v in enumerate(vals)} for row, vals in final_vals.items()}
+def test_quantities_logged_per_step_are_averaged_over_the_run():
+    s = summarize(fake_metrics([0.5] * 4, length=20.0), PROBED, {"group_size": 4, "dynamic_sampling": True}, 0.9, 1)
+    assert s["length"] == pytest.approx(21.5) and s["entropy"] == pytest.approx(0.85)  # 20-23; 1.0-0.7
 
 
-def test_table_pairs_seeds_and_says_when_a_difference_is_noise():
-    table = build_table(_summaries({1: [0.30, 0.50, 0.40], 2: [0.41, 0.60, 0.49], 3: [0.51, 0.50, 0.39],
-                                    4: [0.53, 0.53, 0.40]}), 0.6)
-    lines = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in table.splitlines() if "|" in line}
-    assert lines["1. naive GRPO"][2] == "0.400 ± 0.100"  # mean ± sd over the three seeds
-    assert lines["2. + overlong filtering"][3] == "+0.100 ± 0.006"  # every seed gained ~0.1: paired, tiny error
-    assert lines["3. + clip-higher"][3].endswith("~ noise")  # +0.1, -0.1, -0.1: no telling
+def test_paired_test_signs_the_difference_the_papers_way_and_says_when_it_is_noise():
+    dapo_runs, row_runs = {0: 1.0, 1: 2.0, 2: 3.0}, {0: 0.9, 1: 1.9, 2: 2.9}
+    mean, se, t, verdict = paired(dapo_runs, row_runs, "higher")
+    assert mean == pytest.approx(0.1) and se == pytest.approx(0.0, abs=1e-12) and verdict == "yes"
+    assert paired(dapo_runs, row_runs, "lower")[3] == "opposite, beyond noise"
     # +0.02, +0.03, +0.01: 3.5 standard errors, but with 3 seeds a t-test at 95% needs 4.3
-    assert lines["4. + soft overlong punishment"][3] == "+0.020 ± 0.006 ~ noise"
-    assert lines["1. naive GRPO"][6] == "1.50% / 2.00%"  # clip fractions 0, 0.01, 0.02, 0.03 at the top
-    assert lines["1. naive GRPO"][9] == "4 (48)"  # rollout accuracy reaches 0.6 at step 4, after 4 x 12 responses
-
-
-def test_table_with_one_seed_has_no_spread():
-    table = build_table(_summaries({5: [0.4], 6: [0.5]}, target_acc=0.5), 0.5)
-    row6 = next(line for line in table.splitlines() if line.startswith("| 6."))
-    assert "±" not in row6 and "+0.100 (1 seed)" in row6 and "| 3 (36) |" in row6
+    assert paired({0: 0.52, 1: 0.53, 2: 0.51}, {0: 0.5, 1: 0.5, 2: 0.5}, "higher")[3] == "within noise"
+    assert paired({0: 1.0}, {0: 0.5}, "higher")[3] == "1 seed(s): no test"
 
 
 def test_report_writes_the_table_and_the_figure_and_refuses_mixed_settings(tmp_path):
     pytest.importorskip("matplotlib")
-    acfg = AblateConfig(out_dir=str(tmp_path), rows=[1, 6], seeds=[0, 1])
+    acfg = AblateConfig(out_dir=str(tmp_path), steps=4, rows=[1, 2], seeds=[0, 1])
     for row in acfg.rows:
         for seed in acfg.seeds:
             path = ablate.run_dir(acfg.out_dir, row, seed)
             os.makedirs(path)
             with open(os.path.join(path, "metrics.jsonl"), "w") as f:
-                f.writelines(json.dumps({k: v for k, v in m.items() if k not in ("responses_generated",
-                                                                                  "rollout/frac_no_signal")}) + "\n"
-                             for m in fake_metrics([0.4, 0.5, 0.6, 0.7], val=(0.3, 0.4 + 0.1 * row / 6)))
+                f.writelines(json.dumps(m) + "\n" for m in fake_metrics([0.4, 0.5, 0.6, 0.7]))
+            with open(os.path.join(path, "probe.json"), "w") as f:
+                json.dump(dict(PROBED, distinct=2.0 - row / 2 + seed / 10), f)
             with open(os.path.join(path, "run.json"), "w") as f:
                 json.dump({"row": row, "seed": seed, "wall_s": 60.0, "threads": 1,
                            "config": asdict(ablate.run_config(acfg, row, seed))}, f)
     ablate.report(acfg)
     assert (tmp_path / "ablation.png").stat().st_size > 10_000
     table = (tmp_path / "table.md").read_text()
-    assert "| 1. naive GRPO |" in table and "| 6. + dynamic sampling (DAPO) |" in table
-    assert "val/acc at step 0, as each seed samples it: seed 0 0.300, seed 1 0.300" in table
+    line = next(line for line in table.splitlines() if "distinct right answers" in line)
+    assert "| 1.55 ± 0.07 | 1.05 ± 0.07 | +0.50 ± 0.00 |" in line and line.endswith("| yes |")
 
-    info_path = os.path.join(ablate.run_dir(acfg.out_dir, 6, 1), "run.json")
+    info_path = os.path.join(ablate.run_dir(acfg.out_dir, 2, 1), "run.json")
     with open(info_path) as f:
         info = json.load(f)
     info["config"]["lr"] *= 2
