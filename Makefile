@@ -22,21 +22,25 @@ $(VENV)/.extra: requirements-extra.txt $(VENV)/.runtime
 	$(PIP) install -q -r requirements-extra.txt
 	touch $@
 
-# The embedded demo: a tiny Qwen2 is warmed up on a toy task (once; cached in runs/demo-base), then trained with
-# DAPO; prints val/acc before -> after and writes runs/demo/metrics.jsonl (`python plot.py` draws it).
+# The embedded demo: a tiny Qwen2 is warmed up on a toy task (once; cached in runs/demo-base), then
+# trained with DAPO; prints val/acc before -> after and writes runs/demo/metrics.jsonl
+# (`python plot.py` draws it).
 run: $(VENV)/.runtime
 	$(PY) dapo.py --out-dir runs/demo --overwrite
 
-# pytest exits 5 when it collects no test: that is a failure of the suite here, not a pass, so it is left as is.
+# pytest exits 5 when it collects no test: that is a failure of the suite here, not a pass, so it is
+# left as is.
 test: $(VENV)/.test
 	$(PY) -m pytest -q tests
 
 bench: $(VENV)/.test
 	for f in benchmarks/bench_*.py; do $(PY) $$f || exit 1; done
 
-# The whole RL step against TRL's GRPOTrainer. TRL is no dependency of the project: it goes into a venv of its own
-# (created once), and bench_step.py run by `make bench` above only says it is skipped.
-$(BENCH_VENV)/.bench: requirements-bench.txt requirements-test.txt requirements-extra.txt requirements.txt
+# The whole RL step against TRL's GRPOTrainer. TRL is no dependency of the project: it goes into a
+# venv of its own (created once), and bench_step.py run by `make bench` above only says it is
+# skipped.
+$(BENCH_VENV)/.bench: requirements-bench.txt requirements-test.txt requirements-extra.txt \
+                      requirements.txt
 	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/pip install -q --upgrade pip
 	$(BENCH_VENV)/bin/pip install -q -r requirements-bench.txt

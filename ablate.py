@@ -1,32 +1,38 @@
 """
 DAPO's four techniques at toy scale, each judged on what it acts on, in one command (`make ablate`).
 
-Each technique of the paper fixes a failure (Sec. 3.1-3.4). Each row here is DAPO (dapo.py's defaults) with ONE
-technique switched off, so the row's difference from the DAPO row is that technique's effect alone, measured on the
-quantity the technique acts on:
+Each technique of the paper fixes a failure (Sec. 3.1-3.4). Each row here is DAPO (dapo.py's
+defaults) with ONE technique switched off, so the row's difference from the DAPO row is that
+technique's effect alone, measured on the quantity the technique acts on:
 
-  row                    the failure without the technique (paper)               judged on
-  no clip-higher         low-probability tokens cannot rise, entropy collapses   entropy, distinct right answers
-  no dynamic sampling    all-right groups carry no gradient: slower progress     steps to the target accuracy
-  no token-level loss    a long response's tokens weigh less: rambling lives on  length, repetition, truncation
-  no overlong shaping    sound but truncated responses are punished: noise       truncated responses, accuracy
+  row                  the failure without the technique (paper)  judged on
+  no clip-higher       low-probability tokens cannot rise,        entropy, distinct right answers
+                       entropy collapses
+  no dynamic sampling  all-right groups carry no gradient:        steps to the target accuracy
+                       slower progress
+  no token-level loss  a long response's tokens weigh less:       length, repetition, truncation
+                       rambling lives on
+  no overlong shaping  sound but truncated responses are          truncated responses, accuracy
+                       punished: noise
 
-The paper's Table 1 adds the techniques one at a time; removing each from DAPO instead compares every technique with
-the same reference, in the setting where it is used, with one row per technique. Every run starts from the same base
-model (ablate_toy.py's, trained once and cached) with the same settings (REGIME); a seed fixes the data order and the
-sampling, the same in every row, so rows are compared seed by seed (a paired t-test over the seeds).
+The paper's Table 1 adds the techniques one at a time; removing each from DAPO instead compares
+every technique with the same reference, in the setting where it is used, with one row per
+technique. Every run starts from the same base model (ablate_toy.py's, trained once and cached) with
+the same settings (REGIME); a seed fixes the data order and the sampling, the same in every row, so
+rows are compared seed by seed (a paired t-test over the seeds).
 
-    python ablate.py                          # `make ablate`: every row x seed, the bandit, the tables, the figures
-    python ablate.py --report-only            # the table and figure again from the finished runs
-    python ablate.py --rows 1 2 --seeds 0     # DAPO against no clip-higher, one seed
-    python ablate.py --set lr=1e-4            # change a dapo.Config field for every row
+    python ablate.py                        # `make ablate`: every row x seed, the bandit, the
+                                            # tables, the figures
+    python ablate.py --report-only          # the table and figure again from the finished runs
+    python ablate.py --rows 1 2 --seeds 0   # DAPO against no clip-higher, one seed
+    python ablate.py --set lr=1e-4          # change a dapo.Config field for every row
 
-Writes out_dir/base-model/ (the base model, its tokenizer and the task's rows: every run's --model and data),
-out_dir/row{N}/seed{S}/ (metrics.jsonl, the final checkpoint, probe.json, run.json, log.txt), out_dir/table.md,
-out_dir/ablation.png, and clip-higher in isolation (ablate_isolated.py): out_dir/clip_bandit.json and clip_bandit.png.
-The final checkpoint of each run is probed on the held-out problems (probe.json): k samples per problem, read for what
-the logged metrics cannot say (distinct right answers, filler repeated, working shown). docs/ablation.md discusses
-one run of it.
+Writes out_dir/base-model/ (the base model, its tokenizer and the task's rows: every run's --model
+and data), out_dir/row{N}/seed{S}/ (metrics.jsonl, the final checkpoint, probe.json, run.json,
+log.txt), out_dir/table.md, out_dir/ablation.png, and clip-higher in isolation (ablate_isolated.py):
+out_dir/clip_bandit.json and clip_bandit.png. The final checkpoint of each run is probed on the
+held-out problems (probe.json): k samples per problem, read for what the logged metrics cannot say
+(distinct right answers, filler repeated, working shown). docs/ablation.md discusses one run of it.
 """
 import argparse
 import concurrent.futures
@@ -47,23 +53,27 @@ import ablate_toy
 import dapo
 from plot import read_metrics, series
 
-TECHNIQUES = ("clip_higher", "dynamic_sampling", "token_level_loss", "overlong_shaping", "overlong_filtering")
+TECHNIQUES = ("clip_higher", "dynamic_sampling", "token_level_loss", "overlong_shaping",
+              "overlong_filtering")
 
-# The settings every row shares (dapo.Config fields): 32 prompts x 4 responses per rollout step, and the paper's 16
-# optimizer steps per rollout (2 prompts' groups each), so the policy moves between the first and the last one and the
-# clip has something to bind (it still binds on only ~0.3% of the tokens: docs/ablation.md). Groups of 4 (the paper:
-# 16) make groups whose answers all agree common, as they are at scale once a model solves most of its training
-# problems; the 128 responses per step cost what 16 x 8 would.
-REGIME = dict(group_size=4, train_prompts=32, gen_prompts=48, max_gen_batches=4, mini_batch_prompts=2,
-              max_response_len=ablate_toy.ABL_MAX_RESPONSE_LEN, overlong_buffer=ablate_toy.ABL_OVERLONG_BUFFER,
-              lr=3e-4, warmup_steps=2, eval_every=0)
+# The settings every row shares (dapo.Config fields): 32 prompts x 4 responses per rollout step, and
+# the paper's 16 optimizer steps per rollout (2 prompts' groups each), so the policy moves between
+# the first and the last one and the clip has something to bind (it still binds on only ~0.3% of the
+# tokens: docs/ablation.md). Groups of 4 (the paper: 16) make groups whose answers all agree common,
+# as they are at scale once a model solves most of its training problems; the 128 responses per step
+# cost what 16 x 8 would.
+REGIME = dict(group_size=4, train_prompts=32, gen_prompts=48, max_gen_batches=4,
+              mini_batch_prompts=2, max_response_len=ablate_toy.ABL_MAX_RESPONSE_LEN,
+              overlong_buffer=ablate_toy.ABL_OVERLONG_BUFFER, lr=3e-4, warmup_steps=2,
+              eval_every=0)
 
 
 @dataclass
 class Metric:
     key: str  # in summarize()'s output
     label: str
-    better: str  # the paper's direction for DAPO against the row without the technique: "higher" or "lower"
+    # the paper's direction for DAPO against the row without the technique: "higher" or "lower"
+    better: str
     fmt: str = ".3f"
 
 
@@ -95,28 +105,39 @@ ROWS = [
 
 @dataclass
 class AblateConfig:
-    out_dir: str = field(default="runs/ablate", metadata={"help": "the runs, table.md and ablation.png go here"})
+    out_dir: str = field(default="runs/ablate",
+                         metadata={"help": "the runs, table.md and ablation.png go here"})
     steps: int = field(default=24, metadata={"help": "rollout steps of every run"})
     seeds: list = field(default_factory=lambda: [0, 1, 2, 3, 4, 5],
-                        metadata={"help": "one run per seed and row; a seed fixes the data order and the sampling"})
+                        metadata={"help": "one run per seed and row; a seed fixes the data order "
+                                          "and the sampling"})
     rows: list = field(default_factory=lambda: list(range(1, len(ROWS) + 1)),
                        metadata={"help": "rows to run or report (1 = DAPO)"})
-    base_seed: int = field(default=0, metadata={"help": "the seed of the base model every run starts from"})
-    target_acc: float = field(default=0.7, metadata={"help": "report the steps to this rollout accuracy"})
-    window: int = field(default=3, metadata={"help": "moving average over this many steps (curves and target)"})
-    probe_samples: int = field(default=8, metadata={"help": "samples per held-out problem in the final probe"})
-    set: list = field(default_factory=list, metadata={"help": "dapo.Config fields for every row, as name=value"})
-    jobs: int = field(default=2, metadata={"help": "runs at once, one process and one torch thread each"})
-    report_only: bool = field(default=False, metadata={"help": "rebuild the table and figure from finished runs"})
+    base_seed: int = field(default=0,
+                           metadata={"help": "the seed of the base model every run starts from"})
+    target_acc: float = field(default=0.7,
+                              metadata={"help": "report the steps to this rollout accuracy"})
+    window: int = field(default=3, metadata={"help": "moving average over this many steps "
+                                                     "(curves and target)"})
+    probe_samples: int = field(default=8,
+                               metadata={"help": "samples per held-out problem in the final probe"})
+    set: list = field(default_factory=list,
+                      metadata={"help": "dapo.Config fields for every row, as name=value"})
+    jobs: int = field(default=2,
+                      metadata={"help": "runs at once, one process and one torch thread each"})
+    report_only: bool = field(default=False,
+                              metadata={"help": "rebuild the table and figure from finished runs"})
 
 
 def parse_args(argv=None) -> AblateConfig:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in fields(AblateConfig):
         default = f.default_factory() if f.default is MISSING else f.default
         if isinstance(default, bool):
             kind = dict(action=argparse.BooleanOptionalAction)
-        elif isinstance(default, list):  # the items' type from the default (an empty list holds strings)
+        elif isinstance(default, list):
+            # the items' type from the default (an empty list holds strings)
             kind = dict(nargs="*", type=type(default[0]) if default else str)
         else:
             kind = dict(type=type(default))
@@ -134,10 +155,10 @@ def parse_overrides(pairs):
         name = name.strip().lstrip("-").replace("-", "_")
         if not sep or name not in types:
             raise SystemExit(f"--set {pair!r}: expected name=value with a field of dapo.Config")
-        if name in TECHNIQUES + ("seed", "steps", "out_dir", "resume", "eval_only", "model", "train_data",
-                                 "val_data"):
-            raise SystemExit(f"--set {name}: the ablation sets this itself (rows, --seeds, --steps, --out-dir, "
-                             "the base model and the task)")
+        if name in TECHNIQUES + ("seed", "steps", "out_dir", "resume", "eval_only", "model",
+                                 "train_data", "val_data"):
+            raise SystemExit(f"--set {name}: the ablation sets this itself (rows, --seeds, "
+                             "--steps, --out-dir, the base model and the task)")
         if types[name] is bool:
             if value.lower() not in ("true", "false", "1", "0"):
                 raise SystemExit(f"--set {pair!r}: a switch takes true or false")
@@ -152,17 +173,19 @@ def run_dir(out_dir, row, seed):
 
 
 def run_config(acfg, row, seed) -> dapo.Config:
-    """DAPO's defaults, then REGIME, then --set, then the row's switch: nothing else differs between rows."""
+    """DAPO's defaults, then REGIME, then --set, then the row's switch: nothing else differs between
+    rows."""
     base = os.path.join(acfg.out_dir, "base-model")
     return dapo.Config(**{**REGIME, **parse_overrides(acfg.set), **ROWS[row - 1].switches,
                           "model": base, "train_data": os.path.join(base, "train.jsonl"),
-                          "val_data": os.path.join(base, "test.jsonl"), "seed": seed, "steps": acfg.steps,
-                          "out_dir": run_dir(acfg.out_dir, row, seed), "overwrite": True})
+                          "val_data": os.path.join(base, "test.jsonl"), "seed": seed,
+                          "steps": acfg.steps, "out_dir": run_dir(acfg.out_dir, row, seed),
+                          "overwrite": True})
 
 
 def prepare_base_model(acfg):
-    """The base model (trained once per base seed, then cached in runs/ablate-base), the demo's tokenizer and the
-    task's rows, in one Hugging Face model directory: every run loads it."""
+    """The base model (trained once per base seed, then cached in runs/ablate-base), the demo's
+    tokenizer and the task's rows, in one Hugging Face model directory: every run loads it."""
     from toy import make_toy_tokenizer
     path = os.path.join(acfg.out_dir, "base-model")
     model = ablate_toy.ablation_base_model(make_toy_tokenizer(path), seed=acfg.base_seed)
@@ -173,8 +196,8 @@ def prepare_base_model(acfg):
 
 
 def train_and_probe(acfg, row, seed):
-    """One run, in its own process with one torch thread (two OpenMP threads stall on a shared 2-core machine); its
-    output goes to log.txt. Returns (row, seed, wall seconds)."""
+    """One run, in its own process with one torch thread (two OpenMP threads stall on a shared
+    2-core machine); its output goes to log.txt. Returns (row, seed, wall seconds)."""
     torch.set_num_threads(1)
     cfg = run_config(acfg, row, seed)
     shutil.rmtree(cfg.out_dir, ignore_errors=True)
@@ -183,21 +206,23 @@ def train_and_probe(acfg, row, seed):
     with open(os.path.join(cfg.out_dir, "log.txt"), "w") as log, contextlib.redirect_stdout(log), \
             contextlib.redirect_stderr(log):
         dapo.main(cfg)
-        result = probe(os.path.join(cfg.out_dir, "checkpoints", f"step_{cfg.steps:06d}", "model"), cfg.val_data,
-                       acfg.probe_samples, seed, cfg.max_response_len)
+        result = probe(os.path.join(cfg.out_dir, "checkpoints", f"step_{cfg.steps:06d}", "model"),
+                       cfg.val_data, acfg.probe_samples, seed, cfg.max_response_len)
     with open(os.path.join(cfg.out_dir, "probe.json"), "w") as f:
         json.dump(result, f)
     wall = time.time() - t0
-    with open(os.path.join(cfg.out_dir, "run.json"), "w") as f:  # written last: marks a finished run
-        json.dump({"row": row, "seed": seed, "wall_s": wall, "threads": 1, "config": asdict(cfg)}, f)
+    # written last: marks a finished run
+    with open(os.path.join(cfg.out_dir, "run.json"), "w") as f:
+        json.dump({"row": row, "seed": seed, "wall_s": wall, "threads": 1,
+                   "config": asdict(cfg)}, f)
     return row, seed, wall
 
 
 @torch.no_grad()
 def probe(model_dir, rows_path, k, seed, max_response_len=ablate_toy.ABL_MAX_RESPONSE_LEN) -> dict:
-    """Sample k responses to every held-out problem at temperature 1 (as the rollouts) and read them: accuracy, how
-    many different right responses each problem gets (the diversity clip-higher keeps), filler repeats, truncation,
-    and how often the working is shown."""
+    """Sample k responses to every held-out problem at temperature 1 (as the rollouts) and read
+    them: accuracy, how many different right responses each problem gets (the diversity clip-higher
+    keeps), filler repeats, truncation, and how often the working is shown."""
     from data import encode_prompts, load_rows, load_tokenizer
     from model import Qwen2
     from reward import score_response
@@ -211,22 +236,26 @@ def probe(model_dir, rows_path, k, seed, max_response_len=ablate_toy.ABL_MAX_RES
                    generator=torch.Generator().manual_seed(1000 + seed))
     right, distinct, repeats, worked = [], [], [], []
     for i, row in enumerate(rows):
-        texts = [tok.decode(out.response_ids[i * k + j, :out.lengths[i * k + j]].tolist()) for j in range(k)]
-        ok = [score_response(row["data_source"], t, row["reward_model"]["ground_truth"])["acc"] for t in texts]
+        texts = [tok.decode(out.response_ids[i * k + j, :out.lengths[i * k + j]].tolist())
+                 for j in range(k)]
+        ok = [score_response(row["data_source"], t, row["reward_model"]["ground_truth"])["acc"]
+              for t in texts]
         right += ok
         distinct.append(len({t for t, good in zip(texts, ok) if good}))
         repeats += [ablate_toy.filler_repeats(t) for t in texts]
         worked += [ablate_toy.is_worked(t) for t in texts]
     return {"val_acc": statistics.fmean(right), "distinct": statistics.fmean(distinct),
             "repeats": statistics.fmean(repeats), "worked": statistics.fmean(worked),
-            "truncated": out.truncated.float().mean().item(), "length": out.lengths.float().mean().item(),
-            "samples": k, "problems": len(rows)}
+            "truncated": out.truncated.float().mean().item(),
+            "length": out.lengths.float().mean().item(), "samples": k, "problems": len(rows)}
 
 
 def run_all(acfg):
-    """The clip-higher bandit (ablate_isolated.py, ~1 min) beside the base model's warm-up (cached after the first
-    time), then every (row, seed), acfg.jobs at a time; seeds outermost, so a session cut short leaves whole seeds."""
-    spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: no OpenMP state shared with this one
+    """The clip-higher bandit (ablate_isolated.py, ~1 min) beside the base model's warm-up (cached
+    after the first time), then every (row, seed), acfg.jobs at a time; seeds outermost, so a
+    session cut short leaves whole seeds."""
+    # a fresh interpreter: no OpenMP state shared with this one
+    spawn = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(acfg.jobs, mp_context=spawn) as pool:
         bandit = pool.submit(ablate_isolated.run, acfg.out_dir)
         torch.set_num_threads(1)
@@ -239,11 +268,12 @@ def run_all(acfg):
             print(f"row {row} ({ROWS[row - 1].label}), seed {seed}: {wall:.0f} s", flush=True)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Reading the runs back
 
 def load_runs(acfg):
-    """{(row, seed): (run.json, metrics rows, probe.json)} for the requested rows and seeds that finished."""
+    """{(row, seed): (run.json, metrics rows, probe.json)} for the requested rows and seeds that
+    finished."""
     runs = {}
     for row, seed in itertools.product(acfg.rows, acfg.seeds):
         path = run_dir(acfg.out_dir, row, seed)
@@ -254,13 +284,19 @@ def load_runs(acfg):
         with open(os.path.join(path, "probe.json")) as f:
             probed = json.load(f)
         runs[row, seed] = info, read_metrics(os.path.join(path, "metrics.jsonl")), probed
-    shared = lambda config: {k: v for k, v in config.items() if k not in TECHNIQUES + ("seed", "out_dir")}
+
+    def shared(config):
+        return {k: v for k, v in config.items() if k not in TECHNIQUES + ("seed", "out_dir")}
+
     first = next(iter(runs.values()), None)
-    for (row, seed), (info, _, _) in runs.items():  # rows are comparable only if nothing but the switches differs
-        diff = {k for k, v in shared(info["config"]).items() if shared(first[0]["config"]).get(k) != v}
+    # rows are comparable only if nothing but the switches differs
+    for (row, seed), (info, _, _) in runs.items():
+        diff = {k for k, v in shared(info["config"]).items()
+                if shared(first[0]["config"]).get(k) != v}
         if diff:
-            raise SystemExit(f"{run_dir(acfg.out_dir, row, seed)} ran with other settings ({', '.join(sorted(diff))})"
-                             " than the other runs: run the ablation again, or pick --rows/--seeds")
+            raise SystemExit(f"{run_dir(acfg.out_dir, row, seed)} ran with other settings "
+                             f"({', '.join(sorted(diff))}) than the other runs: run the ablation "
+                             "again, or pick --rows/--seeds")
     return runs
 
 
@@ -270,18 +306,20 @@ def moving_average(values, window):
 
 
 def signal_groups(m, dynamic_sampling):
-    """Groups with signal (answers not all equal) in the batch a step trained on. Dynamic sampling trains only on
-    those; without it the batch is every group generated, and the rollout counts the all-right and all-wrong."""
+    """Groups with signal (answers not all equal) in the batch a step trained on. Dynamic sampling
+    trains only on those; without it the batch is every group generated, and the rollout counts the
+    all-right and all-wrong."""
     if dynamic_sampling:
         return m["train/groups_kept"]
-    return m["train/groups_kept"] * (1 - m["rollout/frac_all_correct"] - m["rollout/frac_all_wrong"])
+    return m["train/groups_kept"] * (1 - m["rollout/frac_all_correct"]
+                                     - m["rollout/frac_all_wrong"])
 
 
 def summarize(metrics, probed, config, target_acc, window):
-    """One run's numbers; a quantity logged per step is its mean over the run (a technique acts while its failure
-    is there, early or late). Steps to target: the first step at which the moving average of the rollout accuracy (on
-    fresh training prompts, every response generated counted) reaches target_acc; a run that never does counts as
-    steps + 1 (and "reached" says so)."""
+    """One run's numbers; a quantity logged per step is its mean over the run (a technique acts
+    while its failure is there, early or late). Steps to target: the first step at which the moving
+    average of the rollout accuracy (on fresh training prompts, every response generated counted)
+    reaches target_acc; a run that never does counts as steps + 1 (and "reached" says so)."""
     rollouts = [m for m in metrics if "rollout/acc" in m]
     steps = [m["step"] for m in rollouts]
     smooth = moving_average([m["rollout/acc"] for m in rollouts], window)
@@ -292,9 +330,11 @@ def summarize(metrics, probed, config, target_acc, window):
     return {
         "entropy": statistics.fmean(series(rollouts, "actor/entropy")[1]),
         "distinct": probed["distinct"],
-        "steps_to_target": steps[hit] if hit is not None else steps[-1] + 1, "reached": hit is not None,
+        "steps_to_target": steps[hit] if hit is not None else steps[-1] + 1,
+        "reached": hit is not None,
         "responses_to_target": generated[hit] if hit is not None else None,
-        "signal_groups": statistics.fmean(signal_groups(m, config["dynamic_sampling"]) for m in rollouts),
+        "signal_groups": statistics.fmean(signal_groups(m, config["dynamic_sampling"])
+                                          for m in rollouts),
         "length": statistics.fmean(m["rollout/response_length/mean"] for m in rollouts),
         "repeats": probed["repeats"],
         "truncated": statistics.fmean(m["rollout/clip_ratio"] for m in rollouts),
@@ -304,26 +344,30 @@ def summarize(metrics, probed, config, target_acc, window):
     }
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # The statistics and the table
 
-# Student's t, two-sided 95%, by degrees of freedom (seeds - 1): with 6 seeds a difference must be 2.57 standard errors
-T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 11: 2.20, 12: 2.18,
-       13: 2.16, 14: 2.14, 15: 2.13, 16: 2.12, 17: 2.11, 18: 2.10, 19: 2.09, 20: 2.09, 25: 2.06, 30: 2.04}
+# Student's t, two-sided 95%, by degrees of freedom (seeds - 1): with 6 seeds a difference must be
+# 2.57 standard errors
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23,
+       11: 2.20, 12: 2.18, 13: 2.16, 14: 2.14, 15: 2.13, 16: 2.12, 17: 2.11, 18: 2.10, 19: 2.09,
+       20: 2.09, 25: 2.06, 30: 2.04}
 
 
 def t95(df):
-    return T95.get(df) or T95[max(k for k in T95 if k < df)]  # between table entries: the larger, stricter value
+    # between table entries: the larger, stricter value
+    return T95.get(df) or T95[max(k for k in T95 if k < df)]
 
 
 def paired(dapo_values, row_values, better):
-    """DAPO minus the row, seed by seed, signed so that > 0 is the paper's direction -> (mean, standard error, t,
-    verdict), the verdict a two-sided paired t-test at 95% over the seeds."""
+    """DAPO minus the row, seed by seed, signed so that > 0 is the paper's direction -> (mean,
+    standard error, t, verdict), the verdict a two-sided paired t-test at 95% over the seeds."""
     seeds = sorted(set(dapo_values) & set(row_values))
     sign = 1 if better == "higher" else -1
     diffs = [sign * (dapo_values[s] - row_values[s]) for s in seeds]
     if len(diffs) < 2:
-        return (diffs[0] if diffs else float("nan")), float("nan"), float("nan"), f"{len(diffs)} seed(s): no test"
+        return ((diffs[0] if diffs else float("nan")), float("nan"), float("nan"),
+                f"{len(diffs)} seed(s): no test")
     mean, se = statistics.fmean(diffs), statistics.stdev(diffs) / len(diffs) ** 0.5
     t = mean / se if se > 0 else (float("inf") if mean > 0 else float("-inf") if mean < 0 else 0.0)
     crit = t95(len(diffs) - 1)
@@ -332,10 +376,12 @@ def paired(dapo_values, row_values, better):
 
 
 def build_table(summaries, acfg, caption=""):
-    """summaries {row: {seed: summarize(...)}} -> markdown: one line per (technique, quantity it acts on)."""
-    head = ["technique (paper)", "judged on", "DAPO", "without it", "difference (+: the paper's direction)",
-            "t", "paper's direction, beyond noise?"]
-    lines = ([caption, ""] if caption else []) + ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    """summaries {row: {seed: summarize(...)}} -> markdown: one line per (technique, quantity it
+    acts on)."""
+    head = ["technique (paper)", "judged on", "DAPO", "without it",
+            "difference (+: the paper's direction)", "t", "paper's direction, beyond noise?"]
+    lines = ([caption, ""] if caption else []) + ["| " + " | ".join(head) + " |",
+                                                  "|" + "---|" * len(head)]
     dapo_runs = summaries.get(1, {})
     for row in sorted(summaries):
         spec = ROWS[row - 1]
@@ -344,12 +390,13 @@ def build_table(summaries, acfg, caption=""):
             b = {s: v[metric.key] for s, v in summaries[row].items()}
             mean, se, t, verdict = paired(a, b, metric.better)
             cells = [_mean_sd(a.values(), metric.fmt), _mean_sd(b.values(), metric.fmt)]
-            if metric.key == "steps_to_target":  # a run that never reaches the target counts as steps + 1
+            # a run that never reaches the target counts as steps + 1
+            if metric.key == "steps_to_target":
                 cells = [f"{c} ({sum(r['reached'] for r in runs.values())}/{len(runs)} reach it)"
                          for c, runs in zip(cells, (dapo_runs, summaries[row]))]
             lines.append("| " + " | ".join([
-                f"{spec.label.replace('no ', '')} (Sec. {spec.section})", metric.label.format(target=acfg.target_acc),
-                *cells,
+                f"{spec.label.replace('no ', '')} (Sec. {spec.section})",
+                metric.label.format(target=acfg.target_acc), *cells,
                 f"{mean:+{metric.fmt}} ± {se:{metric.fmt}}", f"{t:.1f}", verdict]) + " |")
     return "\n".join(lines)
 
@@ -358,14 +405,18 @@ def _mean_sd(values, fmt):
     values = list(values)
     if not values:
         return "-"
-    return f"{statistics.fmean(values):{fmt}}" + (f" ± {statistics.stdev(values):{fmt}}" if len(values) > 1 else "")
+    return f"{statistics.fmean(values):{fmt}}" + (f" ± {statistics.stdev(values):{fmt}}"
+                                                  if len(values) > 1 else "")
 
 
 def build_overview(summaries, acfg):
-    """Every row on every quantity (mean over seeds): what switching one technique off does to the others' numbers."""
-    cols = [("val_acc", "held-out acc", ".3f"), ("entropy", "entropy", ".3f"), ("distinct", "distinct right", ".2f"),
-            ("steps_to_target", f"steps to {acfg.target_acc:g}", ".1f"), ("signal_groups", "signal groups", ".1f"),
-            ("length", "length", ".1f"), ("repeats", "filler repeats", ".2f"), ("truncated", "truncated", ".3f"),
+    """Every row on every quantity (mean over seeds): what switching one technique off does to the
+    others' numbers."""
+    cols = [("val_acc", "held-out acc", ".3f"), ("entropy", "entropy", ".3f"),
+            ("distinct", "distinct right", ".2f"),
+            ("steps_to_target", f"steps to {acfg.target_acc:g}", ".1f"),
+            ("signal_groups", "signal groups", ".1f"), ("length", "length", ".1f"),
+            ("repeats", "filler repeats", ".2f"), ("truncated", "truncated", ".3f"),
             ("worked", "working shown", ".2f"), ("clip_high", "clipped high", ".4f"),
             ("responses", "generated", ".0f")]
     lines = ["| row | " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * (len(cols) + 1)]
@@ -377,31 +428,34 @@ def build_overview(summaries, acfg):
 
 
 def build_bandit_table(path):
-    """The clip-higher bandit's judged numbers (ablate_isolated.py), paired by seed like the runs."""
+    """The clip-higher bandit's judged numbers (ablate_isolated.py), paired by seed like the
+    runs."""
     with open(path) as f:
         bandit = json.load(f)
-    head = ["clip-higher in isolation", "eps_high = 0.28", "eps_high = 0.2", "difference (+: the paper's direction)",
-            "t", "paper's direction, beyond noise?"]
+    head = ["clip-higher in isolation", "eps_high = 0.28", "eps_high = 0.2",
+            "difference (+: the paper's direction)", "t", "paper's direction, beyond noise?"]
     lines = [f"The one-step policy of ablate_isolated.py, {bandit['seeds']} seeds, paired:", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in bandit["rows"]:
-        mean, se, t, verdict = paired(dict(enumerate(row["raised"])), dict(enumerate(row["symmetric"])),
-                                      row["better"])
+        mean, se, t, verdict = paired(dict(enumerate(row["raised"])),
+                                      dict(enumerate(row["symmetric"])), row["better"])
         lines.append(f"| {row['label']} | {statistics.fmean(row['raised']):.2f} | "
-                     f"{statistics.fmean(row['symmetric']):.2f} | {mean:+.2f} ± {se:.2f} | {t:.1f} | {verdict} |")
+                     f"{statistics.fmean(row['symmetric']):.2f} | {mean:+.2f} ± {se:.2f} | "
+                     f"{t:.1f} | {verdict} |")
     return "\n".join(lines)
 
 
 def caption(runs, acfg):
     walls = [info["wall_s"] for info, _, _ in runs.values()]
     seeds = sorted({s for _, s in runs})
-    return (f"{len(seeds)} seeds ({', '.join(map(str, seeds))}) x {acfg.steps} rollout steps per row; one run took "
-            f"{statistics.median(walls) / 60:.1f} min (median of {len(walls)}, one torch thread). Paired over seeds: "
-            f"mean ± standard error of the per-seed difference, two-sided t-test at 95% "
+    return (f"{len(seeds)} seeds ({', '.join(map(str, seeds))}) x {acfg.steps} rollout steps per "
+            f"row; one run took {statistics.median(walls) / 60:.1f} min (median of {len(walls)}, "
+            f"one torch thread). Paired over seeds: mean ± standard error of the per-seed "
+            f"difference, two-sided t-test at 95% "
             f"(t > {t95(len(seeds) - 1)} with {len(seeds) - 1} degrees of freedom).")
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # The figure: each technique's quantity, DAPO against the row without it, mean over seeds
 
 PANELS = [  # (row without the technique, metric logged per step, title)
@@ -437,7 +491,8 @@ def plot_ablation(runs, summaries, acfg, out):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("ablate.py draws its figure with matplotlib: pip install -r requirements-extra.txt") from None
+        raise SystemExit("ablate.py draws its figure with matplotlib: "
+                         "pip install -r requirements-extra.txt") from None
     fig, axes = plt.subplots(2, 4, figsize=(20, 8.5))
     for ax, (row, key, title) in zip(axes.flat, PANELS):
         for r, color in ((1, "black"), (row, f"C{row - 1}")):
@@ -461,10 +516,12 @@ def plot_ablation(runs, summaries, acfg, out):
         ax.bar(r, statistics.fmean(accs), color=color, alpha=0.35)
         ax.plot([r] * len(accs), accs, "o", color=color, markersize=4)
     ax.set_xticks(rows, [ROWS[r - 1].label.replace("no ", "no\n") for r in rows], fontsize=7)
-    ax.set_title(f"held-out accuracy of the final policies ({acfg.probe_samples} samples/problem)", fontsize=10)
+    ax.set_title(f"held-out accuracy of the final policies ({acfg.probe_samples} samples/problem)",
+                 fontsize=10)
     ax.grid(alpha=0.3, axis="y")
     n_seeds = len({s for _, s in runs})
-    fig.suptitle(f"DAPO against DAPO without one technique, toy scale: mean of {n_seeds} seeds, band = min..max")
+    fig.suptitle(f"DAPO against DAPO without one technique, toy scale: mean of {n_seeds} seeds, "
+                 "band = min..max")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
@@ -474,12 +531,14 @@ def plot_ablation(runs, summaries, acfg, out):
 def report(acfg):
     runs = load_runs(acfg)
     if not runs:
-        raise SystemExit(f"no finished run under {acfg.out_dir} for rows {acfg.rows} and seeds {acfg.seeds}")
+        raise SystemExit(f"no finished run under {acfg.out_dir} for rows {acfg.rows} "
+                         f"and seeds {acfg.seeds}")
     summaries = {}
     for (row, seed), (info, metrics, probed) in sorted(runs.items()):
-        summaries.setdefault(row, {})[seed] = summarize(metrics, probed, info["config"], acfg.target_acc,
-                                                        acfg.window)
-    text = build_table(summaries, acfg, caption(runs, acfg)) + "\n\n" + build_overview(summaries, acfg)
+        summaries.setdefault(row, {})[seed] = summarize(metrics, probed, info["config"],
+                                                        acfg.target_acc, acfg.window)
+    text = (build_table(summaries, acfg, caption(runs, acfg)) + "\n\n"
+            + build_overview(summaries, acfg))
     bandit = os.path.join(acfg.out_dir, "clip_bandit.json")
     if os.path.isfile(bandit):
         text += "\n\n" + build_bandit_table(bandit)
@@ -498,7 +557,8 @@ def main(acfg: AblateConfig):
     if not acfg.report_only:
         t0 = time.time()
         run_all(acfg)
-        print(f"{len(acfg.rows) * len(acfg.seeds)} runs in {(time.time() - t0) / 60:.1f} min", flush=True)
+        print(f"{len(acfg.rows) * len(acfg.seeds)} runs in {(time.time() - t0) / 60:.1f} min",
+              flush=True)
     report(acfg)
 
 

@@ -1,4 +1,5 @@
-"""ablate.py: each row is DAPO with one technique off, and the table is computed right from (hand-made) logs."""
+"""ablate.py: each row is DAPO with one technique off, and the table is computed right from
+(hand-made) logs."""
 import json
 import os
 from dataclasses import asdict
@@ -15,11 +16,13 @@ def fake_metrics(acc, no_signal=0.25, length=30.0, clip_ratio=0.1, kept=4, filte
     return [{"step": i + 1, "rollout/acc": a, "actor/entropy": 1.0 - 0.1 * i,
              "rollout/response_length/mean": length + i, "rollout/clip_ratio": clip_ratio,
              "rollout/frac_all_correct": no_signal, "rollout/frac_all_wrong": 0.0,
-             "dapo/clipfrac_high": 0.01, "train/groups_kept": kept, "train/groups_filtered": filtered}
+             "dapo/clipfrac_high": 0.01, "train/groups_kept": kept,
+             "train/groups_filtered": filtered}
             for i, a in enumerate(acc)]
 
 
-PROBED = {"val_acc": 0.5, "distinct": 1.5, "repeats": 0.2, "worked": 0.9, "truncated": 0.0, "length": 30.0}
+PROBED = {"val_acc": 0.5, "distinct": 1.5, "repeats": 0.2, "worked": 0.9, "truncated": 0.0,
+          "length": 30.0}
 
 
 def test_the_first_row_is_dapo_and_every_other_row_switches_one_technique_off():
@@ -52,8 +55,10 @@ def test_steps_to_target_use_the_moving_average_and_count_a_miss_as_one_past_the
     config = {"group_size": 4, "dynamic_sampling": True}
     metrics = fake_metrics([0.2, 0.7, 0.3, 0.7, 0.7])
     one = summarize(metrics, PROBED, config, target_acc=0.6, window=1)
-    assert one["steps_to_target"] == 2 and one["responses_to_target"] == 2 * 6 * 4  # (4 kept + 2 filtered) x 4
-    two = summarize(metrics, PROBED, config, target_acc=0.6, window=2)  # means 0.2, 0.45, 0.5, 0.5, 0.7
+    # (4 kept + 2 filtered) x 4
+    assert one["steps_to_target"] == 2 and one["responses_to_target"] == 2 * 6 * 4
+    # means 0.2, 0.45, 0.5, 0.5, 0.7
+    two = summarize(metrics, PROBED, config, target_acc=0.6, window=2)
     assert two["steps_to_target"] == 5 and two["reached"]
     miss = summarize(metrics, PROBED, config, target_acc=0.9, window=1)
     assert miss["steps_to_target"] == 6 and not miss["reached"]
@@ -63,12 +68,15 @@ def test_groups_with_signal_are_the_kept_groups_only_with_dynamic_sampling():
     metrics = fake_metrics([0.5] * 4, no_signal=0.25, kept=8)
     with_ds = summarize(metrics, PROBED, {"group_size": 4, "dynamic_sampling": True}, 0.9, 1)
     without = summarize(metrics, PROBED, {"group_size": 4, "dynamic_sampling": False}, 0.9, 1)
-    assert with_ds["signal_groups"] == 8 and without["signal_groups"] == 6  # a quarter of 8 all right
+    # a quarter of 8 all right
+    assert with_ds["signal_groups"] == 8 and without["signal_groups"] == 6
 
 
 def test_quantities_logged_per_step_are_averaged_over_the_run():
-    s = summarize(fake_metrics([0.5] * 4, length=20.0), PROBED, {"group_size": 4, "dynamic_sampling": True}, 0.9, 1)
-    assert s["length"] == pytest.approx(21.5) and s["entropy"] == pytest.approx(0.85)  # 20-23; 1.0-0.7
+    s = summarize(fake_metrics([0.5] * 4, length=20.0), PROBED,
+                  {"group_size": 4, "dynamic_sampling": True}, 0.9, 1)
+    # 20-23; 1.0-0.7
+    assert s["length"] == pytest.approx(21.5) and s["entropy"] == pytest.approx(0.85)
 
 
 def test_paired_test_signs_the_difference_the_papers_way_and_says_when_it_is_noise():
@@ -77,7 +85,8 @@ def test_paired_test_signs_the_difference_the_papers_way_and_says_when_it_is_noi
     assert mean == pytest.approx(0.1) and se == pytest.approx(0.0, abs=1e-12) and verdict == "yes"
     assert paired(dapo_runs, row_runs, "lower")[3] == "opposite, beyond noise"
     # +0.02, +0.03, +0.01: 3.5 standard errors, but with 3 seeds a t-test at 95% needs 4.3
-    assert paired({0: 0.52, 1: 0.53, 2: 0.51}, {0: 0.5, 1: 0.5, 2: 0.5}, "higher")[3] == "within noise"
+    close = paired({0: 0.52, 1: 0.53, 2: 0.51}, {0: 0.5, 1: 0.5, 2: 0.5}, "higher")
+    assert close[3] == "within noise"
     assert paired({0: 1.0}, {0: 0.5}, "higher")[3] == "1 seed(s): no test"
 
 

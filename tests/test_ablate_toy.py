@@ -1,4 +1,5 @@
-"""ablate_toy.py: the ablation's task, its rows, the warm-up data, and the lengths the regime relies on."""
+"""ablate_toy.py: the ablation's task, its rows, the warm-up data, and the lengths the regime relies
+on."""
 import random
 import statistics
 
@@ -49,7 +50,8 @@ def test_warm_up_works_half_the_time_while_learning_the_skill_then_rarely():
 
 def test_the_longest_working_fits_before_the_penalty_but_not_with_much_filler(tok):
     # the regime's premise: truncation cuts off sound working only when the response also rambles
-    worst = max(len(tok.encode(T.counting_on(a, k, NoSlip())[0] + f"\nAnswer: {a + k}")) + 1  # + EOS
+    worst = max(len(tok.encode(T.counting_on(a, k, NoSlip())[0] + f"\nAnswer: {a + k}"))
+                + 1  # + EOS
                 for a in T.ABL_A for k in T.ABL_K)
     assert worst <= T.ABL_MAX_RESPONSE_LEN - T.ABL_OVERLONG_BUFFER
     filler = len(tok.encode(" ".join([T.TOY_FILLER] * T.ABL_RAMBLE_REPEATS[1])))
