@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import dapo
-from batch import Batch
 from dapo import Config, group_advantages, keep_groups, policy_loss, update_policy
 from batches import indexed_rows, random_batch, scripted_rollout
 from data import PromptIterator
@@ -273,12 +272,12 @@ def test_three_steps_write_metrics_and_a_transformers_loadable_checkpoint(tiny_m
     # a random model never writes "Answer:", so every group is all wrong: without dynamic
     # sampling the steps still train (on zero advantages)
     dapo.main(_cfg(tiny_model_dir, tmp_path, dynamic_sampling=False))
-    lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
-    train = [l for l in lines if "rollout/acc" in l]
-    assert [l["step"] for l in train] == [1, 2, 3]
+    lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    train = [m for m in lines if "rollout/acc" in m]
+    assert [m["step"] for m in train] == [1, 2, 3]
     assert {"critic/score/mean", "response_length/mean", "train/num_gen_batches", "timing/gen_s",
             "actor/entropy", "train/updates"} <= set(train[0])
-    assert [l["step"] for l in lines if "val/acc" in l] == [0, 2, 3]
+    assert [m["step"] for m in lines if "val/acc" in m] == [0, 2, 3]
     ckpt = tmp_path / "checkpoints" / "step_000003" / "model"
     hf = transformers.Qwen2ForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
     ours = Qwen2.from_pretrained(str(ckpt))

@@ -1,0 +1,91 @@
+"""Style: ruff's checks (pyproject.toml) pass, and no line of a tracked .py file is over 100
+columns.
+
+Not shipped in the student handout (assign.INSTRUCTOR_ONLY): there the blanked exercise bodies leave
+code that uses their names, which ruff flags until the student writes them.
+"""
+import io
+import os
+import re
+import subprocess
+import sys
+import tokenize
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAX_COLUMNS = 100  # pyproject.toml's line-length
+# As ruff reads it: a bare noqa comment, or one whose codes include E501
+NOQA_E501 = re.compile(r"#\s*noqa(?!:)|#\s*noqa:[\s,A-Z0-9]*\bE501\b")
+# Outside a git checkout: never the project's own files
+SKIP_DIRS = {"runs", "__pycache__", "node_modules"}
+
+
+def tracked_py_files() -> list[str]:
+    """The .py files git tracks, relative to ROOT; outside a git checkout (an exported copy), every
+    .py file but those in hidden directories (.git, .venv) and SKIP_DIRS."""
+    try:
+        out = subprocess.run(["git", "-C", ROOT, "ls-files", "-z", "--", "*.py"],
+                             capture_output=True, check=True).stdout.decode()
+        files = [f for f in out.split("\0") if f]
+    except (OSError, subprocess.CalledProcessError):
+        files = []
+        for d, dirs, names in os.walk(ROOT):
+            dirs[:] = sorted(x for x in dirs if not x.startswith(".") and x not in SKIP_DIRS)
+            files += [os.path.relpath(os.path.join(d, n), ROOT) for n in names if n.endswith(".py")]
+    # a file deleted but not yet staged is still listed by git
+    return sorted(f for f in files if os.path.isfile(os.path.join(ROOT, f)))
+
+
+def long_lines(text: str) -> list[tuple[int, int]]:
+    """(line number, length) of each line over MAX_COLUMNS that no `# noqa: E501` excuses. As in
+    ruff, the marker after a string that spans lines excuses every line of the string."""
+    excused, spans, fstring_starts = set(), [], []
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        # Python 3.12+ splits an f-string into FSTRING_START ... FSTRING_END tokens
+        name = tokenize.tok_name[tok.type]
+        if name == "FSTRING_START":
+            fstring_starts.append(tok.start[0])
+        elif name == "FSTRING_END":
+            spans.append((fstring_starts.pop(), tok.end[0]))
+        elif tok.type == tokenize.STRING:
+            spans.append((tok.start[0], tok.end[0]))
+        elif tok.type == tokenize.COMMENT and NOQA_E501.search(tok.string):
+            excused.add(tok.start[0])
+    for first, last in spans:
+        if last in excused:
+            excused.update(range(first, last + 1))
+    return [(i, len(line)) for i, line in enumerate(text.splitlines(), 1)
+            if len(line) > MAX_COLUMNS and i not in excused]
+
+
+def test_ruff_check_passes():
+    pytest.importorskip("ruff")
+    files = tracked_py_files()
+    assert files
+    # --no-cache: no .ruff_cache/ left in the checkout
+    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", *files], cwd=ROOT,
+                          capture_output=True, text=True)
+    print(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_no_line_is_over_100_columns():
+    files = tracked_py_files()
+    assert files
+    over = []
+    for path in files:
+        with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+            over += [f"{path}:{i}: {n} columns" for i, n in long_lines(f.read())]
+    assert not over, "\n".join(over)
+
+
+def test_the_line_check_honours_noqa_as_ruff_does():
+    long = "x" * (MAX_COLUMNS + 1)
+    text = (f"a = '{long}'\n"
+            f"b = '{long}'  # noqa: E501\n"
+            f"c = '{long}'  # noqa: F401, E501\n"
+            f'd = """\n{long}\n"""  # noqa: E501\n'
+            f'e = """\n{long}\n"""\n'
+            f"f = 1  # {long}\n")
+    assert [i for i, _ in long_lines(text)] == [1, 8, 10]
