@@ -539,9 +539,12 @@ def log_metrics(path, metrics: dict):
 
 
 def progress_summary(m: dict) -> dict:
-    return {"acc": f"{m['rollout/acc']:.2f}", "reward": f"{m['rollout/reward/mean']:.2f}",
-            "entropy": f"{m.get('actor/entropy', float('nan')):.2f}",
-            "len": f"{m['rollout/response_length/mean']:.1f}"}
+    """The progress bar's numbers: the rollout's, and the policy's entropy when it trained."""
+    out = {"acc": f"{m['rollout/acc']:.2f}", "reward": f"{m['rollout/reward/mean']:.2f}",
+           "len": f"{m['rollout/response_length/mean']:.1f}"}
+    if "actor/entropy" in m:  # no update when dynamic sampling kept less than a mini-batch
+        out["entropy"] = f"{m['actor/entropy']:.2f}"
+    return out
 
 
 def say(text):
