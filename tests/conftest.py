@@ -30,3 +30,13 @@ def pytest_configure(config):
     # it does not grade names them, and in the handout it fails until they are written
     config.addinivalue_line("markers", "needs(*exercises): runs the code of these exercises of "
                                        "assign.py ('all': the training loop end to end)")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """Every test on one torch thread: the tests' tiny matmuls gain nothing from a second, and on
+    a busy 2-core machine OpenMP threads waiting on each other slow them down many-fold."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

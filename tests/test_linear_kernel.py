@@ -23,16 +23,6 @@ FWD_TOL = 1e-5  # absolute, on log-probs and entropies of size ~1-10
 GRAD_RTOL = 1e-4  # max |error| / max |reference| of a gradient
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny matmuls gain nothing from a second thread, and on a busy 2-core machine they wait
-    # on each other
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def inputs(n=N, seed=0, dtype=torch.float32):
     """hidden (n, C), weight (V, C), targets (n,), and the upstream gradients (2, n) a loss would
     send back."""

@@ -22,16 +22,6 @@ VOCAB = 97
 PROMPTS = [[5, 17, 3], [8, 2, 44, 61, 9, 23, 30, 71, 1], [60], [12, 12, 40, 88, 7]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny matmuls gain nothing from a second thread, and on a busy 2-core machine OpenMP threads
-    # waiting on each other slow these tests down 50-fold
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny_model(vocab=VOCAB, seed=0, head_scale=20.0):
     """head_scale > 1 sharpens the next-token distributions (greedy argmaxes far from ties); 1 keeps
     them flat."""
