@@ -21,16 +21,12 @@ JSONL files that dapo.py loads with --train-data / --val-data; the tokenizer is 
 (toy.make_toy_tokenizer).
 """
 import json
-import math
-import os
 import random
-import time
 import zlib
 
-import torch
 
-from model import Qwen2, preset
-from toy import TOY_DATA_SOURCE, TOY_FILLER, TOY_TEST_BUCKETS, sft_loss
+from model import Qwen2
+from toy import TOY_DATA_SOURCE, TOY_FILLER, TOY_TEST_BUCKETS, warmed_up_model
 
 # "a+k": 540 problems, 1 in 5 held out (by a hash of the text)
 ABL_A, ABL_K = range(0, 60), range(1, 10)
@@ -132,34 +128,7 @@ def ablation_base_model(tok, device="cpu", seed=0, cache_root="runs/ablate-base"
     a busy one)."""
     sample = json.dumps(ablation_warmup_pairs(64, seed=seed))
     key = dict(ABL_WARMUP, seed=seed, vocab=tok.vocab_size, data=zlib.crc32(sample.encode()))
-    cache = os.path.join(cache_root, "_".join(f"{k}{v}" for k, v in key.items()))
-    if os.path.isfile(os.path.join(cache, "warmup.json")):
-        return Qwen2.from_pretrained(cache, dtype=torch.float32, device=device)
-    torch.manual_seed(seed)
-    model = Qwen2(preset(ABL_WARMUP["preset"], vocab_size=tok.vocab_size,
-                         eos_token_id=tok.eos_token_ids)).to(device)
-    steps, batch = ABL_WARMUP["steps"], ABL_WARMUP["batch_size"]
-    # each seen once
-    pairs = ablation_warmup_pairs(steps * batch, seed, skill=ABL_WARMUP["skill_steps"] * batch)
-    examples = [(tok.apply_chat_template(messages), tok.encode(response) + [tok.eos_token_ids[0]])
-                for messages, response in pairs]
-    opt = torch.optim.AdamW(model.parameters(), lr=ABL_WARMUP["lr"], betas=(0.9, 0.95),
-                            weight_decay=0.0)
-    t0 = time.time()
-    for step in range(steps):
-        for group in opt.param_groups:  # 20 steps of linear warm-up, then cosine decay to 10%
-            decay = 0.1 + 0.45 * (1 + math.cos(math.pi * step / steps))
-            group["lr"] = ABL_WARMUP["lr"] * min(1, (step + 1) / 20) * decay
-        loss = sft_loss(model, examples[step * batch:(step + 1) * batch], tok.pad_token_id, device)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if step % 100 == 0 or step == steps - 1:
-            print(f"ablation warm-up {step:4d}/{steps}  loss {loss.item():.3f}  "
-                  f"({time.time() - t0:.0f}s)", flush=True)
-    model.save_pretrained(cache)
-    # written last: its presence marks a complete cache
-    with open(os.path.join(cache, "warmup.json"), "w") as f:
-        json.dump(key, f)
-    return model
+    skill = ABL_WARMUP["skill_steps"] * ABL_WARMUP["batch_size"]
+    return warmed_up_model(tok, key, lambda n: ablation_warmup_pairs(n, seed, skill=skill),
+                           device=device, cache_root=cache_root, label="ablation warm-up",
+                           log_every=100)

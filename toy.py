@@ -180,30 +180,40 @@ def demo_base_model(tok, device="cpu", seed=0, cache_root="runs/demo-base") -> Q
     # a change to the toy task's data invalidates the cache
     sample = json.dumps(toy_warmup_pairs(64, seed=seed))
     key = dict(WARMUP, seed=seed, vocab=tok.vocab_size, data=zlib.crc32(sample.encode()))
+    return warmed_up_model(tok, key, lambda n: toy_warmup_pairs(n, seed=seed), device=device,
+                           cache_root=cache_root)
+
+
+def warmed_up_model(tok, key: dict, make_pairs, device="cpu", cache_root="runs/demo-base",
+                    label="warm-up", log_every=50) -> Qwen2:
+    """A Qwen2 of preset key["preset"] fitted by next-token prediction to make_pairs(n), n =
+    steps x batch_size (prompt messages, response text) pairs seen once each, with AdamW at
+    key["lr"]; cached like a downloaded checkpoint under cache_root, in a directory named by
+    the key (its settings, seed and a checksum of its data), and loaded from there next time."""
     cache = os.path.join(cache_root, "_".join(f"{k}{v}" for k, v in key.items()))
     if os.path.isfile(os.path.join(cache, "warmup.json")):
         return Qwen2.from_pretrained(cache, dtype=torch.float32, device=device)
-    torch.manual_seed(seed)
-    config = preset(WARMUP["preset"], vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_ids)
+    torch.manual_seed(key["seed"])
+    config = preset(key["preset"], vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_ids)
     model = Qwen2(config).to(device)
-    steps, batch = WARMUP["steps"], WARMUP["batch_size"]
+    steps, batch = key["steps"], key["batch_size"]
     # each example seen once
     examples = [(tok.apply_chat_template(messages), tok.encode(response) + [tok.eos_token_ids[0]])
-                for messages, response in toy_warmup_pairs(steps * batch, seed=seed)]
-    opt = torch.optim.AdamW(model.parameters(), lr=WARMUP["lr"], betas=(0.9, 0.95),
+                for messages, response in make_pairs(steps * batch)]
+    opt = torch.optim.AdamW(model.parameters(), lr=key["lr"], betas=(0.9, 0.95),
                             weight_decay=0.0)
     t0 = time.time()
     for step in range(steps):
         for group in opt.param_groups:  # 20 steps of linear warm-up, then cosine decay to 10%
-            group["lr"] = (WARMUP["lr"] * min(1, (step + 1) / 20)
+            group["lr"] = (key["lr"] * min(1, (step + 1) / 20)
                            * (0.1 + 0.45 * (1 + math.cos(math.pi * step / steps))))
         loss = sft_loss(model, examples[step * batch:(step + 1) * batch], tok.pad_token_id, device)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if step % 50 == 0 or step == steps - 1:
-            print(f"warm-up {step:4d}/{steps}  loss {loss.item():.3f}  "
+        if step % log_every == 0 or step == steps - 1:
+            print(f"{label} {step:4d}/{steps}  loss {loss.item():.3f}  "
                   f"({time.time() - t0:.0f}s)", flush=True)
     model.save_pretrained(cache)
     # written last: its presence marks a complete cache
