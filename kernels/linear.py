@@ -52,7 +52,7 @@ is fine there.
 import torch
 
 from . import reference
-from .logprobs import DEFAULT_BLOCK_V, default_backend, triton_logprobs
+from .logprobs import DEFAULT_BLOCK_V, resolve_backend, triton_logprobs
 
 # Logits per chunk (elements): 2^25 is 220 tokens at V = 151936, 128 MB in fp32 and 64 MB in bf16,
 # next to the GBs of the unfused path, and still a large matmul (60 GFLOP a chunk at C = 896), as
@@ -215,11 +215,7 @@ def linear_logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targ
     hidden, weight = hidden.to(dtype), weight.to(dtype)
     if hidden.dtype != weight.dtype:
         raise TypeError(f"hidden is {hidden.dtype} but weight is {weight.dtype}")
-    backend = backend or default_backend(hidden)
-    if backend == "triton" and triton_logprobs is None:
-        raise RuntimeError("backend='triton' needs triton installed (pip install triton)")
-    if backend not in ("triton", "torch"):
-        raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
+    backend = resolve_backend(backend, hidden)
     chunk_tokens = chunk_tokens or default_chunk_tokens(weight.shape[0])
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")

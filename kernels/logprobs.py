@@ -35,6 +35,16 @@ def default_backend(logits: torch.Tensor) -> str:
     return "torch"
 
 
+def resolve_backend(backend: str | None, tensor: torch.Tensor) -> str:
+    """backend as asked ("triton" or "torch"), or by the tensor's device when None."""
+    backend = backend or default_backend(tensor)
+    if backend == "triton" and triton_logprobs is None:
+        raise RuntimeError("backend='triton' needs triton installed (pip install triton)")
+    if backend not in ("triton", "torch"):
+        raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
+    return backend
+
+
 def as_rows(logits: torch.Tensor) -> torch.Tensor:
     """(..., V) -> an (outer, inner, V) view with unit last stride; flat row r is
     [r // inner, r % inner].
@@ -119,11 +129,7 @@ def logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperatur
                         f"{targets.dtype}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    backend = backend or default_backend(logits)
-    if backend == "triton" and triton_logprobs is None:
-        raise RuntimeError("backend='triton' needs triton installed (pip install triton)")
-    if backend not in ("triton", "torch"):
-        raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
+    backend = resolve_backend(backend, logits)
     if block_v < 16 or block_v & (block_v - 1):
         raise ValueError(f"block_v must be a power of two >= 16 (tl.arange needs one), "
                          f"got {block_v}")
