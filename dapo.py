@@ -233,42 +233,14 @@ def collect_batch(model, prompt_iter, tok, cfg, generator) -> tuple[Batch | None
         n_take -= n_take % cfg.mini_batch_prompts
         say(f"dynamic sampling stopped at --max-gen-batches {cfg.max_gen_batches} with {n_kept} "
             f"of {cfg.train_prompts} groups with signal; training on {n_take}")
-    batch = share_of_groups(kept, n_take, cfg) if n_take else None
+    # this rank's share of the first n_take, as one process would have kept them (distributed.py)
+    shared = distributed.share_in_order(kept, n_take, cfg.mini_batch_prompts, cfg.device)
+    batch = Batch.cat(shared) if n_take else None
     metrics = rollout_metrics(Batch.cat(seen), cfg) | {
         "train/num_gen_batches": n_gen, "train/gen_cap_hit": int(cap_hit),
         "train/groups_kept": n_take, "train/groups_surplus": n_kept - n_take}
     metrics["train/groups_filtered"] = n_gen * prompt_iter.batch_size - n_kept
     return batch, metrics
-
-
-def share_of_groups(kept: dict[int, Batch], n_take, cfg) -> Batch:
-    """This rank's share of the first n_take groups with signal, in the order one process would
-    have generated them, so N ranks train on exactly the groups one process would. Each global
-    mini-batch is split evenly between the ranks, and a group moves to another rank only when its
-    own rank holds more than its share (the groups are token ids: cheap to send)."""
-    rank, world = distributed.rank(), distributed.world_size()
-    owners = distributed.all_gather_object(sorted(kept), name="kept groups")
-    first = sorted((g, r) for r, groups in enumerate(owners) for g in groups)[:n_take]
-    share = cfg.mini_batch_prompts // world  # groups per rank in each mini-batch
-    destination = {}
-    for start in range(0, n_take, cfg.mini_batch_prompts):
-        mini_batch = first[start:start + cfg.mini_batch_prompts]
-        count = [0] * world
-        for g, owner in mini_batch:  # first every rank keeps its own, up to its share...
-            if count[owner] < share:
-                destination[g], count[owner] = owner, count[owner] + 1
-        for g, _ in mini_batch:  # ...then the rest go where there is room
-            if g not in destination:
-                r = min(range(world), key=lambda r: count[r])
-                destination[g], count[r] = r, count[r] + 1
-    outgoing = {g: kept[g].to("cpu") for g, r in destination.items() if g in kept and r != rank}
-    incoming = {}
-    if world > 1:
-        for sent in distributed.all_gather_object(outgoing, name="groups rebalanced"):
-            incoming |= {g: b for g, b in sent.items() if destination[g] == rank}
-    device = cfg.device
-    return Batch.cat([kept[g] if g in kept else incoming[g].to(device)
-                      for g, _ in first if destination[g] == rank])
 
 
 def rollout_metrics(seen: Batch, cfg) -> dict:

@@ -184,3 +184,36 @@ def all_gather_object(obj, name: str | None = None) -> list:
     with _named("all_gather_object", name, sys._getframe(1)):
         dist.all_gather_object(out, obj)
     return out
+
+
+def share_in_order(kept: dict, n_take: int, per_step: int, device) -> list:
+    """This rank's share of the first n_take items kept over all ranks, in the order of their
+    numbers (kept: {global number: item with a .to(device)}, on the rank that made it), so that N
+    ranks train on exactly the items one process would: dynamic sampling's groups, numbered in
+    the order one process would have generated them. Each run of per_step items (a global
+    mini-batch) is split evenly between the ranks, and an item moves to another rank only when
+    its own holds more than its share (a group is token ids: cheap to send). In one process:
+    the first n_take items, in order."""
+    me, world = rank(), world_size()
+    owners = all_gather_object(sorted(kept), name="kept groups")
+    first = sorted((g, r) for r, numbers in enumerate(owners) for g in numbers)[:n_take]
+    share = per_step // world  # items per rank in each run of per_step
+    destination = {}
+    for start in range(0, n_take, per_step):
+        step = first[start:start + per_step]
+        count = [0] * world
+        for g, owner in step:  # first every rank keeps its own, up to its share...
+            if count[owner] < share:
+                destination[g], count[owner] = owner, count[owner] + 1
+        for g, _ in step:  # ...then the rest go where there is room
+            if g not in destination:
+                r = min(range(world), key=lambda r: count[r])
+                destination[g], count[r] = r, count[r] + 1
+    incoming = {}
+    if world > 1:  # CPU tensors: a CUDA tensor would be unpickled on the sender's device
+        outgoing = {g: kept[g].to("cpu") for g, r in destination.items()
+                    if g in kept and r != me}
+        for sent in all_gather_object(outgoing, name="groups rebalanced"):
+            incoming |= {g: item for g, item in sent.items() if destination[g] == me}
+    return [kept[g] if g in kept else incoming[g].to(device)
+            for g, _ in first if destination[g] == me]
