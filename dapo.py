@@ -382,16 +382,18 @@ def loss_mask(batch: Batch, cfg):
 
 @torch.no_grad()
 def old_logprobs(model, batch: Batch, cfg):
-    """log pi_old of every response token, in micro-batches: (N, R) fp32, 0 on padding; and
-    the sum of pi_old's entropy over those tokens."""
-    old_logp = torch.zeros(batch.response_ids.shape, device=batch.response_ids.device)
+    """log pi_old of every response token, in micro-batches: (N, R) fp32 (float64 for a float64
+    model), 0 on padding; and the sum of pi_old's entropy over those tokens."""
+    old_logp = None
     entropy_sum = 0.0
     for rows, real in micro_batches(batch, cfg):
         micro = batch.rows(rows)
         # (B, R_micro) x 2
         logp, entropy = response_logprobs(model, micro, cfg.temperature, cfg.fused_head)
+        if old_logp is None:
+            old_logp = logp.new_zeros(batch.response_ids.shape)  # (N, R)
         if real:
-            old_logp[rows, :logp.shape[1]] = logp.float().masked_fill(~micro.response_mask, 0.0)
+            old_logp[rows, :logp.shape[1]] = logp.masked_fill(~micro.response_mask, 0.0)
             entropy_sum += (entropy * micro.response_mask).sum().item()
     return old_logp, entropy_sum
 
@@ -603,3 +605,4 @@ def main(cfg: Config):
 
 if __name__ == "__main__":
     main(parse_args(description=__doc__))
+    distributed.exit_after_shutdown()

@@ -147,9 +147,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # in fp32: the mean of squares of bf16 activations loses too much precision; cast back
-        # before the weight, exactly as transformers does (the order of the cast changes the bits)
-        h = x.float()
+        # in fp32 (or wider): the mean of squares of bf16 activations loses too much precision;
+        # cast back before the weight, exactly as transformers does (the order of the cast changes
+        # the bits). A float64 model stays float64 throughout, for the tests' exact comparisons
+        h = x.to(torch.promote_types(x.dtype, torch.float32))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
@@ -462,7 +463,10 @@ def first_nonfinite(tensors: dict) -> str | None:
     names = [k for k, t in tensors.items() if t.is_floating_point()]
     if not names:
         return None
-    norms = torch._foreach_norm([tensors[k] for k in names], 2, dtype=torch.float32)
+    chosen = [tensors[k] for k in names]
+    # in fp32, whatever the weights' dtype; float64 weights (the tests' exact runs) in float64
+    wide = torch.float64 if any(t.dtype == torch.float64 for t in chosen) else torch.float32
+    norms = torch._foreach_norm(chosen, 2, dtype=wide)
     if torch.isfinite(torch.stack(norms)).all():
         return None
     suspects = (k for k, n in zip(names, norms) if not torch.isfinite(n))

@@ -52,6 +52,7 @@ is fine there.
 import torch
 
 from . import reference
+from .reference import compute_dtype
 from .logprobs import DEFAULT_BLOCK_V, resolve_backend, triton_logprobs
 
 # Logits per chunk (elements): 2^25 is 220 tokens at V = 151936, 128 MB in fp32 and 64 MB in bf16,
@@ -103,11 +104,12 @@ class LinearLogProbsAndEntropy(torch.autograd.Function):
         # (N elements). The caller has applied autocast's cast already, so the matmuls run in the
         # inputs' dtype, as `hidden @ weight.T` would.
         N = hidden.shape[0]
+        stats_dtype = compute_dtype(hidden.dtype)  # fp32; float64 for a float64 model
         # the outputs in their final shape, each its own tensor: no view for FSDP's hooks or
         # in-place ops to trip on
-        logp, entropy = (torch.empty(shape, dtype=torch.float32, device=hidden.device)
+        logp, entropy = (torch.empty(shape, dtype=stats_dtype, device=hidden.device)
                          for _ in range(2))
-        lse, mean_z = torch.empty(2, N, dtype=torch.float32, device=hidden.device)
+        lse, mean_z = torch.empty(2, N, dtype=stats_dtype, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             for n0 in range(0, N, chunk_tokens):
                 n1 = min(n0 + chunk_tokens, N)
@@ -132,13 +134,13 @@ class LinearLogProbsAndEntropy(torch.autograd.Function):
         hidden, weight, targets, lse, mean_z = ctx.saved_tensors
         temperature, chunk_tokens, backend, block_v = ctx.args
         # the upstream gradients can be expanded views (logp.sum() sends a stride-0 one): make them
-        # flat and dense, (N,) each
-        grad_logp = None if grad_logp is None else grad_logp.float().reshape(-1).contiguous()
-        grad_entropy = (None if grad_entropy is None
-                        else grad_entropy.float().reshape(-1).contiguous())
+        # flat and dense, (N,) each, in the statistics' dtype
+        grad_logp, grad_entropy = (None if g is None else g.to(lse.dtype).reshape(-1).contiguous()
+                                   for g in (grad_logp, grad_entropy))
         grad_hidden = torch.empty_like(hidden) if need_hidden else None  # (N, C)
-        # (V, C) fp32 sums
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
+        # (V, C) sums in fp32 (or float64)
+        grad_weight = (torch.zeros_like(weight, dtype=compute_dtype(weight.dtype)) if need_weight
+                       else None)
         with torch.autocast(hidden.device.type, enabled=False):
             for n0 in range(0, hidden.shape[0], chunk_tokens):
                 span = slice(n0, min(n0 + chunk_tokens, hidden.shape[0]))
@@ -178,7 +180,7 @@ def linear_logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targ
                                 block_v: int = DEFAULT_BLOCK_V):
     """
     hidden (..., C), weight (V, C) (an lm_head, tied to the embedding or not), targets (...) integer
-    in [0, V) -> (logp, entropy), both (...) fp32, equal to
+    in [0, V) -> (logp, entropy), both (...) fp32 (float64 for float64 inputs), equal to
 
         logits = hidden @ weight.T                                   # (..., V)
         logp, entropy = logprobs_and_entropy(logits, targets, temperature)

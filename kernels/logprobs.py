@@ -28,7 +28,8 @@ DEFAULT_BLOCK_V = 4096
 
 
 def default_backend(logits: torch.Tensor) -> str:
-    if triton_logprobs is None:
+    # the Triton kernels compute in fp32: float64 (the tests' exact comparisons) takes the reference
+    if triton_logprobs is None or logits.dtype == torch.float64:
         return "torch"
     if logits.is_cuda or (TRITON_INTERPRET and logits.device.type == "cpu"):
         return "triton"
@@ -93,10 +94,9 @@ class LogProbsAndEntropy(torch.autograd.Function):
         temperature, backend, block_v, chunk_rows = ctx.args
         rows = as_rows(logits)
         # the upstream gradients can be expanded views (logp.sum() sends a stride-0 one): make them
-        # flat and dense, (N,) each
-        grad_logp = None if grad_logp is None else grad_logp.float().reshape(-1).contiguous()
-        grad_entropy = (None if grad_entropy is None
-                        else grad_entropy.float().reshape(-1).contiguous())
+        # flat and dense, (N,) each, in the statistics' dtype
+        grad_logp, grad_entropy = (None if g is None else g.to(lse.dtype).reshape(-1).contiguous()
+                                   for g in (grad_logp, grad_entropy))
         if backend == "triton":
             grad = triton_logprobs.backward(rows, flat_targets, lse, mean_z, grad_logp,
                                             grad_entropy, temperature, block_v)
@@ -111,7 +111,8 @@ def logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperatur
                          chunk_rows: int | None = None):
     """
     logits (..., V) fp32/fp16/bf16, any strides with a unit last stride (copied otherwise);
-    targets (...) integer in [0, V). Returns (logp, entropy), both (...) fp32:
+    targets (...) integer in [0, V). Returns (logp, entropy), both (...) fp32 (float64 for
+    float64 logits, on the torch backend):
     logp = log_softmax(logits / T)[target] and
     entropy = -sum_j p_j log p_j with p = softmax(logits / T). Both are differentiable.
     backend: "triton" or "torch" (default: by device, see the module docstring). block_v: the

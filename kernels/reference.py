@@ -11,7 +11,12 @@ import torch
 
 # fp32 elements per chunk (32 MB): big enough that the per-chunk overhead is negligible
 CHUNK_ELEMENTS = 2**23
-FLOAT_MIN = torch.finfo(torch.float32).min
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for fp32, bf16 and fp16 logits; float64 stays float64 (the tests' exact comparisons
+    run whole models in float64)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def default_chunk_rows(V):
@@ -36,10 +41,10 @@ def row_chunks(rows, chunk_rows):
 
 def forward(rows, targets, temperature, chunk_rows=None):
     """rows (outer, inner, V), targets (N,) -> logp, entropy, lse, mean_z: each (N,) fp32, as the
-    Triton forward."""
+    Triton forward (float64 for float64 rows)."""
     outer, inner, V = rows.shape
     # logp, entropy, lse, mean_z
-    stats = torch.empty(4, outer * inner, dtype=torch.float32, device=rows.device)
+    stats = torch.empty(4, outer * inner, dtype=compute_dtype(rows.dtype), device=rows.device)
     targets = targets.long()
     # one function call per chunk: its (n, V) buffers are freed on return, before the next chunk
     # allocates its own
@@ -51,8 +56,8 @@ def forward(rows, targets, temperature, chunk_rows=None):
 def forward_chunk(chunk, targets, temperature):
     """chunk (n, V), targets (n,) int64 -> (4, n): logp, entropy, lse, mean_z."""
     # exercise: logprobs_forward
-    # our own copy: changed in place below
-    z = chunk.to(torch.float32, copy=True).mul_(1.0 / temperature)  # (n, V)
+    # our own copy, in fp32 (float64 stays float64): changed in place below
+    z = chunk.to(compute_dtype(chunk.dtype), copy=True).mul_(1.0 / temperature)  # (n, V)
     # Everything relative to the row max m, as the kernel does: z - m is exact near the max, and
     # log d, with d = sum exp(z - m) in [1, V], is a small number. Going through lse = m + log d
     # instead would add lse's rounding (4e-6 when the logits sit at +100) to every log-prob and to
@@ -65,7 +70,7 @@ def forward_chunk(chunk, targets, temperature):
     logp = z_m.gather(1, targets[:, None])[:, 0] - log_d
     # s / d = E[z - m] = sum p (z - m), where a -inf logit has p = 0 and 0 * -inf = NaN: clamping
     # -inf to the most negative float makes that term 0 * (finite) = 0, in place
-    s_d = p.mul_(z_m.clamp_(min=FLOAT_MIN)).sum(dim=-1) / d  # (n,)
+    s_d = p.mul_(z_m.clamp_(min=torch.finfo(z.dtype).min)).sum(dim=-1) / d  # (n,)
     entropy = log_d - s_d  # H = lse - E[z] = log d - s / d
     return torch.stack([logp, entropy, m + log_d, m + s_d])
     # end exercise
@@ -87,17 +92,18 @@ def backward(rows, targets, lse, mean_z, grad_logp, grad_entropy, temperature, c
 
 
 def backward_chunk(chunk, targets, lse, mean_z, grad_logp, grad_entropy, temperature):
-    """chunk (n, V) -> its gradient, (n, V) fp32; the other arguments are (n,), a gradient
-    may be None."""
+    """chunk (n, V) -> its gradient, (n, V) fp32 (float64 for a float64 chunk); the other
+    arguments are (n,), a gradient may be None."""
     # exercise: logprobs_backward
-    z = chunk.to(torch.float32, copy=True).mul_(1.0 / temperature)  # (n, V)
+    z = chunk.to(compute_dtype(chunk.dtype), copy=True).mul_(1.0 / temperature)  # (n, V)
     if grad_entropy is None:
         # the usual training case (logp in the loss, entropy only logged): -g_logp * p
         dz = z.sub_(lse[:, None]).exp_().mul_(-grad_logp[:, None])  # in z's buffer
     else:
         p = (z - lse[:, None]).exp_()  # (n, V) the softmax, recomputed from the saved lse
         # -g_ent * p * (z - E), with -inf clamped as in the forward so that p = 0 gives 0, not NaN
-        dz = z.clamp_(min=FLOAT_MIN).sub_(mean_z[:, None]).mul_(p).mul_(-grad_entropy[:, None])
+        z.clamp_(min=torch.finfo(z.dtype).min)
+        dz = z.sub_(mean_z[:, None]).mul_(p).mul_(-grad_entropy[:, None])
         if grad_logp is not None:
             dz.sub_(p.mul_(grad_logp[:, None]))
     # the one-hot term, in fp32 before the single rounding to the logits' dtype

@@ -44,3 +44,4 @@ if __name__ == "__main__":
     with open(os.path.join(sys.argv[1], f"rank{distributed.rank()}.json"), "w") as f:
         json.dump({"mini_batches": mini_batches, "metrics": metrics}, f)
     distributed.shutdown()
+    distributed.exit_after_shutdown()

@@ -1,5 +1,6 @@
 r"""Run by tests/test_distributed.py under `torchrun --nproc_per_node=2`: one DAPO update on
-FSDP2-sharded ranks.
+FSDP2-sharded ranks, in float64 (so that 2 ranks and 1 process, which sum the same gradients in
+another order, differ by float64 round-off only).
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/dist_worker.py \
         MODEL_DIR OUT_DIR sgd|adamw
@@ -28,8 +29,13 @@ PROBE = torch.arange(2 * 9).view(2, 9) % 50 + 3  # a fixed input whose logits th
 
 def make_batch(vocab, n_groups=4, seed=0) -> Batch:
     """The same global batch on every process: n_groups groups of GROUP responses of varied
-    lengths (batches.random_batch)."""
-    return random_batch(vocab, n=n_groups * GROUP, group_size=GROUP, seed=seed)
+    lengths (batches.random_batch), in float64."""
+    return random_batch(vocab, n=n_groups * GROUP, group_size=GROUP, seed=seed,
+                        dtype=torch.float64)
+
+
+def load_model(model_dir) -> Qwen2:
+    return Qwen2.from_pretrained(model_dir, dtype=torch.float64)
 
 
 def my_share(batch, rank, world):
@@ -51,7 +57,7 @@ def run_config(name):
 def main(model_dir, out_dir, opt_name):
     rank, world, _ = distributed.init("cpu")
     torch.set_num_threads(1)
-    model = distributed.shard(Qwen2.from_pretrained(model_dir), mixed_precision=False)
+    model = distributed.shard(load_model(model_dir), mixed_precision=False)
     tok = load_tokenizer(model_dir)
     opt = make_optimizer(opt_name, model.parameters())
     mine, cfg = my_share(make_batch(tok.vocab_size), rank, world), run_config(opt_name)
@@ -69,6 +75,7 @@ def main(model_dir, out_dir, opt_name):
     checkpoint.save(out_dir, 1, model, model_dir, opt, PromptIterator([{"x": 1}], 1, 0),
                     torch.Generator(), {})
     distributed.shutdown()
+    distributed.exit_after_shutdown()
 
 
 if __name__ == "__main__":

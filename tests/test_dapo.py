@@ -110,32 +110,41 @@ def test_token_level_loss_weighs_every_token_equally():
 
 # --- the update: gradient independent of the micro-batch split ---
 
+@pytest.mark.parity
 @pytest.mark.needs("policy_loss", "token_count", "logprobs_forward", "logprobs_backward", "rope",
                    "attention")
 @pytest.mark.parametrize("token_level", [True, False])
 def test_update_is_the_same_for_any_micro_batch_split(token_level):
     """1, 2 or 4 rows per micro-batch, or rows sorted by length under a budget of 1 (one row
     each), 20 or 40 padded tokens: the same weights, because the loss's denominator is counted
-    over the mini-batch before the split."""
+    over the mini-batch before the split. In float64, so that the splits, which sum the same
+    terms in other orders, differ by ~1e-16 of the step (a per-micro-batch denominator: ~1e-1)."""
     results = []
     for split in (dict(micro_batch_size=1, micro_batch_tokens=0),
                   dict(micro_batch_size=2, micro_batch_tokens=0),
                   dict(micro_batch_size=4, micro_batch_tokens=0),
                   dict(micro_batch_tokens=1), dict(micro_batch_tokens=20),
                   dict(micro_batch_tokens=40)):
-        torch.manual_seed(0)
-        model = Qwen2(preset("tiny", vocab_size=50))
+        model = tiny_float64_model()
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         cfg = Config(group_size=4, mini_batch_prompts=2, grad_clip=1e9,
                      token_level_loss=token_level, overlong_filtering=True, **split)
-        m = update_policy(model, opt, random_batch(50), cfg, eps_high=0.28)
-        results.append((torch.cat([p.detach().flatten() for p in model.parameters()]), m))
+        m = update_policy(model, opt, random_batch(50, dtype=torch.float64), cfg, eps_high=0.28)
+        results.append((flat_params(model), m))
+    moved = (results[0][0] - flat_params(tiny_float64_model())).abs().max()
+    assert moved > 1e-2  # the update did something
     for params, m in results[1:]:
-        assert (params - results[0][0]).abs().max() < 1e-6
-        assert m["actor/pg_loss"] == pytest.approx(results[0][1]["actor/pg_loss"], rel=1e-5)
-    untrained = torch.cat([p.detach().flatten()
-                           for p in Qwen2(preset("tiny", vocab_size=50)).parameters()])
-    assert (results[0][0] - untrained).abs().max() > 0  # the update did something
+        assert (params - results[0][0]).abs().max() < 1e-9 * moved
+        assert m["actor/pg_loss"] == pytest.approx(results[0][1]["actor/pg_loss"], rel=1e-12)
+
+
+def tiny_float64_model(tied=True) -> Qwen2:
+    torch.manual_seed(0)
+    return Qwen2(preset("tiny", vocab_size=50, tie_word_embeddings=tied)).double()
+
+
+def flat_params(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
 # --- the token count before the split (Eq. 12), with a stand-in policy and loss ---
@@ -147,7 +156,8 @@ class TablePolicy(torch.nn.Module):
     def __init__(self, vocab):
         super().__init__()
         g = torch.Generator().manual_seed(0)
-        self.logits = torch.nn.Parameter(torch.randn(vocab, generator=g))
+        # float64: the splits below sum the same terms in other orders
+        self.logits = torch.nn.Parameter(torch.randn(vocab, generator=g, dtype=torch.float64))
 
 
 def table_logprobs(model, batch, temperature, fused_head=True):  # as dapo.response_logprobs
@@ -195,6 +205,7 @@ def test_the_loss_denominator_is_the_mini_batch_token_count(stand_ins, token_lev
                            torch.as_tensor(want, dtype=torch.float32))
 
 
+@pytest.mark.parity
 def test_a_stand_in_policy_update_is_the_same_for_any_micro_batch_split(stand_ins):
     results = []
     for split in (dict(micro_batch_size=1, micro_batch_tokens=0),
@@ -205,35 +216,32 @@ def test_a_stand_in_policy_update_is_the_same_for_any_micro_batch_split(stand_in
         cfg = Config(group_size=4, mini_batch_prompts=2, grad_clip=1e9, overlong_filtering=True,
                      **split)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
-        update_policy(model, opt, random_batch(50), cfg, 0.28)
+        update_policy(model, opt, random_batch(50, dtype=torch.float64), cfg, 0.28)
         results.append(model.logits.detach().clone())
-    assert (results[0] - TablePolicy(50).logits).abs().max() > 1e-3  # the update did something
-    for logits in results[1:]:
-        assert (logits - results[0]).abs().max() < 1e-6
+    moved = (results[0] - TablePolicy(50).logits).abs().max()
+    assert moved > 1e-3  # the update did something
+    for logits in results[1:]:  # float64 round-off, ~1e-16 of the step
+        assert (logits - results[0]).abs().max() < 1e-9 * moved
 
 
+@pytest.mark.parity
 @pytest.mark.needs("policy_loss", "token_count", "logprobs_forward", "logprobs_backward", "rope",
                    "attention")
 @pytest.mark.parametrize("tied", [True, False])
 def test_update_is_the_same_with_the_fused_and_the_unfused_head(tied):
-    """Two SGD steps (a step is linear in the gradient: AdamW would divide the summation-order
-    round-off of near-zero gradient coordinates by sqrt(v) and magnify it)."""
+    """Two SGD steps in float64: the fused head sums the same products in chunks, the unfused one
+    in one matmul, so they differ by float64 round-off, ~1e-16 of the step."""
     weights = []
     for fused in (True, False):
-        torch.manual_seed(0)
-        model = Qwen2(preset("tiny", vocab_size=50, tie_word_embeddings=tied))
+        model = tiny_float64_model(tied)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         cfg = Config(group_size=4, mini_batch_prompts=1, micro_batch_size=3, micro_batch_tokens=0,
                      fused_head=fused)
-        update_policy(model, opt, random_batch(50), cfg, eps_high=0.28)
-        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
-    torch.manual_seed(0)
-    start = torch.cat([p.detach().flatten()
-                       for p in Qwen2(preset("tiny", vocab_size=50, tie_word_embeddings=tied))
-                       .parameters()])
-    moved = (weights[1] - start).abs().max()
-    assert moved > 1e-2  # the steps moved the weights, the same way to fp32 round-off
-    assert (weights[0] - weights[1]).abs().max() < 1e-6 * moved
+        update_policy(model, opt, random_batch(50, dtype=torch.float64), cfg, eps_high=0.28)
+        weights.append(flat_params(model))
+    moved = (weights[1] - flat_params(tiny_float64_model(tied))).abs().max()
+    assert moved > 1e-2  # the steps moved the weights
+    assert (weights[0] - weights[1]).abs().max() < 1e-9 * moved
 
 
 def test_micro_batches_by_tokens_pack_sorted_rows_under_the_budget():
@@ -401,21 +409,20 @@ def test_training_batch_score_includes_the_overlong_penalty():
     assert m["response_length/mean"] == batch.response_mask.sum().item() / 4
 
 
+@pytest.mark.parity
 @pytest.mark.needs("policy_loss", "token_count", "logprobs_forward", "logprobs_backward", "rope",
                    "attention")
 def test_entropy_is_pi_olds_before_the_update():
-    torch.manual_seed(0)
-    model = Qwen2(preset("tiny", vocab_size=50))
-    batch = replace(random_batch(50), old_logp=None)  # as collect_batch returns it
+    # float64: the whole batch at once here, micro-batches in the update
+    batch = replace(random_batch(50, dtype=torch.float64), old_logp=None)  # as collect_batch's
     with torch.no_grad():
-        _, entropy = dapo.response_logprobs(model, batch, 1.0)
+        _, entropy = dapo.response_logprobs(tiny_float64_model(), batch, 1.0)
     expected = (entropy * batch.response_mask).sum() / batch.response_mask.sum()
     for mini_batch_prompts in (1, 2):  # 2 optimizer steps (pi_old's own forward), then 1
-        torch.manual_seed(0)
-        model = Qwen2(preset("tiny", vocab_size=50))
+        model = tiny_float64_model()
         m = update_policy(model, torch.optim.SGD(model.parameters(), lr=10.0), batch,
                           Config(group_size=4, mini_batch_prompts=mini_batch_prompts), 0.28)
-        assert m["actor/entropy"] == pytest.approx(expected.item(), rel=1e-5)
+        assert m["actor/entropy"] == pytest.approx(expected.item(), rel=1e-12)
 
 
 @pytest.mark.parametrize("warmup,expected", [(3, [0, 1 / 3, 2 / 3, 1, 1]), (0, [1] * 5)])

@@ -3,7 +3,6 @@ log-probs, EOS, truncation, continuous batching over fewer slots than sequences,
 lockstep."""
 import math
 import os
-import socket
 import time
 
 import pytest
@@ -13,6 +12,7 @@ import torch.multiprocessing as mp
 
 import sampler
 from model import Qwen2, preset
+from rendezvous import file_init
 from sampler import filter_logits, generate, sample
 
 # fp32: cached decoding and a full forward add the same numbers in a slightly different order
@@ -470,11 +470,8 @@ def unequal_work(rank):
 def two_ranks(tmp_path_factory):
     """Both scenarios of _two_rank_worker in one spawn of two processes -> {rank: what it saved}."""
     out = tmp_path_factory.mktemp("ranks")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.spawn(_two_rank_worker, args=(2, f"tcp://127.0.0.1:{port}", str(out)), nprocs=2,
-                   join=False)
+    # a rendezvous file, not a port: two suites on one machine cannot collide
+    ctx = mp.spawn(_two_rank_worker, args=(2, file_init(out), str(out)), nprocs=2, join=False)
     # a rank that stops early leaves the other blocked in a collective
     deadline = time.monotonic() + 120
     try:
