@@ -24,7 +24,7 @@ $(VENV)/.extra: requirements-extra.txt $(VENV)/.runtime
 
 # The embedded demo: a tiny Qwen2 is warmed up on a toy task (once; cached in runs/demo-base), then
 # trained with DAPO; prints val/acc before -> after and writes runs/demo/metrics.jsonl
-# (`python plot.py` draws it).
+# (`python experiments/plot.py` draws it).
 run: $(VENV)/.runtime
 	$(PY) dapo.py --out-dir runs/demo --overwrite
 
@@ -57,17 +57,17 @@ bench-step: $(BENCH_VENV)/.bench
 # plus clip-higher in isolation (ablate_isolated.py). Writes runs/ablate/table.md, ablation.png
 # and clip_bandit.png (matplotlib: requirements-extra.txt).
 ablate: $(VENV)/.extra
-	OMP_NUM_THREADS=1 $(PY) ablate.py
+	OMP_NUM_THREADS=1 $(PY) experiments/ablate.py
 
 # Course assignments (docs/instructors.md): the student copy, each exercise's body replaced by
-# a raise that names it (assign.py needs only Python and git), and the score of a copy or of this.
+# a raise that names it (course/assign.py needs only Python and git), and the score of a copy or of this.
 OUT ?= runs/handout
 handout:
-	$(PYTHON) assign.py handout $(OUT)
+	$(PYTHON) course/assign.py handout $(OUT)
 
 # ARGS: e.g. ARGS="--extra-tests ../private --json results.json"
 grade: $(VENV)/.test
-	$(PY) assign.py grade $(ARGS)
+	$(PY) course/assign.py grade $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) .pytest_cache runs

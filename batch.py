@@ -8,6 +8,7 @@ function's signature says which fields it reads. The three operations the loop n
     batch.groups(keep)      whole groups (dynamic sampling keeps or drops a prompt's G responses)
     batch.rows(slice)       mini-batches and micro-batches, their padding trimmed
     Batch.cat([...])        generation batches accumulated until the training batch is full
+    batch.micro_batches()   the rows of each micro-batch, by count or by a budget of tokens
 
 Layout of row i (P = longest prompt, R = longest response of the batch):
 
@@ -44,6 +45,16 @@ class Batch:
     reward: torch.Tensor | None = None  # (N,) fp32: score + overlong penalty (technique 4)
     adv: torch.Tensor | None = None  # (N,) fp32: the group advantage (Eq. 9)
     old_logp: torch.Tensor | None = None  # (N, R) fp32: log pi_old of each response token
+
+    @classmethod
+    def from_rollout(cls, out, scores: list[dict], group_size: int) -> "Batch":
+        """From the sampler's Rollout and the verifier's {"score", "acc"} of each response."""
+        device = out.response_ids.device
+        return cls(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask,
+                   response_ids=out.response_ids, response_mask=out.response_mask,
+                   score=torch.tensor([s["score"] for s in scores], device=device),
+                   acc=torch.tensor([bool(s["acc"]) for s in scores], device=device),
+                   truncated=out.truncated, group_size=group_size)
 
     def __len__(self):
         return self.prompt_ids.shape[0]
@@ -86,6 +97,28 @@ class Batch:
 
     def split(self, rows_per_part: int) -> list["Batch"]:
         return [self.rows(slice(i, i + rows_per_part)) for i in range(0, len(self), rows_per_part)]
+
+    def micro_batches(self, max_rows: int, max_tokens: int = 0) -> list[torch.Tensor]:
+        """Row indices of each micro-batch: max_rows rows at a time or, with max_tokens, rows
+        sorted by length and packed while the micro-batch's padded size (rows x its longest prompt
+        + longest response) stays within max_tokens, so that little of the forward and backward
+        is spent on padding and memory is bounded by tokens. A longer row goes alone."""
+        if not max_tokens:
+            return [torch.arange(i, min(i + max_rows, len(self)), device=self.prompt_ids.device)
+                    for i in range(0, len(self), max_rows)]
+        prompt_len, response_len = self.prompt_mask.sum(-1), self.response_lengths  # (N,)
+        order = (prompt_len + response_len).argsort(descending=True, stable=True).tolist()
+        parts, current, widest_prompt, widest_response = [], [], 0, 0
+        for i in order:
+            p = max(widest_prompt, int(prompt_len[i]))
+            r = max(widest_response, int(response_len[i]))
+            if current and (len(current) + 1) * (p + r) > max_tokens:
+                parts.append(current)
+                current, p, r = [], int(prompt_len[i]), int(response_len[i])
+            current.append(i)
+            widest_prompt, widest_response = p, r
+        parts.append(current)
+        return [torch.tensor(rows, device=self.prompt_ids.device) for rows in parts]
 
     @staticmethod
     def cat(batches: list["Batch"]) -> "Batch":

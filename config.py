@@ -79,6 +79,12 @@ class Config:
     activation_checkpointing: bool = _flag(False, "recompute block activations in the backward: "
                                                   "less memory, ~30% more time")
 
+    @property
+    def generation_batch(self) -> int:
+        """Prompts per generation batch: --gen-prompts with dynamic sampling (it draws more than
+        it trains on), else the training batch."""
+        return self.gen_prompts if self.dynamic_sampling else self.train_prompts
+
 
 def check_flags(cfg: Config, world: int = 1):
     """Refuse flags that make no sense before anything is loaded, naming the flag."""

@@ -32,6 +32,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
+from infra.files import need_file
 from reward import SCORERS, has_scorer
 
 log = logging.getLogger("data")
@@ -126,17 +127,10 @@ def _compile_chat_template(source: str, where: str):
                          f"{e.lineno} of the template)") from None
 
 
-def _need_file(path, name):
-    file = os.path.join(path, name)
-    if not os.path.isfile(file):
-        raise FileNotFoundError(f"{file}: not found (is {path!r} a Hugging Face model directory?)")
-    return file
-
-
 def _read_json(path: str, required: bool = True) -> dict:
     if not os.path.isfile(path):
         if required:
-            _need_file(*os.path.split(path))
+            need_file(*os.path.split(path))
         return {}
     with open(path, encoding="utf-8") as f:
         try:
@@ -171,7 +165,7 @@ def load_tokenizer(path: str) -> Tokenizer:
     eos_token, then <|im_end|> when the chat template is ChatML. Qwen2.5 base lists only
     <|endoftext|> in its generation config, but a response formatted by its ChatML template ends
     with <|im_end|>: both must stop generation."""
-    tok = _HFTokenizer.from_file(_need_file(path, "tokenizer.json"))
+    tok = _HFTokenizer.from_file(need_file(path, "tokenizer.json"))
     config = _read_json(os.path.join(path, "tokenizer_config.json"))
     gen = _read_json(os.path.join(path, "generation_config.json"), required=False)
     template, template_source = _chat_template(path, config)

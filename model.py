@@ -3,25 +3,23 @@ A Qwen2 / Qwen2.5 decoder in plain PyTorch: the same numbers as transformers' Qw
 one file.
 
 Per layer: RMSNorm -> attention (q/k/v with bias, grouped-query, RoPE) -> residual -> RMSNorm ->
-SwiGLU MLP -> residual. Weights load from and save to the Hugging Face safetensors layout, so a
-checkpoint moves freely between this file, transformers and vLLM. Parameter names mirror the HF keys
-(model.layers.N.self_attn.q_proj.weight, ...), so no key mapping is needed anywhere.
+SwiGLU MLP -> residual. Weights load from and save to the Hugging Face safetensors layout
+(Qwen2.from_pretrained / save_pretrained, through infra/hf_io.py), so a checkpoint moves freely
+between this file, transformers and vLLM. Parameter names mirror the HF keys
+(model.layers.N.self_attn.q_proj.weight, ...), so no key mapping is needed anywhere. At the end,
+response_logprobs(): the policy's log-probs of sampled responses, which the RL loss reads.
 """
-import contextlib
-import errno
 import json
-import os
-import re
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+
+from infra import hf_io
+from infra.files import need_file
+from kernels import linear_logprobs_and_entropy, logprobs_and_entropy
 
 
 @dataclass
@@ -358,15 +356,16 @@ class Qwen2(nn.Module):
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
         for block in self.model.layers:
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-                # keep only each block's input; recompute its activations in the backward
-                # (memory for compute)
+                # keep only each block's input and recompute its activations in the backward:
+                # memory traded for compute
                 x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, mask, use_reentrant=False)
             else:
                 x = block(x, cos, sin, mask, kv_cache, positions, cache_rows)
         x = self.model.norm(x)  # (B, T, C)
         if head is not None:
             return head(x, self.lm_head.weight)
-        return self.lm_head(x).float()  # (B, T, V)
+        logits = self.lm_head(x)  # (B, T, V)
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32, or float64
 
     # ----------------------------------------------------------------------------------------------
     # Hugging Face checkpoints
@@ -377,41 +376,13 @@ class Qwen2(nn.Module):
         model.safetensors.index.json). The model is built on the meta device and the loaded tensors
         are assigned in place: no second copy, so a 32B checkpoint needs its own size in memory, not
         twice that. dtype defaults to the config's torch_dtype."""
-        cfg = ModelConfig.from_json(_need(path, "config.json"))
+        cfg = ModelConfig.from_json(need_file(path, "config.json"))
         dtype = dtype or getattr(torch, cfg.torch_dtype)
         with torch.device("meta"):
             model = cls(cfg)
-        tied = _tied_keys(cfg)
+        tied = hf_io.tied_keys(cfg)
         expected = {k: v.shape for k, v in model.state_dict().items() if k not in tied}
-        state, file_of = {}, {}
-        for file, keys in _checkpoint_files(path).items():
-            try:
-                with safe_open(file, framework="pt", device=str(device)) as f:
-                    for key in keys or f.keys():
-                        # derived buffers some old checkpoints carry; a tied head some carry anyway
-                        if key.endswith("rotary_emb.inv_freq") or key in tied:
-                            continue
-                        if key not in expected:
-                            raise ValueError(f"{file}: unexpected key {key!r} (not part of a "
-                                             "Qwen2 with this config)")
-                        t = f.get_tensor(key)
-                        if tuple(t.shape) != tuple(expected[key]):
-                            raise ValueError(f"{file}: key {key!r} has shape {tuple(t.shape)}, "
-                                             f"the config implies {tuple(expected[key])}")
-                        state[key], file_of[key] = t.to(dtype), file
-            except SafetensorError as e:
-                # "incomplete metadata, file not fully covered" and the like
-                raise ValueError(f"{file}: not a readable safetensors file, truncated or corrupt "
-                                 f"(an interrupted download or copy?): {e}") from None
-        missing = sorted(set(expected) - set(state))
-        if missing:
-            raise ValueError(f"{path}: checkpoint lacks {len(missing)} key(s), "
-                             f"first {missing[0]!r}")
-        bad = first_nonfinite(state)
-        # a diverged run's weights would train on, reporting nothing but zero informative groups
-        if bad:
-            raise ValueError(f"{file_of[bad]}: {bad!r} holds {_count_nonfinite(state[bad])}: "
-                             "refusing to load a model with non-finite weights")
+        state = hf_io.load_state_dict(path, expected, dtype, device, skip=tied)
         if cfg.tie_word_embeddings:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
         model.load_state_dict(state, strict=True, assign=True)
@@ -420,198 +391,35 @@ class Qwen2(nn.Module):
         return model
 
     def save_pretrained(self, path: str, max_shard_bytes: int = 5 * 2**30):
-        save_hf_checkpoint(self.state_dict(), self.config, path, max_shard_bytes)
+        hf_io.save_hf_checkpoint(self.state_dict(), self.config, path, max_shard_bytes)
 
 
-def _tied_keys(cfg) -> set:
-    """The keys a checkpoint leaves out: transformers stores a tied head once, as the embedding."""
-    return {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+# --------------------------------------------------------------------------------------------------
+# The policy's log-probs of sampled responses, for the RL loss
 
+def response_logprobs(model: Qwen2, batch, temperature: float, fused_head: bool = True):
+    """log pi(o_t | q, o_<t) and the entropy of that distribution, for every response token of a
+    batch.Batch (its prompt_ids/mask, left-padded, and response_ids/mask, right-padded): (B, R)
+    each, fp32 (0 on padding with the fused head): the policy loss's pi_theta and pi_old. The
+    output layer runs inside the model's forward (so that FSDP has it gathered) on response
+    positions only. Fused (the default), it runs chunk by chunk inside the log-prob kernel and the
+    (B, R, V) logits never exist; unfused, they do (6 GB for one 20k-token response at Qwen2.5's
+    vocabulary)."""
+    ids = torch.cat([batch.prompt_ids, batch.response_ids], 1)  # (B, P + R)
+    mask = torch.cat([batch.prompt_mask, batch.response_mask], 1)  # (B, P + R)
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # RoPE counts real tokens only
+    P = batch.prompt_ids.shape[1]
 
-def _need(path, name):
-    file = os.path.join(path, name)
-    if not os.path.isfile(file):
-        raise FileNotFoundError(f"{file}: not found (is {path!r} a Hugging Face model directory?)")
-    return file
+    def head(hidden, weight):  # hidden (B, P + R, C); column P - 1 + t predicts response token t
+        hidden = hidden[:, P - 1:-1]  # (B, R, C)
+        if fused_head:
+            return linear_logprobs_and_entropy(hidden, weight, batch.response_ids, temperature,
+                                               mask=batch.response_mask)
+        logits = hidden @ weight.T  # (B, R, V)
+        logp, entropy = logprobs_and_entropy(logits, batch.response_ids, temperature)
+        return logp.clone(), entropy.clone()  # not views: FSDP2 loses the hooks of in-place views
 
-
-def _checkpoint_files(path) -> dict:
-    """{safetensors file: [keys in it] (or None = all)} from the index of a sharded checkpoint or
-    the single file."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            try:
-                weight_map = json.load(f)["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{index}: not a safetensors index (a JSON object with a "
-                                 f"weight_map): {type(e).__name__}: {e}") from None
-        files = {}
-        for key, name in weight_map.items():
-            files.setdefault(name, []).append(key)
-        for name in files:
-            _need(path, name)
-        return {os.path.join(path, name): keys for name, keys in files.items()}
-    return {_need(path, "model.safetensors"): None}
-
-
-def first_nonfinite(tensors: dict) -> str | None:
-    """The name of the first floating tensor holding a NaN or an inf, or None. The common case
-    costs one fused pass: every tensor's norm at once, then one isfinite over the norms (a single
-    host sync). Only when a norm is not finite are tensors looked at one by one: a NaN anywhere
-    makes its norm NaN, and a norm that overflowed on finite values is not reported."""
-    names = [k for k, t in tensors.items() if t.is_floating_point()]
-    if not names:
-        return None
-    chosen = [tensors[k] for k in names]
-    # in fp32, whatever the weights' dtype; float64 weights (the tests' exact runs) in float64
-    wide = torch.float64 if any(t.dtype == torch.float64 for t in chosen) else torch.float32
-    norms = torch._foreach_norm(chosen, 2, dtype=wide)
-    if torch.isfinite(torch.stack(norms)).all():
-        return None
-    suspects = (k for k, n in zip(names, norms) if not torch.isfinite(n))
-    return next((k for k in suspects if not torch.isfinite(tensors[k]).all()), None)
-
-
-def _count_nonfinite(t) -> str:
-    nan, inf = int(t.isnan().sum()), int(t.isinf().sum())
-    return f"{nan} NaN and {inf} inf value(s) among its {t.numel()}"
-
-
-# The files a model directory's weights consist of; save_hf_checkpoint replaces these and keeps
-# every other file
-OWN_FILES = re.compile(r"config\.json|model\.safetensors(\.index\.json)?"
-                       r"|model-\d{5}-of-\d{5}\.safetensors")
-
-
-def save_hf_checkpoint(state_dict: dict, cfg: ModelConfig, path: str,
-                       max_shard_bytes: int = 5 * 2**30):
-    """Write config.json + safetensors (sharded with an index above max_shard_bytes), the layout
-    transformers writes. Everything goes to a temporary directory first, is flushed to disk and
-    renamed into place, so a crash (or a full disk) never leaves half a checkpoint under `path`.
-    Saving into an existing model directory replaces its weights and config and keeps everything
-    else there (tokenizer files, generation_config.json, a README...).
-    Refuses weights that hold a NaN or an inf, naming the tensor."""
-    tied = _tied_keys(cfg)
-    state = {k: v.detach().contiguous().cpu() for k, v in state_dict.items() if k not in tied}
-    bad = first_nonfinite(state)
-    if bad:
-        raise ValueError(f"not saving {path}: {bad!r} holds {_count_nonfinite(state[bad])}")
-    shards, size = [{}], 0
-    for k, v in state.items():
-        nbytes = v.numel() * v.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][k] = v
-        size += nbytes
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-ckpt-", dir=parent)
-    # mkdtemp makes it private (0700); a model directory is normally readable by all
-    os.chmod(tmp, 0o755)
-    try:
-        dtypes = {str(v.dtype).removeprefix("torch.") for v in state.values()}
-        hf = cfg.to_hf()
-        hf["torch_dtype"] = dtypes.pop() if len(dtypes) == 1 else cfg.torch_dtype
-        write_json(os.path.join(tmp, "config.json"), hf)
-        if len(shards) == 1:
-            _save_safetensors(shards[0], os.path.join(tmp, "model.safetensors"))
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards):
-                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                _save_safetensors(shard, os.path.join(tmp, name))
-                weight_map.update({k: name for k in shard})
-            total = sum(v.numel() * v.element_size() for v in state.values())
-            write_json(os.path.join(tmp, "model.safetensors.index.json"),
-                       {"metadata": {"total_size": total}, "weight_map": weight_map})
-        if os.path.isdir(path):
-            _link_others(path, tmp)
-        # the files (each synced as written) and their names, before the rename makes them visible
-        fsync(tmp)
-        _replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-@contextlib.contextmanager
-def writing(file: str):
-    """Turn a failed write into an error that names the file. torch.save on a full disk says only
-    "[enforce fail at inline_container.cc:672] unexpected pos", safetensors "IoError(...)", neither
-    the file."""
-    try:
-        yield
-    except (OSError, RuntimeError, SafetensorError) as e:
-        full = getattr(e, "errno", None) == errno.ENOSPC or "unexpected pos" in str(e) or \
-            "StorageFull" in str(e)
-        why = ": the disk is full" if full else " (is the disk full?)"
-        raise OSError(f"could not write {file}{why} ({type(e).__name__}: {e})") from e
-
-
-def fsync(path: str):
-    """Flush a file's data, or a directory's entries, to the disk: without it a power cut after a
-    rename can leave the new name pointing at data that was never written."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        # some filesystems cannot sync a directory
-        if not (os.path.isdir(path) and e.errno == errno.EINVAL):
-            raise
-    finally:
-        os.close(fd)
-
-
-def write_json(file: str, obj):
-    with writing(file), open(file, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _save_safetensors(tensors: dict, file: str):
-    with writing(file):
-        save_file(tensors, file, metadata={"format": "pt"})
-        # safetensors creates its files private (0600), unlike every other file here
-        os.chmod(file, 0o644)
-        fsync(file)
-
-
-def _link_others(old: str, new: str):
-    """Bring every entry of model directory `old` that is not weights or config into `new`: hard
-    links (no copy of a large file), or a copy where the filesystem cannot link."""
-    for name in os.listdir(old):
-        src, dst = os.path.join(old, name), os.path.join(new, name)
-        if OWN_FILES.fullmatch(name) or os.path.lexists(dst):
-            continue
-        with writing(dst):
-            if os.path.islink(src):
-                os.symlink(os.readlink(src), dst)
-            elif os.path.isdir(src):
-                shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
-            else:
-                _link_or_copy(src, dst)
-
-
-def _link_or_copy(src, dst):
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
-def _replace_dir(src, dst):
-    """Move directory src to dst atomically enough: dst is either the old or the new checkpoint,
-    never a mix."""
-    old = dst.rstrip("/") + f".old-{os.getpid()}" if os.path.exists(dst) else None
-    if old:
-        os.replace(dst, old)
-    os.replace(src, dst)
-    fsync(os.path.dirname(os.path.abspath(dst)))
-    if old:
-        shutil.rmtree(old)
+    return model(ids, positions=positions, attention_mask=mask, head=head)  # logp, entropy
 
 
 def num_params(model: nn.Module) -> int:

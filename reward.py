@@ -137,12 +137,13 @@ def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float =
     # end exercise
 
 
-# Which verifier scores a row, by its data_source, as verl's default_compute_score dispatches.
-# The toy task of the CPU demo goes through the same math_dapo check, so the demo exercises the
-# real verifier.
+# The data_source of the CPU demo's toy task (toy.py): the same math_dapo check scores it, so the
+# demo exercises the real verifier
+TOY_DATA_SOURCE = "toy_sum"
+# Which verifier scores a row, by its data_source, as verl's default_compute_score dispatches
 SCORERS = {
     "math_dapo": compute_score,  # DAPO-Math-17k
-    "toy_sum": compute_score,  # data.py's toy task
+    TOY_DATA_SOURCE: compute_score,
 }
 
 

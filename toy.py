@@ -2,7 +2,7 @@
 The toy task of the CPU demo, and the demo's "base model" trained on it.
 
 The task: sums of 2-3 digits from 0 to 5 ("3+5+2"), answered with the sum in the `Answer: ...`
-format that the real math_dapo verifier reads (reward.py routes data_source "toy_sum" to it). Rows
+format that the real math_dapo verifier reads (reward.SCORERS routes TOY_DATA_SOURCE to it). Rows
 follow the DAPO schema, so the loop cannot tell them from DAPO-Math-17k. Held-out problems come from
 a disjoint part of the problem space (a hash of the problem text), never seen in warm-up or RL.
 
@@ -35,10 +35,12 @@ import torch.nn.functional as F
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+import reward
 from data import Tokenizer, load_tokenizer
+from infra import distributed
 from model import Qwen2, preset
 
-TOY_DATA_SOURCE = "toy_sum"
+TOY_DATA_SOURCE = reward.TOY_DATA_SOURCE
 TOY_MIN_TERMS, TOY_MAX_TERMS = 2, 3  # terms per problem...
 # ...each in [0, TOY_MAX_DIGIT]: few enough addition facts for a 2-minute warm-up to learn
 TOY_MAX_DIGIT = 5
@@ -130,7 +132,7 @@ def _toy_problems(n: int, seed: int, split: str, stream: str):
 
 
 def toy_rows(n: int, seed: int, split: str = "train") -> list[dict]:
-    """n toy rows in the DAPO row schema, data_source "toy_sum". The splits never share
+    """n toy rows in the DAPO row schema, data_source TOY_DATA_SOURCE. The splits never share
     a problem."""
     problems, _ = _toy_problems(n, seed, split, "rows")
     return [{"data_source": TOY_DATA_SOURCE,
@@ -174,6 +176,20 @@ def toy_warmup_pairs(n: int, seed: int) -> list[tuple[list[dict], str]]:
 
 # measured: loss ~0.17, held-out acc ~0.3
 WARMUP = dict(steps=400, batch_size=64, lr=5e-3, preset="demo")
+
+
+def demo_policy(out_dir: str, device: str, seed: int) -> tuple[str, Qwen2]:
+    """The embedded demo's policy: the toy tokenizer (written into out_dir/tokenizer) and the
+    base model below -> (the tokenizer's directory, the model). Rank 0 trains the base model once
+    and caches it; the other ranks then load the cache."""
+    tok_dir = os.path.join(out_dir, "tokenizer")
+    if distributed.rank() == 0:
+        make_toy_tokenizer(tok_dir)
+        model = demo_base_model(load_tokenizer(tok_dir), device, seed=seed)
+    distributed.barrier()
+    if distributed.rank() != 0:
+        model = demo_base_model(load_tokenizer(tok_dir), device, seed=seed)
+    return tok_dir, model
 
 
 def demo_base_model(tok, device="cpu", seed=0, cache_root="runs/demo-base") -> Qwen2:

@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dapo  # noqa: E402
-import distributed  # noqa: E402
+from infra import distributed  # noqa: E402
 from batches import indexed_rows, scripted_rollout  # noqa: E402
 from data import PromptIterator  # noqa: E402
 

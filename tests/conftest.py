@@ -13,7 +13,9 @@ if os.environ.get("ATEN_CPU_CAPABILITY"):
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
         tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_"
                                f"{os.environ['ATEN_CPU_CAPABILITY']}"))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the repository's modules, and the tools a folder down that the tests import by name
+sys.path[:0] = [ROOT, os.path.join(ROOT, "experiments"), os.path.join(ROOT, "course")]
 
 
 import pytest  # noqa: E402

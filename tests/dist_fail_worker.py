@@ -13,8 +13,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import checkpoint  # noqa: E402
-import distributed  # noqa: E402
+from infra import checkpoint  # noqa: E402
+from infra import distributed  # noqa: E402
 from model import Qwen2, preset  # noqa: E402
 
 POISONED = "model.layers.1.mlp.down_proj.weight"

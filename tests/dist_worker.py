@@ -13,9 +13,9 @@ from dataclasses import replace
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import checkpoint  # noqa: E402
-import distributed  # noqa: E402
-from dapo import Config, micro_batches, update_policy  # noqa: E402
+from infra import checkpoint  # noqa: E402
+from infra import distributed  # noqa: E402
+from dapo import Config, update_policy  # noqa: E402
 from data import PromptIterator, load_tokenizer  # noqa: E402
 from model import Qwen2  # noqa: E402
 from batch import Batch  # noqa: E402
@@ -61,7 +61,7 @@ def main(model_dir, out_dir, opt_name):
     tok = load_tokenizer(model_dir)
     opt = make_optimizer(opt_name, model.parameters())
     mine, cfg = my_share(make_batch(tok.vocab_size), rank, world), run_config(opt_name)
-    real = [sum(r for _, r in micro_batches(part, replace(cfg, device="cpu"), pad=False))
+    real = [len(part.micro_batches(cfg.micro_batch_size, cfg.micro_batch_tokens))
             for part in mine.split(cfg.mini_batch_prompts // world * GROUP)]
     with open(os.path.join(out_dir, f"micro_batches_rank{rank}.json"), "w") as f:
         json.dump(real, f)  # before the stand-ins: how many each rank needed

@@ -14,7 +14,7 @@ from dapo import Config
 def fake_metrics(acc, no_signal=0.25, length=30.0, clip_ratio=0.1, kept=4, filtered=2):
     """A run's metrics.jsonl rows as dapo.py logs them, one per rollout step."""
     return [{"step": i + 1, "rollout/acc": a, "actor/entropy": 1.0 - 0.1 * i,
-             "rollout/response_length/mean": length + i, "rollout/clip_ratio": clip_ratio,
+             "rollout/response_length/mean": length + i, "rollout/truncated": clip_ratio,
              "rollout/frac_all_correct": no_signal, "rollout/frac_all_wrong": 0.0,
              "dapo/clipfrac_high": 0.01, "train/groups_kept": kept,
              "train/groups_filtered": filtered}

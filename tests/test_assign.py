@@ -167,7 +167,7 @@ def test_in_the_handout_every_other_test_passes_or_needs_the_exercise_it_stops_a
 
 def test_the_grader_gives_nothing_for_the_blank_handout(handout, tmp_path):
     result = tmp_path / "results.json"
-    out = subprocess.run([sys.executable, "assign.py", "grade", "--json", str(result)],
+    out = subprocess.run([sys.executable, "course/assign.py", "grade", "--json", str(result)],
                          cwd=handout, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     report = json.loads(result.read_text())
@@ -236,7 +236,7 @@ def test_each_exercise_is_graded_by_tests_that_run_it_and_no_other(tmp_path, mon
         for r in sorted(regions, key=lambda r: r.start, reverse=True):
             lines.insert(r.start + 1, f"{r.indent}__import__('assign').reached({r.id!r})\n")
         (copy / path).write_text("".join(lines))
-    (copy / "assign.py").write_text(read(ROOT, "assign.py") + PROBE)
+    (copy / "course" / "assign.py").write_text(read(ROOT, "course/assign.py") + PROBE)
     monkeypatch.setenv("REACHED_LOG", str(log))
     records = assign.run_tests([t for e in EXERCISES for t in e.tests], root=str(copy))
     assert records and all(r["outcome"] == "passed" for r in records)

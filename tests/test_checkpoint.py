@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-import checkpoint
-import model as model_module
+from config import Config, check_flags
 from data import PromptIterator
+from infra import checkpoint, files, hf_io
 from model import Qwen2
 
 
@@ -65,7 +65,7 @@ def torch_save_on_a_full_disk(*args, **kwargs):
 
 
 @pytest.mark.parametrize("target,fake,file", [
-    (model_module, "save_file", r"step_000002\.tmp/\.tmp-ckpt-\w+/model\.safetensors"),
+    (hf_io, "save_file", r"step_000002\.tmp/\.tmp-ckpt-\w+/model\.safetensors"),
     (checkpoint.torch, "save", r"step_000002\.tmp/trainer_rank0\.pt"),
 ], ids=["weights", "optimizer"])
 def test_a_full_disk_names_the_file_and_keeps_the_previous_checkpoint(
@@ -86,13 +86,14 @@ def test_a_full_disk_names_the_file_and_keeps_the_previous_checkpoint(
 def test_checkpoint_files_are_readable_and_synced_before_the_rename(tmp_path, model, tiny_model_dir,
                                                                     monkeypatch):
     events = []
-    fsync, replace = checkpoint.fsync, os.replace
-    monkeypatch.setattr(checkpoint, "fsync", lambda p: (events.append(("fsync", p)), fsync(p)))
+    fsync, replace = files.fsync, os.replace
+    monkeypatch.setattr(files, "fsync", lambda p: (events.append(("fsync", p)), fsync(p)))
     monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("rename", a)), replace(a, b)))
     final = save(tmp_path, 1, model, tiny_model_dir)
     tmp = final + ".tmp"
+    last_sync_of_tmp = max(i for i, e in enumerate(events) if e == ("fsync", tmp))
     assert (events.index(("fsync", os.path.join(tmp, "trainer_rank0.pt")))
-            < events.index(("fsync", tmp)) < events.index(("rename", tmp)))
+            < last_sync_of_tmp < events.index(("rename", tmp)))
     assert os.stat(os.path.join(final, "model", "model.safetensors")).st_mode & 0o777 == 0o644
     assert "tokenizer.json" in os.listdir(os.path.join(final, "model"))  # --model can point at it
 
@@ -150,8 +151,8 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match=rf"--resume: {tmp_path} holds no checkpoint to "
                                                 r"continue from"):
         checkpoint.prepare_out_dir(str(tmp_path), resume=True, overwrite=False)
-    with pytest.raises(ValueError, match="--resume .* --overwrite"):
-        checkpoint.prepare_out_dir(str(tmp_path), resume=True, overwrite=True)
+    with pytest.raises(ValueError, match="--resume .* --overwrite"):  # refused with the flags
+        check_flags(Config(resume=True, overwrite=True))
 
 
 def test_resume_returns_the_latest_checkpoint(tmp_path, model, tiny_model_dir):

@@ -11,10 +11,12 @@ import pytest
 import torch
 
 import dapo
+import launch
 from dapo import Config, group_advantages, keep_groups, policy_loss, update_policy
 from batches import indexed_rows, random_batch, scripted_rollout
 from data import PromptIterator
-from model import Qwen2, preset
+from infra.metrics import clip_stats, training_batch_metrics
+from model import Qwen2, preset, response_logprobs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,10 +26,11 @@ def torch_kernel_path(monkeypatch):
     """The loop on CPU takes the kernel's PyTorch path (what `make run` does); conftest.py turns on
     Triton's interpreter for the kernel's own tests, which would make these end-to-end runs
     needlessly slow."""
+    import model
     from kernels import linear_logprobs_and_entropy, logprobs_and_entropy
-    monkeypatch.setattr(dapo, "logprobs_and_entropy",
+    monkeypatch.setattr(model, "logprobs_and_entropy",
                         lambda *a, **k: logprobs_and_entropy(*a, **k, backend="torch"))
-    monkeypatch.setattr(dapo, "linear_logprobs_and_entropy",
+    monkeypatch.setattr(model, "linear_logprobs_and_entropy",
                         lambda *a, **k: linear_logprobs_and_entropy(*a, **k, backend="torch"))
 
 
@@ -67,7 +70,7 @@ def _loss(ratio, adv, eps_high=0.28, dual_clip=0.0):
     logp = torch.log(torch.tensor([[ratio]]))
     mask = torch.ones(1, 1, dtype=torch.bool)
     return policy_loss(logp, torch.zeros(1, 1), torch.tensor([adv]), mask, 0.2, eps_high, 1.0,
-                       dual_clip)[0].item()
+                       dual_clip).item()
 
 
 @pytest.mark.parametrize("ratio,adv,eps_high,expected", [
@@ -90,10 +93,9 @@ def test_dual_clip_caps_negative_advantage_loss():
 def test_clipped_tokens_get_no_gradient():
     logp = torch.log(torch.tensor([[1.5, 1.1]])).requires_grad_()
     mask = torch.ones(1, 2, dtype=torch.bool)
-    loss, stats = policy_loss(logp, torch.zeros(1, 2), torch.tensor([1.0]), mask, 0.2, 0.28, 2.0)
+    loss = policy_loss(logp, torch.zeros(1, 2), torch.tensor([1.0]), mask, 0.2, 0.28, 2.0)
     loss.backward()
     assert logp.grad[0, 0] == 0 and logp.grad[0, 1] == pytest.approx(-1.1 / 2)
-    assert stats["clip_high"] == 1 and stats["clip_low"] == 0
 
 
 def test_token_level_loss_weighs_every_token_equally():
@@ -101,10 +103,10 @@ def test_token_level_loss_weighs_every_token_equally():
     logp = torch.zeros(2, 3)
     mask = torch.tensor([[1, 0, 0], [1, 1, 1]], dtype=torch.bool)
     adv = torch.tensor([2.0, 1.0])
-    token_level, _ = policy_loss(logp, logp, adv, mask, 0.2, 0.28, denom=4)
+    token_level = policy_loss(logp, logp, adv, mask, 0.2, 0.28, denom=4)
     assert token_level.item() == pytest.approx(-(2 + 1 + 1 + 1) / 4)
-    per_sequence, _ = policy_loss(logp, logp, adv, mask, 0.2, 0.28,
-                                  denom=mask.sum(-1, keepdim=True) * 2)
+    per_sequence = policy_loss(logp, logp, adv, mask, 0.2, 0.28,
+                               denom=mask.sum(-1, keepdim=True) * 2)
     assert per_sequence.item() == pytest.approx(-(2 / 1 + 3 / 3) / 2)
 
 
@@ -169,8 +171,7 @@ def table_logprobs(model, batch, temperature, fused_head=True):  # as dapo.respo
 
 def unclipped_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom, dual_clip=0.0):
     """policy_loss's contract, without the clip."""
-    loss = (-adv[:, None] * torch.exp(logp - old_logp) * loss_mask / denom).sum()
-    return loss, dict.fromkeys(dapo.STAT_NAMES[:7], torch.zeros(()))
+    return (-adv[:, None] * torch.exp(logp - old_logp) * loss_mask / denom).sum()
 
 
 @pytest.fixture
@@ -247,10 +248,10 @@ def test_update_is_the_same_with_the_fused_and_the_unfused_head(tied):
 def test_micro_batches_by_tokens_pack_sorted_rows_under_the_budget():
     batch = random_batch(50, n=8)
     widths = batch.prompt_mask.sum(-1), batch.response_mask.sum(-1)
-    parts = dapo.micro_batches(batch, Config(micro_batch_tokens=30))
-    rows = sorted(i for part, real in parts for i in part.tolist())
-    assert rows == list(range(8)) and all(real for _, real in parts)
-    for part, _ in parts:
+    parts = batch.micro_batches(max_rows=64, max_tokens=30)
+    rows = sorted(i for part in parts for i in part.tolist())
+    assert rows == list(range(8))
+    for part in parts:
         padded = len(part) * (widths[0][part].max() + widths[1][part].max())
         assert padded <= 30 or len(part) == 1
 
@@ -263,8 +264,7 @@ def test_non_finite_gradient_skips_the_update(monkeypatch):
     before = [p.detach().clone() for p in model.parameters()]
     real = dapo.policy_loss
     def nan_loss(*args, **kwargs):
-        loss, stats = real(*args, **kwargs)
-        return loss * float("nan"), stats
+        return real(*args, **kwargs) * float("nan")
     monkeypatch.setattr(dapo, "policy_loss", nan_loss)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     m = update_policy(model, opt, random_batch(50), Config(group_size=4), 0.28)
@@ -319,7 +319,7 @@ def test_dynamic_sampling_cap_trains_whole_mini_batches_and_says_so(tiny_model_d
                                                                      monkeypatch, capsys):
     # rows 0-3 in a generation batch of 2 prompts: all right, all wrong, right once, right once
     monkeypatch.setattr(dapo, "rollout", scripted_rollout)
-    monkeypatch.setattr(dapo, "toy_rows", lambda n, seed, split: indexed_rows(8))
+    monkeypatch.setattr(launch, "toy_rows", lambda n, seed, split: indexed_rows(8))
     dapo.main(_cfg(tiny_model_dir, tmp_path, steps=1, eval_every=0, train_prompts=4,
                    gen_prompts=2, max_gen_batches=3, mini_batch_prompts=2))
     m = json.loads(open(tmp_path / "metrics.jsonl").readline())
@@ -383,8 +383,8 @@ def test_log_ratio_is_clamped_so_an_overflowing_ratio_keeps_the_gradient_finite(
     # log-ratio 90: exp overflows to inf and the whole gradient would be NaN; clamped to 20 as
     # verl does, the token is clipped (no gradient) and the other keeps its gradient -A / denom
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
-    loss, _ = policy_loss(logp, torch.tensor([[-91.0, -2.0]]), torch.tensor([1.0]),
-                          torch.ones(1, 2, dtype=torch.bool), 0.2, 0.28, denom=2.0)
+    loss = policy_loss(logp, torch.tensor([[-91.0, -2.0]]), torch.tensor([1.0]),
+                       torch.ones(1, 2, dtype=torch.bool), 0.2, 0.28, denom=2.0)
     loss.backward()
     assert torch.isfinite(loss) and logp.grad.tolist() == [[0.0, -0.5]]
 
@@ -394,8 +394,8 @@ def test_clip_statistics_mean_what_verl_means():
     # r = 5 with c = 3), inside (r = 1)
     ratio = torch.tensor([[1.5], [0.5], [5.0], [1.0]])
     old_logp = torch.full((4, 1), math.log(0.1))
-    _, stats = policy_loss(old_logp + ratio.log(), old_logp, torch.tensor([1.0, -1.0, -1.0, 1.0]),
-                           torch.ones(4, 1, dtype=torch.bool), 0.2, 0.28, denom=4.0, dual_clip=3.0)
+    stats = clip_stats(old_logp + ratio.log(), old_logp, torch.tensor([1.0, -1.0, -1.0, 1.0]),
+                       torch.ones(4, 1, dtype=torch.bool), 0.2, 0.28, dual_clip=3.0)
     assert stats["clip_high"] == 1 and stats["clip_low"] == 1 and stats["dual_clip"] == 1
     assert stats["up_clipped_prob"].item() == pytest.approx(0.1)  # pi_old of the up-clipped one
     assert stats["token_prob"].item() == pytest.approx(0.4)
@@ -404,7 +404,7 @@ def test_clip_statistics_mean_what_verl_means():
 def test_training_batch_score_includes_the_overlong_penalty():
     batch = random_batch(50, n=4, group_size=2)
     batch = replace(batch, reward=torch.tensor([1.0, -1.5, -1.0, 0.5]))  # score + penalty
-    m = dapo.training_batch_metrics(batch, Config(group_size=2))
+    m = training_batch_metrics(batch)
     assert m["critic/score/mean"] == pytest.approx(-0.25) == m["critic/rewards/mean"]
     assert m["response_length/mean"] == batch.response_mask.sum().item() / 4
 
@@ -416,7 +416,7 @@ def test_entropy_is_pi_olds_before_the_update():
     # float64: the whole batch at once here, micro-batches in the update
     batch = replace(random_batch(50, dtype=torch.float64), old_logp=None)  # as collect_batch's
     with torch.no_grad():
-        _, entropy = dapo.response_logprobs(tiny_float64_model(), batch, 1.0)
+        _, entropy = response_logprobs(tiny_float64_model(), batch, 1.0)
     expected = (entropy * batch.response_mask).sum() / batch.response_mask.sum()
     for mini_batch_prompts in (1, 2):  # 2 optimizer steps (pi_old's own forward), then 1
         model = tiny_float64_model()
@@ -452,12 +452,13 @@ def test_help_lists_the_flags():
         assert flag in out.stdout
 
 
+@pytest.mark.parity
 @pytest.mark.needs("logprobs_forward", "rope", "attention")
 def test_response_logprobs_equal_each_sequence_alone():
-    torch.manual_seed(0)
-    model = Qwen2(preset("tiny", vocab_size=50))
-    batch = random_batch(50, n=3)
-    logp, entropy = dapo.response_logprobs(model, batch, temperature=0.7)
+    # float64: the padded batch against each sequence alone, the same sums in another order
+    model = tiny_float64_model()
+    batch = random_batch(50, n=3, dtype=torch.float64)
+    logp, entropy = response_logprobs(model, batch, temperature=0.7)
     assert (logp[~batch.response_mask] == 0).all()  # the fused head skips the padding
     with torch.no_grad():
         for i in range(len(batch)):
@@ -466,5 +467,5 @@ def test_response_logprobs_equal_each_sequence_alone():
             logits = model(torch.tensor([p + r]))[0, len(p) - 1:-1] / 0.7  # (len(r), V)
             ref = logits.log_softmax(-1)[torch.arange(len(r)), r]
             ref_entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
-            assert (logp[i, :len(r)] - ref).abs().max() < 1e-5
-            assert (entropy[i, :len(r)] - ref_entropy).abs().max() < 1e-5
+            assert (logp[i, :len(r)] - ref).abs().max() < 1e-12
+            assert (entropy[i, :len(r)] - ref_entropy).abs().max() < 1e-12

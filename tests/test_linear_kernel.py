@@ -309,7 +309,7 @@ FSDP_BATCH, FSDP_LEN = 4, 9
 
 def _fsdp_worker(rank, world_size, init_method, out_dir):
     # FSDP2 as dapo.py shards: one unit per block, the root holds embedding and head
-    from distributed import shard
+    from infra.distributed import shard
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     try:

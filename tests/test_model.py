@@ -408,12 +408,12 @@ def _umask():
 
 def test_a_full_disk_names_the_file_and_leaves_the_directory_as_it_was(saved, monkeypatch):
     import errno
-    import model as model_module
+    from infra import hf_io
     before = {name: (saved / name).read_bytes() for name in os.listdir(saved)}
 
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(model_module, "save_file", no_space)
+    monkeypatch.setattr(hf_io, "save_file", no_space)
     with pytest.raises(OSError, match=r"could not write .*/\.tmp-ckpt-\w+/model\.safetensors: "
                                       r"the disk is full"):
         Qwen2(preset("tiny", vocab_size=50)).save_pretrained(str(saved))
@@ -422,10 +422,10 @@ def test_a_full_disk_names_the_file_and_leaves_the_directory_as_it_was(saved, mo
 
 
 def test_files_and_directory_are_synced_before_the_rename(tmp_path, monkeypatch):
-    import model as model_module
+    from infra import files
     events = []
-    fsync, replace = model_module.fsync, os.replace
-    monkeypatch.setattr(model_module, "fsync",
+    fsync, replace = files.fsync, os.replace
+    monkeypatch.setattr(files, "fsync",
                         lambda p: (events.append(("fsync", os.path.basename(p))), fsync(p)))
     monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("rename", os.path.basename(a))),
                                                      replace(a, b)))

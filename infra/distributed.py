@@ -17,6 +17,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 # How long a rank waits in a collective for the others before it gives up. Inside a step the ranks
 # meet often: every decode step of a rollout (the sampler's lockstep all-reduce), every FSDP unit of
@@ -27,21 +28,22 @@ import torch.distributed as dist
 # much faster with a lower value.
 DEFAULT_TIMEOUT_S = 1800
 _timeout_s = DEFAULT_TIMEOUT_S
+_device = "cpu"  # this process's device, set by init(): where the collectives' tensors live
 
 
 def init(device: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int, str]:
     """-> (rank, world_size, this process's device). A collective that waits longer than timeout_s
     for another rank (stopped, swapping, stuck in I/O) raises instead of blocking forever."""
-    global _timeout_s
+    global _timeout_s, _device
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    _device = device
     if world == 1:
         return 0, 1, device
     if device.startswith("cuda"):
-        device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+        device = _device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
         torch.cuda.set_device(device)
     # NCCL's watchdog ends a timed-out process with SIGABRT, past any Python error handling:
-    # faulthandler then prints every thread's Python stack, which shows the line of dapo.py that
-    # was waiting
+    # faulthandler then prints every thread's Python stack, which shows the waiting line
     faulthandler.enable()
     _timeout_s = timeout_s
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
@@ -91,14 +93,20 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def all_reduce(values, op="sum", device="cpu", name: str | None = None):
+def say(text: str):
+    """Print a line on rank 0 only, above the progress bar."""
+    if rank() == 0:
+        tqdm.write(text)
+
+
+def all_reduce(values, op="sum", name: str | None = None):
     """Sum (or min, max) a number or a list of numbers over ranks; returns the same kind. Identity
     in one process.
     name: what is reduced ("dynamic-sampling count"), for the error if a rank never arrives."""
     if not dist.is_initialized():
         return values
     t = torch.tensor(values if isinstance(values, (list, tuple)) else [values], dtype=torch.float64,
-                     device=device)
+                     device=_device)
     ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
     with _named("all_reduce", name, sys._getframe(1)):
         dist.all_reduce(t, op=ops[op])
@@ -197,7 +205,7 @@ def all_gather_object(obj, name: str | None = None) -> list:
     return out
 
 
-def share_in_order(kept: dict, n_take: int, per_step: int, device) -> list:
+def share_in_order(kept: dict, n_take: int, per_step: int) -> list:
     """This rank's share of the first n_take items kept over all ranks, in the order of their
     numbers (kept: {global number: item with a .to(device)}, on the rank that made it), so that N
     ranks train on exactly the items one process would: dynamic sampling's groups, numbered in
@@ -226,5 +234,16 @@ def share_in_order(kept: dict, n_take: int, per_step: int, device) -> list:
                     if g in kept and r != me}
         for sent in all_gather_object(outgoing, name="groups rebalanced"):
             incoming |= {g: item for g, item in sent.items() if destination[g] == me}
-    return [kept[g] if g in kept else incoming[g].to(device)
+    return [kept[g] if g in kept else incoming[g].to(_device)
             for g, _ in first if destination[g] == me]
+
+
+def micro_batches(batch, cfg) -> list[tuple[object, bool]]:
+    """(rows, real) of each of a batch.Batch's micro-batches (Batch.micro_batches, by
+    --micro-batch-size or --micro-batch-tokens), then as many (one row, False) stand-ins as this
+    rank is short of the rank with the most. Under FSDP every forward and backward is a
+    collective, so a rank with fewer micro-batches must still run as many as the others: its
+    stand-ins go through the model and train nothing (the caller masks them out)."""
+    parts = batch.micro_batches(cfg.micro_batch_size, cfg.micro_batch_tokens)
+    most = int(all_reduce(len(parts), "max", name="micro-batch count"))
+    return [(p, True) for p in parts] + [(parts[0][:1], False)] * (most - len(parts))

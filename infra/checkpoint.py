@@ -18,19 +18,20 @@ checkpoint never holds a NaN or an inf. Under FSDP, rank 0 writes the full model
 own optimizer shard (resume needs the same world size; the model directory itself loads anywhere).
 Several nodes need a shared filesystem for out_dir.
 
-The run directory: prepare_out_dir() refuses to start a new run over an old one unless told to,
-trim_metrics() drops the metrics a resumed run will log again, check_resume_config() refuses a
-resume that would change the algorithm.
+The run directory: open_run() refuses to start a new run over an old one unless told to, and a
+resume that would change the algorithm; resume() restores the trainer's state and drops the
+metrics the resumed run will log again. And the guard of every optimizer step: step_if_finite().
 """
 import json
 import os
 import re
 import shutil
+from dataclasses import asdict
 
 import torch
 
-import distributed
-from model import first_nonfinite, fsync, save_hf_checkpoint, write_json, writing
+from infra import distributed, files
+from infra.hf_io import first_nonfinite, save_hf_checkpoint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                    "vocab.json", "merges.txt", "special_tokens_map.json", "chat_template.jinja")
@@ -46,9 +47,8 @@ def check_finite(model, where: str):
     local = {n: (p.to_local() if hasattr(p, "to_local") else p).detach() for n, p in params.items()}
     names = list(local)
     bad = first_nonfinite(local)
-    device = next(iter(local.values())).device
     index = names.index(bad) if bad else len(names)
-    first = int(distributed.all_reduce(index, "min", device, name="check_finite"))
+    first = int(distributed.all_reduce(index, "min", name="check_finite"))
     if first < len(names):
         name = names[first]
         counts = local[name].isnan().sum().item(), local[name].isinf().sum().item()
@@ -57,6 +57,22 @@ def check_finite(model, where: str):
         raise FloatingPointError(f"{where}: parameter {name!r} holds {held}. Stopping before they "
                                  "reach a checkpoint: the last one saved is finite (resume from "
                                  "it, with a lower --lr?)")
+
+
+def step_if_finite(model, opt, grad_clip: float) -> tuple[float, bool]:
+    """Clip the gradient's norm and take the optimizer step, unless the gradient holds a NaN or
+    an inf anywhere: then skip it (the weights stay finite) and say so. Then check that the step
+    left no NaN in the weights (they would train on, every group then looking all wrong, into
+    every checkpoint). Clears the gradients. -> (the norm before clipping, whether it stepped)."""
+    grad_norm = distributed.as_local(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+    stepped = bool(torch.isfinite(grad_norm))
+    if stepped:
+        opt.step()
+        check_finite(model, "after an optimizer step")
+    else:
+        distributed.say(f"non-finite gradient norm ({grad_norm.item()}): update skipped")
+    opt.zero_grad(set_to_none=True)
+    return grad_norm.item(), stepped
 
 
 def save(out_dir, step, model, tok_dir, opt, prompt_iter, generator, config: dict,
@@ -69,7 +85,6 @@ def save(out_dir, step, model, tok_dir, opt, prompt_iter, generator, config: dic
     final = os.path.join(ckpts, f"step_{step:06d}")
     tmp = final + ".tmp"
     check_finite(model, f"not saving checkpoint step {step}")
-    device = next(model.parameters()).device
     weights = distributed.full_state_dict(model)  # a collective under FSDP: every rank takes part
     error = None
     if rank == 0:
@@ -81,35 +96,35 @@ def save(out_dir, step, model, tok_dir, opt, prompt_iter, generator, config: dic
             for name in TOKENIZER_FILES:
                 if os.path.isfile(os.path.join(tok_dir, name)):
                     dst = os.path.join(tmp, "model", name)
-                    with writing(dst):
+                    with files.writing(dst):
                         shutil.copyfile(os.path.join(tok_dir, name), dst)
-                        fsync(dst)
-            write_json(os.path.join(tmp, "trainer.json"),
+                        files.fsync(dst)
+            files.write_json(os.path.join(tmp, "trainer.json"),
                        {"step": step, "world_size": world, "data": prompt_iter.state_dict(),
                         "config": config})
         except (OSError, ValueError) as e:
             error = e
-    _raise_together(error, out_dir, tmp, step, device)
+    _raise_together(error, out_dir, tmp, step)
     file = os.path.join(tmp, f"trainer_rank{rank}.pt")
     try:
-        with writing(file):
+        with files.writing(file):
             torch.save({"optimizer": distributed.local_optimizer_state(opt),
                         "generator": generator.get_state(),
                         "torch_rng": torch.get_rng_state()}, file)
-            fsync(file)
+            files.fsync(file)
     except OSError as e:
         error = e
-    _raise_together(error, out_dir, tmp, step, device)
+    _raise_together(error, out_dir, tmp, step)
     if rank == 0:
-        fsync(os.path.join(tmp, "model"))
+        files.fsync(os.path.join(tmp, "model"))
         # every file and name of the checkpoint is on disk before the rename makes it visible
-        fsync(tmp)
+        files.fsync(tmp)
         # saving the same step again (a resumed run): swap, then delete the old one
         if os.path.isdir(final):
             os.replace(final, final + ".old")
         os.replace(tmp, final)
-        fsync(ckpts)
-        _write_atomic(os.path.join(ckpts, "latest"), os.path.basename(final))
+        files.fsync(ckpts)
+        files.write_atomic(os.path.join(ckpts, "latest"), os.path.basename(final))
         shutil.rmtree(final + ".old", ignore_errors=True)
         if keep_last > 0:
             _delete_old(ckpts, keep_last)
@@ -117,10 +132,10 @@ def save(out_dir, step, model, tok_dir, opt, prompt_iter, generator, config: dic
     return final
 
 
-def _raise_together(error, out_dir, tmp, step, device):
+def _raise_together(error, out_dir, tmp, step):
     """A write that failed on one rank fails the save on every rank (the others would otherwise wait
     for it in the next collective until the timeout). The half-written step directory is removed."""
-    if not distributed.all_reduce(float(error is not None), "max", device,
+    if not distributed.all_reduce(float(error is not None), "max",
                                   name=f"checkpoint step {step}"):
         return
     if distributed.rank() == 0:
@@ -138,15 +153,6 @@ def _raise_together(error, out_dir, tmp, step, device):
 def _read(path) -> str:
     with open(path) as f:
         return f.read().strip()
-
-
-def _write_atomic(path, text):
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
-    fsync(os.path.dirname(os.path.abspath(path)))
 
 
 def _delete_old(ckpts, keep_last):
@@ -201,16 +207,34 @@ def load_trainer_state(ckpt, opt, prompt_iter, generator) -> int:
 # --------------------------------------------------------------------------------------------------
 # The run directory: start, overwrite or resume
 
+def open_run(cfg) -> str | None:
+    """The checkpoint a run continues from (--resume) or None, with cfg.out_dir ready for it
+    (--eval-only writes nothing there). A resume that would change the algorithm is refused."""
+    if cfg.eval_only:
+        resume_dir = latest(cfg.out_dir) if cfg.resume else None
+    else:  # never silently reuse a directory that holds a run
+        resume_dir = prepare_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite)
+    if resume_dir:
+        check_resume_config(saved_config(resume_dir), asdict(cfg), where=resume_dir)
+    return resume_dir
+
+
+def resume(ckpt, opt, prompt_iter, generator, metrics_path: str) -> int:
+    """Restore the trainer from checkpoint ckpt and drop the rows of metrics.jsonl logged after it
+    was saved (the resumed run logs them again) -> the step to continue from."""
+    start = load_trainer_state(ckpt, opt, prompt_iter, generator)
+    if distributed.rank() == 0:
+        trim_metrics(metrics_path, start)
+    return start
+
+
 def prepare_out_dir(out_dir: str, resume: bool, overwrite: bool) -> str | None:
     """Make out_dir ready for a run; returns the checkpoint to resume from (with resume) or None.
 
     A directory that holds a run (a metrics.jsonl or a checkpoints/ directory, not empty) is never
     reused silently: resume continues it, overwrite deletes its metrics.jsonl and checkpoints/
     (nothing else: a plot, notes, the demo's tokenizer stay) and starts again, and with neither this
-    raises, naming the directory and both flags."""
-    if resume and overwrite:
-        raise ValueError("--resume continues the run in --out-dir and --overwrite deletes it: pass "
-                         "one of them")
+    raises, naming the directory and both flags. (config.check_flags refuses both at once.)"""
     if resume:
         return latest(out_dir)
     metrics, ckpts = os.path.join(out_dir, "metrics.jsonl"), os.path.join(out_dir, "checkpoints")
@@ -261,11 +285,7 @@ def trim_metrics(path: str, step: int) -> int:
         done = s == step
     dropped = sum(1 for line in lines if line.strip()) - len(kept)
     if dropped:
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            f.write("".join(line + "\n" for line in kept))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
+        files.write_atomic(path, "".join(line + "\n" for line in kept))
     return dropped
 
 

@@ -21,11 +21,11 @@ technique. Every run starts from the same base model (ablate_toy.py's, trained o
 the same settings (REGIME); a seed fixes the data order and the sampling, the same in every row, so
 rows are compared seed by seed (a paired t-test over the seeds).
 
-    python ablate.py                        # `make ablate`: every row x seed, the bandit, the
-                                            # tables, the figures
-    python ablate.py --report-only          # the table and figure again from the finished runs
-    python ablate.py --rows 1 2 --seeds 0   # DAPO against no clip-higher, one seed
-    python ablate.py --set lr=1e-4          # change a dapo.Config field for every row
+    python experiments/ablate.py                 # `make ablate`: every row x seed, the bandit,
+                                                 # the tables, the figures
+    python experiments/ablate.py --report-only   # the table and figure again from the runs
+    python experiments/ablate.py --rows 1 2 --seeds 0   # DAPO against no clip-higher, one seed
+    python experiments/ablate.py --set lr=1e-4   # change a dapo.Config field for every row
 
 Writes out_dir/base-model/ (the base model, its tokenizer and the task's rows: every run's --model
 and data), out_dir/row{N}/seed{S}/ (metrics.jsonl, the final checkpoint, probe.json, run.json,
@@ -43,15 +43,17 @@ import multiprocessing
 import os
 import shutil
 import statistics
+import sys
 import time
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
 import torch
 
-import ablate_isolated
-import ablate_toy
-import dapo
-from plot import read_metrics, series
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+import ablate_isolated  # noqa: E402
+import ablate_toy  # noqa: E402
+import dapo  # noqa: E402
+from plot import read_metrics, series  # noqa: E402
 
 TECHNIQUES = ("clip_higher", "dynamic_sampling", "token_level_loss", "overlong_shaping",
               "overlong_filtering")
@@ -207,7 +209,7 @@ def train_and_probe(acfg, row, seed):
             contextlib.redirect_stderr(log):
         dapo.main(cfg)
         result = probe(os.path.join(cfg.out_dir, "checkpoints", f"step_{cfg.steps:06d}", "model"),
-                       cfg.val_data, acfg.probe_samples, seed, cfg.max_response_len)
+                       cfg.val_data, acfg.probe_samples, seed, cfg)
     with open(os.path.join(cfg.out_dir, "probe.json"), "w") as f:
         json.dump(result, f)
     wall = time.time() - t0
@@ -219,35 +221,28 @@ def train_and_probe(acfg, row, seed):
 
 
 @torch.no_grad()
-def probe(model_dir, rows_path, k, seed, max_response_len=ablate_toy.ABL_MAX_RESPONSE_LEN) -> dict:
-    """Sample k responses to every held-out problem at temperature 1 (as the rollouts) and read
-    them: accuracy, how many different right responses each problem gets (the diversity clip-higher
-    keeps), filler repeats, truncation, and how often the working is shown."""
-    from data import encode_prompts, load_rows, load_tokenizer
+def probe(model_dir, rows_path, k, seed, cfg) -> dict:
+    """Sample k responses to every held-out problem with the run's rollout settings (cfg), at
+    temperature 1 as the rollouts, and read them: accuracy, how many different right responses
+    each problem gets (the diversity clip-higher keeps), filler repeats, truncation, and how often
+    the working is shown."""
+    from data import load_rows, load_tokenizer
     from model import Qwen2
-    from reward import score_response
-    from sampler import generate
     tok = load_tokenizer(model_dir)
     model = Qwen2.from_pretrained(model_dir, dtype=torch.float32)
     rows = load_rows(rows_path, tok)
-    prompts, _ = encode_prompts(rows, tok, 64)
-    out = generate(model, [p for p in prompts for _ in range(k)], max_response_len,
-                   eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id,
-                   generator=torch.Generator().manual_seed(1000 + seed))
-    right, distinct, repeats, worked = [], [], [], []
-    for i, row in enumerate(rows):
-        texts = [tok.decode(out.response_ids[i * k + j, :out.lengths[i * k + j]].tolist())
-                 for j in range(k)]
-        ok = [score_response(row["data_source"], t, row["reward_model"]["ground_truth"])["acc"]
-              for t in texts]
-        right += ok
-        distinct.append(len({t for t, good in zip(texts, ok) if good}))
-        repeats += [ablate_toy.filler_repeats(t) for t in texts]
-        worked += [ablate_toy.is_worked(t) for t in texts]
+    batch = dapo.rollout(model, rows, tok, cfg, group_size=k, temperature=1.0, top_p=1.0, top_k=0,
+                         generator=torch.Generator().manual_seed(1000 + seed))
+    lengths = batch.response_lengths
+    texts = [tok.decode(ids[:n].tolist()) for ids, n in zip(batch.response_ids, lengths.tolist())]
+    right = batch.acc.tolist()
+    distinct = [len({t for t, good in zip(texts[i:i + k], right[i:i + k]) if good})
+                for i in range(0, len(texts), k)]
     return {"val_acc": statistics.fmean(right), "distinct": statistics.fmean(distinct),
-            "repeats": statistics.fmean(repeats), "worked": statistics.fmean(worked),
-            "truncated": out.truncated.float().mean().item(),
-            "length": out.lengths.float().mean().item(), "samples": k, "problems": len(rows)}
+            "repeats": statistics.fmean(ablate_toy.filler_repeats(t) for t in texts),
+            "worked": statistics.fmean(ablate_toy.is_worked(t) for t in texts),
+            "truncated": batch.truncated.float().mean().item(),
+            "length": lengths.float().mean().item(), "samples": k, "problems": len(rows)}
 
 
 def run_all(acfg):
@@ -337,7 +332,7 @@ def summarize(metrics, probed, config, target_acc, window):
                                           for m in rollouts),
         "length": statistics.fmean(m["rollout/response_length/mean"] for m in rollouts),
         "repeats": probed["repeats"],
-        "truncated": statistics.fmean(m["rollout/clip_ratio"] for m in rollouts),
+        "truncated": statistics.fmean(m["rollout/truncated"] for m in rollouts),
         "val_acc": probed["val_acc"], "worked": probed["worked"],
         "clip_high": statistics.fmean(m.get("dapo/clipfrac_high", 0.0) for m in rollouts),
         "responses": generated[-1],
@@ -464,8 +459,8 @@ PANELS = [  # (row without the technique, metric logged per step, title)
     (3, "rollout/acc", "dynamic sampling: rollout accuracy"),
     (3, "signal_groups", "dynamic sampling: groups with signal per step"),
     (4, "rollout/response_length/mean", "token-level loss: response length"),
-    (4, "rollout/clip_ratio", "token-level loss: responses rambling past the limit"),
-    (5, "rollout/clip_ratio", "overlong shaping: truncated responses"),
+    (4, "rollout/truncated", "token-level loss: responses rambling past the limit"),
+    (5, "rollout/truncated", "overlong shaping: truncated responses"),
 ]
 
 

@@ -14,17 +14,20 @@ bound lets it fall by -0.22), with 1.28 by +0.25. Measured (docs/ablation.md): t
 over ~2 rollouts sooner and the entropy is higher while they rise; how many of the four stay in use
 at the end does not differ beyond noise.
 
-    python ablate_isolated.py        # ~1 min: runs/ablate/clip_bandit.png and clip_bandit.json
+    python experiments/ablate_isolated.py   # ~1 min: runs/ablate/clip_bandit.png and .json
 """
 import argparse
 import json
 import math
 import os
 import statistics
+import sys
 
 import torch
 
-from dapo import group_advantages, policy_loss
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+from dapo import group_advantages, policy_loss  # noqa: E402
+from infra.metrics import clip_stats  # noqa: E402
 
 # chance each answer is right: mediocre, 4 good, 5 poor
 RIGHT = torch.tensor([0.6] + [0.9] * 4 + [0.1] * 5)
@@ -56,12 +59,13 @@ def run_bandit(eps_high, seed, rollouts=30, groups=64, group_size=8, updates=16,
             # (rows, 1): a response of one token
             logp = logits.log_softmax(-1)[answer[part]][:, None]
             mask = torch.ones_like(logp, dtype=torch.bool)
-            loss, stats = policy_loss(logp, old_logp[answer[part]][:, None], adv[part], mask,
-                                      eps_low, eps_high, denom=rows)
+            old = old_logp[answer[part]][:, None]
+            loss = policy_loss(logp, old, adv[part], mask, eps_low, eps_high, denom=rows)
             opt.zero_grad()
             loss.backward()
             opt.step()
-            clipped += stats["clip_high"].item() / n
+            clipped += clip_stats(logp, old, adv[part], mask, eps_low, eps_high)["clip_high"] \
+                .item() / n
         with torch.no_grad():
             p = logits.softmax(-1)
             out["good"].append(p[GOOD].sum().item())

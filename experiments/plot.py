@@ -1,8 +1,8 @@
 """
 Turn a run's metrics.jsonl into one PNG of the curves a person watches during DAPO training.
 
-    python plot.py runs/demo/metrics.jsonl            # writes runs/demo/metrics.png
-    python plot.py a/metrics.jsonl b/metrics.jsonl -o compare.png --labels naive dapo
+    python experiments/plot.py runs/demo/metrics.jsonl   # writes runs/demo/metrics.png
+    python experiments/plot.py a/metrics.jsonl b/metrics.jsonl -o compare.png --labels naive dapo
 
 Needs matplotlib (pip install -r requirements-extra.txt).
 """

@@ -1,0 +1,211 @@
+"""
+Hugging Face model directories, read and written: config.json plus model.safetensors, or sharded
+model-0000K-of-0000N.safetensors files with model.safetensors.index.json, the layout transformers
+and vLLM read. model.Qwen2.from_pretrained and save_pretrained use these, and so do the training
+checkpoints (infra/checkpoint.py), whose model/ directory is such a directory.
+
+Reading checks every key, shape and value against the model being built and names the file at
+fault; writing goes to a temporary directory, synced and renamed into place (infra/files.py), so a
+crash never leaves half a model directory.
+"""
+import json
+import os
+import re
+import shutil
+import tempfile
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from infra import files
+
+
+def load_state_dict(path: str, expected: dict, dtype, device, skip=()) -> dict:
+    """The tensors of model directory `path`, cast to dtype on device: {key: tensor} for exactly
+    the keys of `expected` ({key: shape}); keys in `skip` (a tied head) are ignored. Raises naming
+    the file on an unexpected or missing key, a wrong shape, a truncated file or a NaN."""
+    state, file_of = {}, {}
+    for file, keys in checkpoint_files(path).items():
+        try:
+            with safe_open(file, framework="pt", device=str(device)) as f:
+                for key in keys or f.keys():
+                    # derived buffers some old checkpoints carry; a tied head some carry anyway
+                    if key.endswith("rotary_emb.inv_freq") or key in skip:
+                        continue
+                    if key not in expected:
+                        raise ValueError(f"{file}: unexpected key {key!r} (not part of a "
+                                         "Qwen2 with this config)")
+                    t = f.get_tensor(key)
+                    if tuple(t.shape) != tuple(expected[key]):
+                        raise ValueError(f"{file}: key {key!r} has shape {tuple(t.shape)}, "
+                                         f"the config implies {tuple(expected[key])}")
+                    state[key], file_of[key] = t.to(dtype), file
+        except SafetensorError as e:
+            # "incomplete metadata, file not fully covered" and the like
+            raise ValueError(f"{file}: not a readable safetensors file, truncated or corrupt "
+                             f"(an interrupted download or copy?): {e}") from None
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ValueError(f"{path}: checkpoint lacks {len(missing)} key(s), first {missing[0]!r}")
+    bad = first_nonfinite(state)
+    # a diverged run's weights would train on, reporting nothing but zero informative groups
+    if bad:
+        raise ValueError(f"{file_of[bad]}: {bad!r} holds {count_nonfinite(state[bad])}: "
+                         "refusing to load a model with non-finite weights")
+    return state
+
+
+def tied_keys(cfg) -> set:
+    """The keys a checkpoint leaves out: transformers stores a tied head once, as the embedding."""
+    return {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+
+
+def checkpoint_files(path) -> dict:
+    """{safetensors file: [keys in it] (or None = all)} from the index of a sharded checkpoint or
+    the single file."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            try:
+                weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{index}: not a safetensors index (a JSON object with a "
+                                 f"weight_map): {type(e).__name__}: {e}") from None
+        keys_of = {}
+        for key, name in weight_map.items():
+            keys_of.setdefault(name, []).append(key)
+        for name in keys_of:
+            files.need_file(path, name)
+        return {os.path.join(path, name): keys for name, keys in keys_of.items()}
+    return {files.need_file(path, "model.safetensors"): None}
+
+
+
+def first_nonfinite(tensors: dict) -> str | None:
+    """The name of the first floating tensor holding a NaN or an inf, or None. The common case
+    costs one fused pass: every tensor's norm at once, then one isfinite over the norms (a single
+    host sync). Only when a norm is not finite are tensors looked at one by one: a NaN anywhere
+    makes its norm NaN, and a norm that overflowed on finite values is not reported."""
+    names = [k for k, t in tensors.items() if t.is_floating_point()]
+    if not names:
+        return None
+    chosen = [tensors[k] for k in names]
+    # in fp32, whatever the weights' dtype; float64 weights (the tests' exact runs) in float64
+    wide = torch.float64 if any(t.dtype == torch.float64 for t in chosen) else torch.float32
+    norms = torch._foreach_norm(chosen, 2, dtype=wide)
+    if torch.isfinite(torch.stack(norms)).all():
+        return None
+    suspects = (k for k, n in zip(names, norms) if not torch.isfinite(n))
+    return next((k for k in suspects if not torch.isfinite(tensors[k]).all()), None)
+
+
+def count_nonfinite(t) -> str:
+    nan, inf = int(t.isnan().sum()), int(t.isinf().sum())
+    return f"{nan} NaN and {inf} inf value(s) among its {t.numel()}"
+
+
+
+# The files a model directory's weights consist of; save_hf_checkpoint replaces these and keeps
+# every other file
+OWN_FILES = re.compile(r"config\.json|model\.safetensors(\.index\.json)?"
+                       r"|model-\d{5}-of-\d{5}\.safetensors")
+
+
+
+def save_hf_checkpoint(state_dict: dict, cfg, path: str,
+                       max_shard_bytes: int = 5 * 2**30):
+    """Write config.json + safetensors (sharded with an index above max_shard_bytes), the layout
+    transformers writes. Everything goes to a temporary directory first, is flushed to disk and
+    renamed into place, so a crash (or a full disk) never leaves half a checkpoint under `path`.
+    Saving into an existing model directory replaces its weights and config and keeps everything
+    else there (tokenizer files, generation_config.json, a README...).
+    Refuses weights that hold a NaN or an inf, naming the tensor."""
+    tied = tied_keys(cfg)
+    state = {k: v.detach().contiguous().cpu() for k, v in state_dict.items() if k not in tied}
+    bad = first_nonfinite(state)
+    if bad:
+        raise ValueError(f"not saving {path}: {bad!r} holds {count_nonfinite(state[bad])}")
+    shards, size = [{}], 0
+    for k, v in state.items():
+        nbytes = v.numel() * v.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += nbytes
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-ckpt-", dir=parent)
+    # mkdtemp makes it private (0700); a model directory is normally readable by all
+    os.chmod(tmp, 0o755)
+    try:
+        dtypes = {str(v.dtype).removeprefix("torch.") for v in state.values()}
+        hf = cfg.to_hf()
+        hf["torch_dtype"] = dtypes.pop() if len(dtypes) == 1 else cfg.torch_dtype
+        files.write_json(os.path.join(tmp, "config.json"), hf)
+        if len(shards) == 1:
+            _save_safetensors(shards[0], os.path.join(tmp, "model.safetensors"))
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                _save_safetensors(shard, os.path.join(tmp, name))
+                weight_map.update({k: name for k in shard})
+            total = sum(v.numel() * v.element_size() for v in state.values())
+            files.write_json(os.path.join(tmp, "model.safetensors.index.json"),
+                       {"metadata": {"total_size": total}, "weight_map": weight_map})
+        if os.path.isdir(path):
+            _link_others(path, tmp)
+        # the files (each synced as written) and their names, before the rename makes them visible
+        files.fsync(tmp)
+        _replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+
+def _save_safetensors(tensors: dict, file: str):
+    with files.writing(file):
+        save_file(tensors, file, metadata={"format": "pt"})
+        # safetensors creates its files private (0600), unlike every other file here
+        os.chmod(file, 0o644)
+        files.fsync(file)
+
+
+def _link_others(old: str, new: str):
+    """Bring every entry of model directory `old` that is not weights or config into `new`: hard
+    links (no copy of a large file), or a copy where the filesystem cannot link."""
+    for name in os.listdir(old):
+        src, dst = os.path.join(old, name), os.path.join(new, name)
+        if OWN_FILES.fullmatch(name) or os.path.lexists(dst):
+            continue
+        with files.writing(dst):
+            if os.path.islink(src):
+                os.symlink(os.readlink(src), dst)
+            elif os.path.isdir(src):
+                shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+            else:
+                _link_or_copy(src, dst)
+
+
+def _link_or_copy(src, dst):
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _replace_dir(src, dst):
+    """Move directory src to dst atomically enough: dst is either the old or the new checkpoint,
+    never a mix."""
+    old = dst.rstrip("/") + f".old-{os.getpid()}" if os.path.exists(dst) else None
+    if old:
+        os.replace(dst, old)
+    os.replace(src, dst)
+    files.fsync(os.path.dirname(os.path.abspath(dst)))
+    if old:
+        shutil.rmtree(old)
+
+

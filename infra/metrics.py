@@ -1,0 +1,173 @@
+"""
+What a run logs: one row of metrics.jsonl per rollout step (and one per evaluation), the progress
+bar, and the sums the update gathers to make them. Every number is summed over ranks before it is
+divided, so N processes log what one process would. docs/metrics.md says what each name means;
+verl's names keep verl's meanings (where this project's differ, it says so there).
+"""
+import json
+import math
+
+import torch
+from tqdm import tqdm
+
+from infra import distributed
+
+# sums over the loss's tokens (clip_stats), then pi_old's entropy and the tokens in the loss
+STAT_NAMES = ("pg_loss", "clip_high", "clip_low", "dual_clip", "kl", "up_clipped_prob",
+              "token_prob", "entropy", "tokens")
+
+
+@torch.no_grad()
+def clip_stats(logp, old_logp, adv, loss_mask, eps_low, eps_high, dual_clip=0.0) -> dict:
+    """Sums over the tokens in the loss of what the clipped surrogate (dapo.policy_loss) did:
+    its per-token loss, the tokens each clip bound and the dual clip stopped, the first-order KL,
+    and the paper's Fig. 3a (pi_old of the up-clipped tokens) and Fig. 7d (mean token
+    probability). logp, old_logp, loss_mask (B, R); adv (B,). Tensors of one element each."""
+    mask = loss_mask.float()
+    adv = adv[:, None]  # (B, 1)
+    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))  # (B, R), as policy_loss
+    loss_tok = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps_low, 1 + eps_high))
+    dual = torch.zeros_like(mask, dtype=torch.bool)
+    if dual_clip > 1:
+        dual = (adv < 0) & (loss_tok > -adv * dual_clip)  # (B, R)
+        loss_tok = torch.where(dual, -adv * dual_clip, loss_tok)
+    up_clipped = (adv > 0) & (ratio > 1 + eps_high)  # (B, R)
+    old_prob = old_logp.exp() * mask
+    return {
+        "pg_loss": (loss_tok * mask).sum(),
+        "clip_high": (up_clipped * mask).sum(),
+        "clip_low": (((adv < 0) & (ratio < 1 - eps_low)) * mask).sum(),
+        "dual_clip": (dual * mask).sum(),
+        "kl": ((old_logp - logp) * mask).sum(),  # first-order KL(pi_old || pi)
+        "up_clipped_prob": (old_prob * up_clipped).sum(),  # rare tokens the clip stops
+        "token_prob": old_prob.sum(),
+    }
+
+
+class UpdateStats:
+    """The sums update_policy gathers over its micro-batches and optimizer steps, reduced over
+    ranks once, at the end, into the step's actor/ and dapo/ metrics."""
+
+    def __init__(self):
+        self.sums = dict.fromkeys(STAT_NAMES, 0.0)
+        self.grad_norms, self.updates, self.skipped = [], 0, 0
+
+    def add_loss(self, stats: dict, loss_mask):
+        for k, v in stats.items():
+            self.sums[k] += v.item()
+        self.sums["tokens"] += loss_mask.sum().item()
+
+    def add_entropy(self, entropy, response_mask, real: bool = True):
+        """pi_old's entropy, summed over every response token (not only the loss's)."""
+        if real:
+            self.sums["entropy"] += (entropy.detach() * response_mask).sum().item()
+
+    def add_step(self, grad_norm: float, stepped: bool):
+        self.grad_norms.append(grad_norm)
+        self.updates += stepped
+        self.skipped += not stepped
+
+    def result(self, batch) -> dict:
+        sums = self.sums | {
+            "all_tokens": batch.response_mask.sum().item(),
+            "trained_tokens": (batch.prompt_mask.sum() + batch.response_mask.sum()).item()}
+        s = dict(zip(sums, distributed.all_reduce(list(sums.values()))))
+        finite = [g for g in self.grad_norms if math.isfinite(g)]
+        tokens, all_tokens = max(s["tokens"], 1), max(s["all_tokens"], 1)
+        return {
+            "actor/pg_loss": s["pg_loss"] / tokens,
+            "actor/pg_clipfrac": (s["clip_high"] + s["clip_low"]) / tokens,  # either bound binds
+            "actor/pg_clipfrac_lower": s["dual_clip"] / tokens,  # the dual clip binds
+            "actor/ppo_kl": s["kl"] / tokens,
+            "actor/entropy": s["entropy"] / all_tokens,  # of pi_old, before the update
+            "actor/grad_norm": sum(finite) / len(finite) if finite else float("nan"),
+            "dapo/clipfrac_high": s["clip_high"] / tokens,
+            "dapo/clipfrac_low": s["clip_low"] / tokens,
+            "dapo/up_clipped_prob": s["up_clipped_prob"] / max(s["clip_high"], 1),
+            "dapo/token_prob": s["token_prob"] / tokens,
+            "train/updates": self.updates, "train/skipped_updates": self.skipped,
+            "train/tokens": s["trained_tokens"],
+        }
+
+
+def rollout_metrics(seen, group_size: int) -> dict:
+    """What the policy did this step, over every response generated (a batch.Batch, before the
+    filter), summed over ranks."""
+    acc = seen.acc.float().view(-1, group_size)  # (groups, G)
+    lengths = seen.response_lengths.float()
+    sums = {
+        "n": len(seen), "score": seen.score.sum().item(), "reward": seen.reward.sum().item(),
+        "right": acc.sum().item(), "length": lengths.sum().item(),
+        "truncated": seen.truncated.sum().item(),
+        "all_right": (acc.min(1).values == 1).sum().item(),
+        "all_wrong": (acc.max(1).values == 0).sum().item(),
+    }
+    s = dict(zip(sums, distributed.all_reduce([float(v) for v in sums.values()])))
+    n, groups = s["n"], s["n"] / group_size
+    return {
+        "rollout/acc": s["right"] / n, "rollout/score/mean": s["score"] / n,
+        "rollout/reward/mean": s["reward"] / n, "rollout/response_length/mean": s["length"] / n,
+        "rollout/response_length/max": distributed.all_reduce(lengths.max().item(), "max"),
+        "rollout/truncated": s["truncated"] / n,
+        "rollout/frac_all_correct": s["all_right"] / groups,
+        "rollout/frac_all_wrong": s["all_wrong"] / groups,
+    }
+
+
+def sampling_metrics(n_gen: int, n_kept: int, n_take: int, cap_hit: bool,
+                     prompts_per_gen: int) -> dict:
+    """Dynamic sampling's bookkeeping: generation batches drawn, groups kept, trained, left over
+    and filtered out (all right or all wrong)."""
+    return {"train/num_gen_batches": n_gen, "train/gen_cap_hit": int(cap_hit),
+            "train/groups_kept": n_take, "train/groups_surplus": n_kept - n_take,
+            "train/groups_filtered": n_gen * prompts_per_gen - n_kept}
+
+
+def training_batch_metrics(batch) -> dict:
+    """verl's data metrics, with verl's meanings: over the batch that is trained on, the score is
+    the reward the advantage is computed from (the overlong penalty included); with no KL term
+    the "rewards" are the same."""
+    lengths = batch.response_lengths.float()
+    n, reward, length, truncated = distributed.all_reduce(
+        [len(batch), batch.reward.sum().item(), lengths.sum().item(),
+         batch.truncated.sum().item()])
+    return {"critic/score/mean": reward / n, "critic/rewards/mean": reward / n,
+            "response_length/mean": length / n, "response_length/clip_ratio": truncated / n,
+            "response_length/max": distributed.all_reduce(lengths.max().item(), "max")}
+
+
+class RunLog:
+    """metrics.jsonl (appended by rank 0) and the progress bar of the rollout steps."""
+
+    def __init__(self, path: str, start: int, steps: int):
+        self.path = path
+        self.bar = tqdm(range(start, steps), initial=start, total=steps, desc="dapo",
+                        dynamic_ncols=True, disable=distributed.rank() != 0)
+
+    def write(self, row: dict):
+        if distributed.rank() == 0:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def step(self, step: int, row: dict, lr: float, t_gen: float, t_train: float):
+        """The row of rollout step `step` (1-based), with its learning rate and timings."""
+        tokens = row.pop("train/tokens", 0)
+        row |= {"step": step, "actor/lr": lr, "timing/gen_s": t_gen, "timing/train_s": t_train,
+                "perf/tokens_per_s": tokens / max(t_gen + t_train, 1e-9)}
+        self.write(row)
+        self.bar.set_postfix(progress_summary(row))
+
+    @staticmethod
+    def say_eval_change(first: dict, last: dict, start: int, steps: int, k: int):
+        distributed.say(f"val/acc (avg@{k}): {first['val/acc']:.3f} at step {start} -> "
+                        f"{last['val/acc']:.3f} at step {steps}; pass@{k}: "
+                        f"{first[f'val/pass@{k}']:.3f} -> {last[f'val/pass@{k}']:.3f}")
+
+
+def progress_summary(m: dict) -> dict:
+    """The progress bar's numbers: the rollout's, and the policy's entropy when it trained."""
+    out = {"acc": f"{m['rollout/acc']:.2f}", "reward": f"{m['rollout/reward/mean']:.2f}",
+           "len": f"{m['rollout/response_length/mean']:.1f}"}
+    if "actor/entropy" in m:  # no update when dynamic sampling kept less than a mini-batch
+        out["entropy"] = f"{m['actor/entropy']:.2f}"
+    return out

@@ -1,0 +1,74 @@
+"""
+Set-up for dapo.py's loop: the processes, the policy, the tokenizer and the data. Nothing here is
+DAPO; it is what a run needs before Algorithm 1 starts.
+
+    run(train, cfg)        checks the flags, starts torch.distributed under torchrun, picks the
+                           compute dtype, calls train(cfg) and shuts down
+    load_policy(cfg)       the policy from --model, from a checkpoint (--resume) or the demo's
+    load_data(cfg, tok)    training and held-out rows, from files or the toy task's
+"""
+import contextlib
+import logging
+import os
+
+import torch
+
+from config import Config, check_flags
+from data import Tokenizer, check_vocab, load_rows, load_tokenizer
+from infra import checkpoint, distributed
+from model import Qwen2
+from toy import demo_policy, toy_rows
+
+
+def run(train, cfg: Config):
+    check_flags(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
+    rank, world, cfg.device = distributed.init(cfg.device, timeout_s=cfg.dist_timeout)
+    # data.py reports through logging: rank 0 shows it, the others only warnings
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
+    # one GPU: fp32 weights, bf16 compute by autocast (under FSDP the mixed-precision policy)
+    autocast = contextlib.nullcontext()
+    if cfg.device.startswith("cuda") and world == 1:
+        autocast = torch.autocast("cuda", torch.bfloat16)
+    try:
+        with autocast:
+            return train(cfg)
+    finally:
+        distributed.shutdown()
+
+
+def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:
+    """The policy in fp32 (the master weights) and its tokenizer, from --model, from the latest
+    checkpoint with --resume, or the demo's base model; sharded with FSDP2 on several processes.
+    Returns (model, tokenizer, the tokenizer's directory, the checkpoint to resume or None)."""
+    torch.manual_seed(cfg.seed)
+    resume_dir = checkpoint.open_run(cfg)
+    if resume_dir or cfg.model:
+        tok_dir = os.path.join(resume_dir, "model") if resume_dir else cfg.model
+        model = Qwen2.from_pretrained(tok_dir, dtype=torch.float32, device=cfg.device)
+    else:
+        tok_dir, model = demo_policy(cfg.out_dir, cfg.device, cfg.seed)
+    tok = load_tokenizer(tok_dir)
+    check_vocab(model.config.vocab_size, tok, tok_dir)
+    model.activation_checkpointing = cfg.activation_checkpointing
+    if distributed.world_size() > 1:  # on GPUs: bf16 compute, fp32 master weights and reductions
+        distributed.shard(model, mixed_precision=cfg.device.startswith("cuda"))
+    return model, tok, tok_dir, resume_dir
+
+
+def load_data(cfg: Config, tok) -> tuple[list[dict], list[dict]]:
+    """Training and held-out rows: DAPO-Math-17k / AIME-2024 files, or the toy task's splits.
+    Every row of a file is checked now (a reward function for it, a prompt that renders and
+    encodes), not when a step first draws it."""
+    if cfg.train_data:
+        train_rows = load_rows(cfg.train_data, tok)
+    else:
+        train_rows = toy_rows(20000, seed=cfg.seed, split="train")
+    if cfg.val_data:
+        val_rows = load_rows(cfg.val_data, tok)
+    else:
+        val_rows = toy_rows(1000, seed=cfg.seed, split="test")
+    if not cfg.eval_only and len(train_rows) < cfg.generation_batch:
+        flag = "--gen-prompts" if cfg.dynamic_sampling else "--train-prompts"
+        raise ValueError(f"{cfg.train_data}: {len(train_rows)} usable rows, fewer than {flag} "
+                         f"{cfg.generation_batch} (the prompts of one generation batch)")
+    return train_rows, val_rows[:cfg.eval_prompts or None]
