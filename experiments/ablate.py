@@ -45,7 +45,7 @@ import shutil
 import statistics
 import sys
 import time
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
 import torch
 
@@ -231,7 +231,9 @@ def probe(model_dir, rows_path, k, seed, cfg) -> dict:
     tok = load_tokenizer(model_dir)
     model = Qwen2.from_pretrained(model_dir, dtype=torch.float32)
     rows = load_rows(rows_path, tok)
-    batch = dapo.rollout(model, rows, tok, cfg, group_size=k, temperature=1.0, top_p=1.0, top_k=0,
+    # every sample decoding at once (rollout_batch_size 0): the draws follow the slots' schedule
+    batch = dapo.rollout(model, rows, tok, replace(cfg, rollout_batch_size=0), group_size=k,
+                         temperature=1.0, top_p=1.0, top_k=0,
                          generator=torch.Generator().manual_seed(1000 + seed))
     lengths = batch.response_lengths
     texts = [tok.decode(ids[:n].tolist()) for ids, n in zip(batch.response_ids, lengths.tolist())]
@@ -446,8 +448,9 @@ def caption(runs, acfg):
     return (f"{len(seeds)} seeds ({', '.join(map(str, seeds))}) x {acfg.steps} rollout steps per "
             f"row; one run took {statistics.median(walls) / 60:.1f} min (median of {len(walls)}, "
             f"one torch thread). Paired over seeds: mean ± standard error of the per-seed "
-            f"difference, two-sided t-test at 95% "
-            f"(t > {t95(len(seeds) - 1)} with {len(seeds) - 1} degrees of freedom).")
+            f"difference, two-sided t-test at 95% " + (
+                f"(t > {t95(len(seeds) - 1)} with {len(seeds) - 1} degrees of freedom)."
+                if len(seeds) > 1 else "(one seed: no test)."))
 
 
 # ------------------------------------------------------------------------------------------------
