@@ -37,9 +37,10 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
+
+from infra import distributed
 
 
 @dataclass
@@ -151,13 +152,9 @@ def agree_across_ranks(working: bool, refilling: bool) -> tuple[bool, bool]:
     """-> (does any rank still have sequences, does any rank refill a slot this step). Each forward
     is a collective under FSDP, so every rank runs the same forwards: a rank with nothing left
     decodes dummy rows, and answers another rank's prefill with a dummy one, until all are done."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return working, refilling
-    flags = torch.tensor([working, refilling], dtype=torch.int32)
-    if dist.get_backend() == "nccl":
-        flags = flags.cuda()
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return bool(flags[0]), bool(flags[1])
+    any_working, any_refilling = distributed.all_reduce([working, refilling], op="max",
+                                                        name="sampler's decode-loop flags")
+    return bool(any_working), bool(any_refilling)
 
 
 class CUDAGraphDecode:
