@@ -65,7 +65,8 @@ def main():
             continue
         script_args = smoke_args if args.smoke else gpu_args
         # the smoke run's CPU compile (gpu_sampler.py) takes minutes on a loaded machine
-        status, wall_s, output = run_check(script, script_args, timeout_s * (3 if args.smoke else 1))
+        timeout_s *= 3 if args.smoke else 1
+        status, wall_s, output = run_check(script, script_args, timeout_s)
         if status:
             failed.append(script)
         lines += [f"## {name}", "",

@@ -1,6 +1,6 @@
-"""benchmarks/gpu_check.py, the one-call GPU check, in its CPU smoke mode: the report is written and
-says what ran. Only its cheapest part (a DAPO step of a tiny model, ~10 s) runs here; the kernels'
-and the sampler's smoke runs take minutes on CPU (torch.compile) and are run by the script itself."""
+"""benchmarks/gpu_check.py, the one-call GPU check, in its CPU smoke mode: the report is written
+and says what ran. Only its cheapest part (a DAPO step of a tiny model, ~10 s) runs here; the
+kernels' and the sampler's smoke runs take minutes on CPU (torch.compile)."""
 import subprocess
 import sys
 from pathlib import Path
