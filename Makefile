@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 BENCH_VENV := .venv-bench
 
-.PHONY: run test bench bench-step ablate handout grade clean
+.PHONY: run test bench bench-step gpu-check ablate handout grade clean
 
 $(VENV)/.runtime: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,11 @@ $(BENCH_VENV)/.bench: requirements-bench.txt requirements-test.txt requirements-
 
 bench-step: $(BENCH_VENV)/.bench
 	$(BENCH_VENV)/bin/python benchmarks/bench_step.py
+
+# On one GPU (~8 minutes): the fused kernels, the rollout and 3 DAPO steps; one report,
+# runs/gpu_check.md. SMOKE=1: the same on CPU with tiny shapes.
+gpu-check: $(VENV)/.test
+	$(PY) benchmarks/gpu_check.py $(if $(SMOKE),--smoke)
 
 # Each DAPO technique judged on what it acts on: DAPO against DAPO with one technique off, on the
 # ablation's own toy task (ablate_toy.py), 6 seeds each, two runs at a time on one thread each;

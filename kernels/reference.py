@@ -76,11 +76,16 @@ def forward_chunk(chunk, targets, temperature):
     # end exercise
 
 
-def backward(rows, targets, lse, mean_z, grad_logp, grad_entropy, temperature, chunk_rows=None):
+def backward(rows, targets, lse, mean_z, grad_logp, grad_entropy, temperature, chunk_rows=None,
+             out=None):
     """The gradient w.r.t. the logits, (N, V) contiguous in the logits' dtype, as the Triton
-    backward: dz_j = g_logp * (1[j = t] - p_j) - g_ent * p_j * (z_j - E[z]), then divided by T."""
+    backward: dz_j = g_logp * (1[j = t] - p_j) - g_ent * p_j * (z_j - E[z]), then divided by T.
+    out (N, V), optional: where to write it, which may be the logits' own (contiguous) buffer:
+    each chunk of rows is read whole before its gradient is written back, so a caller that needs
+    the logits no more saves one (N, V) tensor."""
     outer, inner, V = rows.shape
-    grad_logits = torch.empty(outer * inner, V, dtype=rows.dtype, device=rows.device)
+    grad_logits = (torch.empty(outer * inner, V, dtype=rows.dtype, device=rows.device)
+                   if out is None else out)
     targets = targets.long()
     for r0, r1, chunk in row_chunks(rows, chunk_rows or default_chunk_rows(V)):
         span = slice(r0, r1)
