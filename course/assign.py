@@ -391,7 +391,26 @@ def exercises_md(root: str, regions: dict[str, list[Region]]) -> str:
             "- **Idea** (half the points): " + ", ".join(f"`{t}`" for t in e.idea),
             "- **Tests**:", "", "```bash",
             ".venv/bin/python -m pytest -q " + " \\\n    ".join(e.tests), "```"]
+    lines += ["", "## Written part: run, look, explain", "",
+              "Answer each in a few sentences (not graded by `make grade`)."]
+    lines += [f"{n}. {q}" for n, q in enumerate(WRITTEN, 1)]
     return "\n".join(lines) + "\n"
+
+
+# The handout's written part, one question per technique (an answer sketch: docs/instructors.md)
+WRITTEN = [
+    "**Clip-higher (Eq. 10).** Run `notebooks/dapo_step.ipynb`'s clip cell. For A > 0, up to which "
+    "ratio does a token still get a gradient with eps_high 0.2, and with 0.28? Why does that "
+    "matter for a token whose old probability is 0.01, and why is eps_low left at 0.2?",
+    "**Dynamic sampling (Eq. 11).** Run `python experiments/ablate.py --rows 1 3 --seeds 0 1` "
+    "and compare the groups-with-signal curves in `runs/ablate/ablation.png`. Why is DAPO's "
+    "curve flat at the batch size by construction, and what would show a benefit instead?",
+    "**Token-level loss (Eq. 12).** In the notebook's token-weight table, what weight does one "
+    "token of the long response get under Eq. 12 and under GRPO's per-sample mean? Which "
+    "responses does that dilute, and why must the count be taken before the micro-batch split?",
+    "**Overlong shaping (Eq. 13).** From the notebook's penalty curve: which lengths cost "
+    "nothing, which are penalised, and why is a smooth ramp better than -1 at the limit alone?",
+]
 
 
 # ------------------------------------------------------------------------------------------------

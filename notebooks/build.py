@@ -20,7 +20,7 @@ DAPO (arXiv 2503.14476) changes four things in GRPO. Each cell below calls the p
 function (`dapo.py`, `reward.py`) on a small example and shows a table or a picture, in the
 paper's order: the group advantage (Eq. 9), the dynamic-sampling filter (Eq. 11), clip-higher
 (Eq. 10), the token-level loss (Eq. 12) and the soft overlong punishment (Eq. 13)."""),
-    ("code", """# On Colab: fetch the project and its requirements (a laptop with `make test` has them)
+    ("code", """# On Colab: fetch the project (DAPO_REPO: its git URL) and its requirements
 import os, subprocess, sys
 if "google.colab" in sys.modules and not os.path.exists("dapo.py"):
     subprocess.run(["git", "clone", "--depth", "1", os.environ["DAPO_REPO"], "dapo"], check=True)
@@ -60,7 +60,7 @@ eps_high 0.28 (DAPO) against the symmetric 0.2 (PPO/GRPO); its gradient with res
 log-prob comes from autograd. Where the gradient is zero (shaded) the token no longer moves:
 with A > 0 a rare token may rise up to 1.28 times its old probability instead of 1.2."""),
     ("code", """def surrogate(ratio, a, eps_high):
-    \"\"\"Each token's objective -l (one token per ratio) and its gradient w.r.t. its log-prob.\"\"\"
+    \"\"\"Each token's objective -l (one per ratio), its gradient w.r.t. its log-prob.\"\"\"
     logp = torch.log(ratio).clone().requires_grad_(True)  # (K,)
     k = len(ratio)
     args = (torch.zeros(k, 1), torch.full((k,), a), torch.ones(k, 1), 0.2, eps_high)
