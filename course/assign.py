@@ -58,6 +58,7 @@ class Exercise:
     todo: str  # the one line the handout's raise says
     hints: tuple[str, ...]
     tests: tuple[str, ...]  # pytest node ids that grade it (a parametrized test: every case)
+    idea: tuple[str, ...]  # the tests (names, among tests) that check what the paper says it is
 
 
 def _tests(file, *names):
@@ -71,14 +72,16 @@ EXERCISES = [
         ("A group's G responses are contiguous: view the rewards as (N / G, G).",
          "torch.std is the unbiased (N - 1) one, as verl; a group of one has mean 0 and std 1."),
         _tests("test_dapo.py", "test_group_advantages_normalise_each_group_with_unbiased_std",
-               "test_all_equal_group_has_zero_advantage", "test_group_of_one_keeps_its_reward")),
+               "test_all_equal_group_has_zero_advantage", "test_group_of_one_keeps_its_reward"),
+        idea=("test_group_advantages_normalise_each_group_with_unbiased_std",)),
     Exercise(
         "keep_groups", "dapo.py", "the dynamic-sampling filter", "Eq. 11 (Sec. 3.2)", "easy", 5,
         "which groups have mixed accuracy, Eq. 11",
         ("Filter on acc (right or wrong), not on the shaped reward.",
          "verl keeps a group iff the population std (ddof 0) of its accuracy is > 0, or G = 1."),
         _tests("test_dapo.py", "test_keep_groups_drops_all_right_and_all_wrong",
-               "test_keep_groups_keeps_groups_of_one")),
+               "test_keep_groups_keeps_groups_of_one"),
+        idea=("test_keep_groups_drops_all_right_and_all_wrong",)),
     Exercise(
         "policy_loss", "dapo.py", "the clipped surrogate with decoupled bounds, summed per token",
         "Eq. 10, 12 (Sec. 3.1, 3.3)", "medium", 12,
@@ -89,7 +92,9 @@ EXERCISES = [
         _tests("test_dapo.py", "test_clip_higher_surrogate_on_hand_cases",
                "test_dual_clip_caps_negative_advantage_loss", "test_clipped_tokens_get_no_gradient",
                "test_token_level_loss_weighs_every_token_equally",
-               "test_log_ratio_is_clamped_so_an_overflowing_ratio_keeps_the_gradient_finite")),
+               "test_log_ratio_is_clamped_so_an_overflowing_ratio_keeps_the_gradient_finite"),
+        idea=("test_clip_higher_surrogate_on_hand_cases",
+              "test_token_level_loss_weighs_every_token_equally")),
     Exercise(
         "token_count", "dapo.py", "the token-level loss's denominator, before the split",
         "Eq. 12 (Sec. 3.3)", "medium", 8,
@@ -99,7 +104,8 @@ EXERCISES = [
          "on the split (verl PR #623, TRL #5619).",
          "distributed.all_reduce sums a list of numbers over the ranks (one process: as is)."),
         _tests("test_dapo.py", "test_the_loss_denominator_is_the_mini_batch_token_count",
-               "test_a_stand_in_policy_update_is_the_same_for_any_micro_batch_split")),
+               "test_a_stand_in_policy_update_is_the_same_for_any_micro_batch_split"),
+        idea=("test_the_loss_denominator_is_the_mini_batch_token_count",)),
     Exercise(
         "overlong_penalty", "reward.py", "the soft overlong punishment", "Eq. 13 (Sec. 3.4)",
         "easy", 5, "the soft overlong punishment of Eq. 13",
@@ -108,7 +114,9 @@ EXERCISES = [
         _tests("test_reward.py", "test_overlong_penalty_at_the_paper_settings",
                "test_overlong_penalty_is_linear_inside_the_buffer",
                "test_overlong_penalty_factor_scales_it",
-               "test_overlong_penalty_rejects_a_buffer_outside_the_max_length")),
+               "test_overlong_penalty_rejects_a_buffer_outside_the_max_length"),
+        idea=("test_overlong_penalty_at_the_paper_settings",
+              "test_overlong_penalty_is_linear_inside_the_buffer")),
     Exercise(
         "extract_answer", "reward.py", "math_dapo's answer extraction", "Eq. 7 (Sec. 2.4)",
         "easy", 4, "the text after the last Answer: in the window",
@@ -116,13 +124,15 @@ EXERCISES = [
          "The last match of a left-to-right scan, not a search from the end."),
         _tests("test_reward.py", "test_extract_answer_matches_math_dapo",
                "test_extract_answer_reads_only_the_last_300_characters",
-               "test_extract_answer_takes_the_last_of_thousands_of_lines")),
+               "test_extract_answer_takes_the_last_of_thousands_of_lines"),
+        idea=("test_extract_answer_reads_only_the_last_300_characters",)),
     Exercise(
         "normalize", "reward.py", "math_dapo's answer normalisation", "Eq. 7 (Sec. 2.4)",
         "medium", 5, "REPLACEMENTS, REMOVED, REWRITES, in order",
         ("Keep the text after the last '=' first; the order of every later step matters.",
          "Drop the commas of a number only (str.isdigit after removing them)."),
-        _tests("test_reward.py", "test_normalize_matches_math_dapo")),
+        _tests("test_reward.py", "test_normalize_matches_math_dapo"),
+        idea=("test_normalize_matches_math_dapo",)),
     Exercise(
         "filter_logits", "sampler.py", "top-k, then top-p (nucleus) truncation", "Sec. 4.1",
         "medium", 8, "-inf outside the top-k, then outside the top-p nucleus",
@@ -135,7 +145,10 @@ EXERCISES = [
                "test_top_p_nucleus_stops_as_soon_as_it_holds_top_p",
                "test_top_p_always_keeps_the_argmax",
                "test_top_p_applies_to_the_top_k_renormalised_distribution",
-               "test_top_k_0_and_top_p_1_are_no_ops", "test_rows_are_filtered_independently")),
+               "test_top_k_0_and_top_p_1_are_no_ops", "test_rows_are_filtered_independently"),
+        idea=("test_top_k_keeps_the_k_largest",
+              "test_top_p_keeps_the_smallest_nucleus_holding_top_p",
+              "test_top_p_applies_to_the_top_k_renormalised_distribution")),
     Exercise(
         "sample", "sampler.py", "the sampling draw and the drawn token's log-prob",
         "Algorithm 1, line 3", "medium", 6, "draw a token per row; return it and its log-prob",
@@ -146,42 +159,49 @@ EXERCISES = [
                "test_sample_logprob_is_the_policys_before_truncation",
                "test_greedy_sample_takes_the_argmax",
                "test_sample_is_reproducible_with_a_generator",
-               "test_sampling_never_draws_a_token_of_zero_probability")),
+               "test_sampling_never_draws_a_token_of_zero_probability"),
+        idea=("test_sample_draws_in_proportion_to_the_tempered_softmax",
+              "test_sample_logprob_is_the_policys_before_truncation")),
     Exercise(
         "logprobs_forward", "kernels/reference.py", "log-softmax and entropy of a chunk of rows",
         "Fig. 2b (entropy)", "hard", 9, "log-prob, entropy, lse and mean logit of each row",
         ("Work relative to the row max m: d = sum exp(z - m), lse = m + log d.",
          "entropy = lse - E[z], E[z] = sum p z; a -inf logit has p = 0 and 0 * -inf is NaN.",
          "Compute in fp32 whatever the chunk's dtype; divide by the temperature first."),
-        _tests("test_kernels.py", "test_forward_chunk_matches_float64")),
+        _tests("test_kernels.py", "test_forward_chunk_matches_float64"),
+        idea=("test_forward_chunk_matches_float64",)),
     Exercise(
         "logprobs_backward", "kernels/reference.py", "the gradient of log-prob and entropy",
         "Fig. 2b (entropy)", "hard", 9, "the loss's gradient w.r.t. the chunk's logits",
         ("p_j = exp(z_j - lse) from the saved lse; d logp / dz_j = 1[j = t] - p_j.",
          "d H / dz_j = -p_j (z_j - E[z]); a gradient that is None contributes nothing.",
          "z is the tempered logit: multiply the result by 1 / T."),
-        _tests("test_kernels.py", "test_backward_chunk_matches_float64")),
+        _tests("test_kernels.py", "test_backward_chunk_matches_float64"),
+        idea=("test_backward_chunk_matches_float64",)),
     Exercise(
         "rope", "model.py", "rotary position embeddings (rotate-half layout)", "Qwen2 (RoPE)",
         "medium", 5, "rotary embeddings, rotate-half layout",
         ("angle = position * inv_freq; Qwen2 pairs dimension i with i + head_dim / 2.",
          "Compute the angles in fp32 and cast cos and sin to the activations' dtype."),
         _tests("test_model.py", "test_rope_matches_transformers",
-               "test_rope_attention_scores_depend_on_the_relative_position_only")),
+               "test_rope_attention_scores_depend_on_the_relative_position_only"),
+        idea=("test_rope_matches_transformers",)),
     Exercise(
         "attention", "model.py", "causal grouped-query attention", "Qwen2 (GQA)", "medium", 5,
         "causal grouped-query attention of q over k, v",
         ("Query head h reads key/value head h // (n_head / n_kv_head).",
          "mask is None (causal) or (B, 1, T, S) bool, True where a query sees a key.",
          "F.scaled_dot_product_attention takes a bool mask; y is (B, H, T, D)."),
-        _tests("test_model.py", "test_attention_matches_the_textbook_formula")),
+        _tests("test_model.py", "test_attention_matches_the_textbook_formula"),
+        idea=("test_attention_matches_the_textbook_formula",)),
     Exercise(
         "kv_cache", "model.py", "the KV-cache write", "gpt-fast's KVCache", "medium", 4,
         "write k, v at their positions; return the rows",
         ("Advanced indexing: rows (n, 1) and positions (n, T) index dims 0 and 2 together.",
          "Return the rows' keys and values up to S = self.length (0: the whole cache)."),
         _tests("test_model.py", "test_kv_cache_writes_each_token_at_its_position_in_its_row",
-               "test_kv_cache_without_rows_writes_the_first_rows")),
+               "test_kv_cache_without_rows_writes_the_first_rows"),
+        idea=("test_kv_cache_writes_each_token_at_its_position_in_its_row",)),
 ]
 BY_ID = {e.id: e for e in EXERCISES}
 
@@ -349,8 +369,10 @@ def exercises_md(root: str, regions: dict[str, list[Region]]) -> str:
         "make grade   # the score: each exercise's tests, then a short training run of the demo",
         "```", "",
         "`make run` (the demo) runs every exercise: it works again once all are written.", "",
-        f"The grade is out of {total}: the points of each exercise, in proportion to its tests "
-        f"that pass, and {INTEGRATION_POINTS} for the integration check, a "
+        f"The grade is out of {total}. Each exercise: half its points if every test of its idea "
+        "(the tests marked *idea* below: what the paper says the exercise is) passes, half in "
+        "proportion to all its tests that pass, so a solution that misses the idea scores at "
+        f"most half; and {INTEGRATION_POINTS} for the integration check, a "
         f"{INTEGRATION_ARGS[1]}-step run of the demo (`make run`'s task) with your code "
         f"everywhere that must reach val/acc >= {INTEGRATION_MIN_ACC} (the base model: ~0.16). "
         "The paper: "
@@ -366,9 +388,29 @@ def exercises_md(root: str, regions: dict[str, list[Region]]) -> str:
             f"- **Difficulty**: {e.difficulty}, {e.points} points",
             f"- **What to write**: {e.todo}",
             "- **Hints**:", *[f"  - {h}" for h in e.hints],
+            "- **Idea** (half the points): " + ", ".join(f"`{t}`" for t in e.idea),
             "- **Tests**:", "", "```bash",
             ".venv/bin/python -m pytest -q " + " \\\n    ".join(e.tests), "```"]
+    lines += ["", "## Written part: run, look, explain", "",
+              "Answer each in a few sentences (not graded by `make grade`)."]
+    lines += [f"{n}. {q}" for n, q in enumerate(WRITTEN, 1)]
     return "\n".join(lines) + "\n"
+
+
+# The handout's written part, one question per technique (an answer sketch: docs/instructors.md)
+WRITTEN = [
+    "**Clip-higher (Eq. 10).** Run `notebooks/dapo_step.ipynb`'s clip cell. For A > 0, up to which "
+    "ratio does a token still get a gradient with eps_high 0.2, and with 0.28? Why does that "
+    "matter for a token whose old probability is 0.01, and why is eps_low left at 0.2?",
+    "**Dynamic sampling (Eq. 11).** Run `python experiments/ablate.py --rows 1 3 --seeds 0 1` "
+    "and compare the groups-with-signal curves in `runs/ablate/ablation.png`. Why is DAPO's "
+    "curve flat at the batch size by construction, and what would show a benefit instead?",
+    "**Token-level loss (Eq. 12).** In the notebook's token-weight table, what weight does one "
+    "token of the long response get under Eq. 12 and under GRPO's per-sample mean? Which "
+    "responses does that dilute, and why must the count be taken before the micro-batch split?",
+    "**Overlong shaping (Eq. 13).** From the notebook's penalty curve: which lengths cost "
+    "nothing, which are penalised, and why is a smooth ramp better than -1 at the limit alone?",
+]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -502,8 +544,8 @@ def grade(ids=(), extra_tests=None, json_path=None, integration=True, root=ROOT,
         total = len(mine) + len(missing)
         passed = total - len(failures)
         results.append(dict(id=e.id, file=e.file, passed=passed, total=total,
-                            score=round(e.points * passed / total, 2), max_score=e.points,
-                            failures=failures))
+                            score=round(exercise_score(e, passed, total, failures), 2),
+                            max_score=e.points, failures=failures))
     unknown = sorted({g for r in records for g in r.get("grades", [])} - set(BY_ID))
     if unknown:
         raise ValueError(f"{extra_tests}: tests mark unknown exercises {', '.join(unknown)}")
@@ -524,6 +566,15 @@ def grade(ids=(), extra_tests=None, json_path=None, integration=True, root=ROOT,
         json.dump(report, f, indent=2)
     print(f"the grade, for an autograder: {json_path} (Gradescope's results.json format)")
     return report
+
+
+def exercise_score(exercise: Exercise, passed: int, total: int, failures) -> float:
+    """Half the points if every test of the exercise's idea passes (all its cases), half in
+    proportion to all its tests that pass: a solution that misses the idea (Eq. 10's two bounds,
+    Eq. 12's denominator, ...) cannot score above half, whatever else it gets right."""
+    idea_failed = any(test.split("::")[-1].split("[")[0] in exercise.idea
+                      for test, _ in failures)
+    return exercise.points * (0.5 * (not idea_failed) + 0.5 * passed / total)
 
 
 def why_missing(test, records) -> str:

@@ -53,6 +53,7 @@ def test_the_registry_agrees_with_the_markers_and_names_tests_that_exist():
     for e in EXERCISES:
         assert e.difficulty in ("easy", "medium", "hard") and e.points > 0 and e.hints
         assert not set(e.todo) & set('"\\')  # the failure reports it as is, even in a repr
+        assert e.idea and set(e.idea) <= {t.split("::")[1] for t in e.tests}, e.id
         for test in e.tests:
             path, name = test.split("::")
             assert name in {n.name for n in ast.walk(ast.parse(read(ROOT, path)))
@@ -214,13 +215,25 @@ def test_private_expects_the_wrong_answer():
 """
 
 
+def test_a_solution_that_misses_the_idea_scores_at_most_half():
+    policy_loss = assign.BY_ID["policy_loss"]
+    idea = f"tests/test_dapo.py::{policy_loss.idea[1]}[2-micro-batches]"
+    other = f"tests/test_dapo.py::{policy_loss.tests[2]}"
+    # one case of an idea test failed out of 20: half the points are gone with it
+    assert assign.exercise_score(policy_loss, 19, 20, [(idea, "")]) == 12 * (0 + 0.5 * 19 / 20)
+    # the same count of failures elsewhere keeps the idea's half
+    assert assign.exercise_score(policy_loss, 19, 20, [(other, "")]) == 12 * (0.5 + 0.5 * 19 / 20)
+    assert assign.exercise_score(policy_loss, 20, 20, []) == 12
+
+
 def test_extra_tests_count_for_the_exercise_they_name(tmp_path):
     (tmp_path / "private").mkdir()
     (tmp_path / "private" / "test_private_groups.py").write_text(PRIVATE)
     report = assign.grade(["keep_groups"], extra_tests=str(tmp_path / "private"),
                           json_path=str(tmp_path / "results.json"))
     (entry,) = report["tests"]  # one exercise asked for: no integration check either
-    assert (entry["tests_passed"], entry["tests_total"]) == (3, 4) and entry["score"] == 3.75
+    # keep_groups's idea test passes: half of 5, and 5 / 2 * 3 / 4 for the tests that pass
+    assert (entry["tests_passed"], entry["tests_total"]) == (3, 4) and entry["score"] == 4.38
     assert "test_private_expects_the_wrong_answer" in entry["output"]
 
 

@@ -1,0 +1,143 @@
+"""Writes notebooks/dapo_step.ipynb from the cells below and executes it (nbclient), so that the
+committed notebook carries its outputs and reads on GitHub:
+
+    .venv/bin/python notebooks/build.py
+
+The cells import the project's functions; nothing of the algorithm is copied here."""
+import os
+import sys
+
+import nbformat
+from nbclient import NotebookClient
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PATH = os.path.join(HERE, "dapo_step.ipynb")
+
+CELLS = [
+    ("md", """# The pieces of one DAPO step, by looking
+
+DAPO (arXiv 2503.14476) changes four things in GRPO. Each cell below calls the project's own
+function (`dapo.py`, `reward.py`) on a small example and shows a table or a picture, in the
+paper's order: the group advantage (Eq. 9), the dynamic-sampling filter (Eq. 11), clip-higher
+(Eq. 10), the token-level loss (Eq. 12) and the soft overlong punishment (Eq. 13)."""),
+    ("code", """# On Colab: fetch the project (DAPO_REPO: its git URL) and its requirements
+import os, subprocess, sys
+if "google.colab" in sys.modules and not os.path.exists("dapo.py"):
+    subprocess.run(["git", "clone", "--depth", "1", os.environ["DAPO_REPO"], "dapo"], check=True)
+    os.chdir("dapo")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-r", "requirements.txt",
+                    "matplotlib"], check=True)
+root = os.path.abspath("..") if os.path.basename(os.getcwd()) == "notebooks" else os.getcwd()
+sys.path.insert(0, root)
+import matplotlib.pyplot as plt
+import torch
+from dapo import group_advantages, keep_groups, policy_loss
+from reward import overlong_penalty"""),
+    ("md", """## Eq. 9: the group advantage
+
+Four prompts, G = 4 responses each, reward +1 (right) or -1 (wrong). Each response's advantage
+is its reward minus its group's mean, over the group's (unbiased) standard deviation. A group
+all right or all wrong has advantage 0 everywhere: it teaches nothing."""),
+    ("code", """G = 4
+rewards = torch.tensor([1., -1, -1, -1,   1, 1, -1, -1,   1, 1, 1, 1,   -1, -1, -1, -1])
+adv = group_advantages(rewards, G)
+for g in range(len(rewards) // G):
+    r, a = rewards[g * G:(g + 1) * G], adv[g * G:(g + 1) * G]
+    print(f"group {g}: rewards {r.tolist()}  advantages {[round(x, 3) for x in a.tolist()]}")"""),
+    ("md", """## Eq. 11: dynamic sampling keeps the groups with signal
+
+`keep_groups` looks at correctness (not at the shaped reward): a group survives iff
+0 < #right < G. DAPO samples more groups until the batch is full of survivors."""),
+    ("code", """acc = rewards > 0
+kept = keep_groups(acc, G)
+for g, k in enumerate(kept.tolist()):
+    n_right = int(acc[g * G:(g + 1) * G].sum())
+    print(f"group {g}: {n_right}/{G} right -> {'kept' if k else 'dropped (no signal)'}")"""),
+    ("md", """## Eq. 10: clip-higher
+
+One token, ratio r = pi_theta / pi_old. The loss is `policy_loss` with eps_low 0.2 and
+eps_high 0.28 (DAPO) against the symmetric 0.2 (PPO/GRPO); its gradient with respect to the
+log-prob comes from autograd. Where the gradient is zero (shaded) the token no longer moves:
+with A > 0 a rare token may rise up to 1.28 times its old probability instead of 1.2."""),
+    ("code", """def surrogate(ratio, a, eps_high):
+    \"\"\"Each token's objective -l (one per ratio), its gradient w.r.t. its log-prob.\"\"\"
+    logp = torch.log(ratio).clone().requires_grad_(True)  # (K,)
+    k = len(ratio)
+    args = (torch.zeros(k, 1), torch.full((k,), a), torch.ones(k, 1), 0.2, eps_high)
+    policy_loss(logp[:, None], *args, denom=1.0).backward()  # a sum: each token's own gradient
+    objective = [-policy_loss(logp[i:i + 1, None].detach(), args[0][:1], args[1][:1],
+                              args[2][:1], 0.2, eps_high, denom=1.0).item() for i in range(k)]
+    return objective, logp.grad
+
+ratio = torch.linspace(0.5, 1.6, 221)
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+for ax, a in zip(axes, (1.0, -1.0)):
+    for eps_high, style in ((0.2, "--"), (0.28, "-")):
+        objective, grad = surrogate(ratio, a, eps_high)
+        line, = ax.plot(ratio, objective, style, label=f"eps_high {eps_high}")
+        ax.fill_between(ratio, 0, 1, where=(grad == 0).tolist(), alpha=0.08,
+                        color=line.get_color(), transform=ax.get_xaxis_transform())
+    ax.set(title=f"A = {a:+} (shaded: zero gradient)", xlabel="ratio r",
+           ylabel="objective -l = min(A r, A clip(r))")
+    ax.legend()
+plt.tight_layout(); plt.show()
+for a in (1.0, -1.0):
+    for eps_high in (0.2, 0.28):
+        _, grad = surrogate(ratio, a, eps_high)
+        moving = ratio[grad != 0]
+        print(f"A = {a:+}, eps_high {eps_high}: gradient nonzero for r in "
+              f"[{moving.min():.3f}, {moving.max():.3f}]")"""),
+    ("md", """## Eq. 12: the token-level loss
+
+A short response (4 tokens) and a long one (16), both with advantage 1. Each token's weight is
+the gradient of the loss with respect to its log-prob at r = 1. Eq. 12 divides by the
+mini-batch's token count (every token weighs the same); GRPO's per-sample mean divides each
+response by its own length, so each long-response token weighs 4 times less."""),
+    ("code", """lengths = [4, 16]
+mask = torch.zeros(2, 16)
+for i, n in enumerate(lengths):
+    mask[i, :n] = 1
+def token_weights(denom):
+    logp = torch.zeros(2, 16, requires_grad=True)
+    policy_loss(logp, torch.zeros(2, 16), torch.ones(2), mask, 0.2, 0.28, denom).backward()
+    return -logp.grad  # (2, 16)
+dapo_w = token_weights(mask.sum())                                      # Eq. 12
+grpo_w = token_weights(mask.sum(1, keepdim=True) * len(lengths))        # per-sample mean
+print("response  tokens  weight/token Eq.12  GRPO    total Eq.12  GRPO")
+for i, n in enumerate(lengths):
+    print(f"{['short', 'long'][i]:<9} {n:>6}  {dapo_w[i, 0]:>17.4f} {grpo_w[i, 0]:>6.4f}"
+          f"  {dapo_w[i].sum():>11.3f} {grpo_w[i].sum():>5.3f}")"""),
+    ("md", """## Eq. 13: the soft overlong punishment
+
+No penalty up to L_max - L_cache, then a linear ramp down to -1 at L_max, and -1 beyond
+(the demo's settings: L_max 96, L_cache 16)."""),
+    ("code", """max_len, buffer_len = 96, 16
+lengths = list(range(40, 111))
+plt.figure(figsize=(5, 3))
+plt.plot(lengths, [overlong_penalty(n, max_len, buffer_len) for n in lengths])
+plt.axvline(max_len - buffer_len, ls=":"); plt.axvline(max_len, ls=":")
+plt.xlabel("response length (tokens)"); plt.ylabel("penalty added to the reward")
+plt.tight_layout(); plt.show()"""),
+]
+
+
+def build() -> nbformat.NotebookNode:
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nb.cells = [nbformat.v4.new_markdown_cell(src) if kind == "md"
+                else nbformat.v4.new_code_cell(src) for kind, src in CELLS]
+    return nb
+
+
+def execute(nb, timeout=300) -> nbformat.NotebookNode:
+    """Runs every cell in notebooks/ (a failing cell raises CellExecutionError naming it)."""
+    NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                   resources={"metadata": {"path": HERE}}).execute()
+    return nb
+
+
+if __name__ == "__main__":
+    nb = execute(build())
+    nbformat.write(nb, PATH)
+    print(f"wrote {PATH}", file=sys.stderr)

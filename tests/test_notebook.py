@@ -1,0 +1,24 @@
+"""The walkthrough notebook runs top to bottom with the project's current code (a failing cell
+fails the test, naming it), and the committed copy is the one its builder writes."""
+import os
+import sys
+
+import nbformat
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "notebooks"))
+import build  # noqa: E402  (notebooks/build.py)
+
+
+def test_the_notebook_executes_every_cell():
+    nb = build.execute(build.build())
+    assert all(c.outputs for c in nb.cells if c.cell_type == "code" and "plt" not in c.source
+               and "import" not in c.source)
+
+
+def test_the_committed_notebook_is_the_builders_with_outputs():
+    committed = nbformat.read(build.PATH, as_version=4)
+    sources = [c.source for c in committed.cells]
+    assert sources == [c.source for c in build.build().cells], "rerun notebooks/build.py"
+    assert all(c.outputs for c in committed.cells if c.cell_type == "code"
+               and "import" not in c.source.split("\n")[0] and "Colab" not in c.source)
