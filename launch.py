@@ -17,7 +17,7 @@ from config import Config, check_flags
 from data import Tokenizer, check_vocab, load_rows, load_tokenizer
 from infra import checkpoint, distributed
 from model import Qwen2
-from reward import install_reward_fn
+from reward import install_reward_fn, uninstall_reward_fn
 from toy import demo_policy, toy_rows
 
 
@@ -83,5 +83,6 @@ def install_custom_reward(cfg: Config):
     """--reward-fn, loaded on every rank before the data (whose rows it may be the verifier of)."""
     if cfg.reward_fn_all_rows and not cfg.reward_fn:
         raise ValueError("--reward-fn-all-rows needs --reward-fn FILE.py:NAME")
+    uninstall_reward_fn()
     if cfg.reward_fn:
         install_reward_fn(cfg.reward_fn, cfg.reward_fn_all_rows)

@@ -237,6 +237,11 @@ def install_reward_fn(spec: str, every_row: bool, example_ground_truth: str | No
     _custom.update(fn=fn, spec=spec, every_row=every_row)
 
 
+def uninstall_reward_fn():
+    """Back to the built-in verifiers only (a run without --reward-fn, in the same process)."""
+    _custom.update(fn=None, spec="", every_row=False)
+
+
 def _score_custom(data_source: str, response_text: str, ground_truth: str) -> dict:
     """The custom verifier's score; an exception or a wrong return type is a wrong answer (-1),
     logged with the row's ground truth and the response, and the run goes on."""

@@ -57,9 +57,9 @@ def score(response_text: str, ground_truth: str) -> dict:
     return {"score": 1.0 if acc else -1.0, "acc": acc}
 
 
-def make_row(rng: random.Random, count: int, max_number: int) -> dict:
+def make_problem(rng: random.Random, count: int, max_number: int) -> tuple[list[int], str, int]:
     """A solvable problem: numbers drawn at random, the target the value of a random equation of
-    them (a positive integer)."""
+    them (a positive integer up to 1000). Returns (numbers, the equation, target)."""
     while True:
         numbers = [rng.randint(1, max_number) for _ in range(count)]
         order = rng.sample(numbers, count)
@@ -68,11 +68,16 @@ def make_row(rng: random.Random, count: int, max_number: int) -> dict:
             expression = f"({expression} {rng.choice('+-*/')} {n})"
         value = _evaluate(ast.parse(expression, mode="eval").body, [])
         if value.denominator == 1 and 0 < value <= 1000:
-            break
+            return numbers, expression, int(value)
+
+
+def make_row(rng: random.Random, count: int, max_number: int) -> dict:
+    """A plain dapo.py row: {"prompt": the question, "answer": JSON numbers and target}."""
+    numbers, _, value = make_problem(rng, count, max_number)
     prompt = (f"Using the numbers {numbers}, each exactly once, and + - * / with parentheses, "
-              f"write an equation that equals {int(value)}. End with a line 'Answer: <equation>'.")
+              f"write an equation that equals {value}. End with a line 'Answer: <equation>'.")
     return {"prompt": prompt,
-            "answer": json.dumps({"numbers": numbers, "target": int(value)})}
+            "answer": json.dumps({"numbers": numbers, "target": value})}
 
 
 def main(argv=None):
