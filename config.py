@@ -21,6 +21,9 @@ class Config:
     model: str = _flag("", "Hugging Face Qwen2 directory; empty: the demo's tiny model")
     train_data: str = _flag("", "DAPO-Math-17k .parquet/.jsonl; empty: the toy task")
     val_data: str = _flag("", "AIME-2024 .parquet/.jsonl; empty: the toy task's test split")
+    reward_fn: str = _flag("", "FILE.py:NAME, (response, ground_truth) -> float or {score, acc}: "
+                               "the verifier of rows no built-in one knows (plain JSONL rows)")
+    reward_fn_all_rows: bool = _flag(False, "--reward-fn scores every row, built-in ones too")
     out_dir: str = _flag("runs/demo", "metrics.jsonl and checkpoints go here")
     resume: bool = _flag(False, "continue from out_dir's latest checkpoint")
     eval_only: bool = _flag(False, "evaluate --model on --val-data and exit")

@@ -33,7 +33,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
 from infra.files import need_file
-from reward import SCORERS, has_scorer
+from reward import CUSTOM_DATA_SOURCE, SCORERS, has_scorer
 
 log = logging.getLogger("data")
 
@@ -246,6 +246,19 @@ def _jsonl_rows(path: str):
                                  f"{e.colno})") from None
 
 
+def _from_plain(row, where: str):
+    """A plain row {"prompt": "question", "answer": "ground truth"} as a verl row of data_source
+    "custom" (scored by --reward-fn); any other row unchanged."""
+    if not (isinstance(row, dict) and isinstance(row.get("prompt"), str)):
+        return row
+    if set(row) - {"prompt", "answer", "data_source"} or "answer" not in row:
+        raise ValueError(f"{where}: a plain row is {{\"prompt\": str, \"answer\": str}}, got "
+                         f"keys {sorted(row)}")
+    return {"data_source": row.get("data_source", CUSTOM_DATA_SOURCE),
+            "prompt": [{"role": "user", "content": row["prompt"]}],
+            "reward_model": {"ground_truth": row["answer"], "style": "rule"}}
+
+
 def _check_row(row, where: str) -> str | None:
     """Raise on a row that breaks the schema; return why a well-formed but unusable row is skipped,
     or None. A JSON integer ground truth is turned into the string the verifier compares."""
@@ -256,7 +269,8 @@ def _check_row(row, where: str) -> str | None:
         raise ValueError(f"{where}: 'data_source' is missing or not a string")
     if not has_scorer(row["data_source"]):
         raise ValueError(f"{where}: no reward function for data_source {row['data_source']!r} "
-                         f"(reward.py knows {sorted(SCORERS)} and 'aime*')")
+                         f"(reward.py knows {sorted(SCORERS)} and 'aime*'; give yours with "
+                         "--reward-fn FILE.py:NAME)")
     prompt = row.get("prompt")
     if not isinstance(prompt, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str)
@@ -309,6 +323,7 @@ def load_rows(path: str, tokenizer: Tokenizer | None = None, dedupe: bool = True
     n_read = n_dup = n_conflict = 0
     for where, row in source:
         n_read += 1
+        row = _from_plain(row, where)
         reason = _check_row(row, where)
         if reason:
             skipped.setdefault(reason, []).append(where)

@@ -17,6 +17,7 @@ from config import Config, check_flags
 from data import Tokenizer, check_vocab, load_rows, load_tokenizer
 from infra import checkpoint, distributed
 from model import Qwen2
+from reward import install_reward_fn, uninstall_reward_fn
 from toy import demo_policy, toy_rows
 
 
@@ -59,6 +60,7 @@ def load_data(cfg: Config, tok) -> tuple[list[dict], list[dict]]:
     """Training and held-out rows: DAPO-Math-17k / AIME-2024 files, or the toy task's splits.
     Every row of a file is checked now (a reward function for it, a prompt that renders and
     encodes), not when a step first draws it."""
+    install_custom_reward(cfg)
     if cfg.train_data:
         train_rows = load_rows(cfg.train_data, tok)
     else:
@@ -71,4 +73,16 @@ def load_data(cfg: Config, tok) -> tuple[list[dict], list[dict]]:
         flag = "--gen-prompts" if cfg.dynamic_sampling else "--train-prompts"
         raise ValueError(f"{cfg.train_data}: {len(train_rows)} usable rows, fewer than {flag} "
                          f"{cfg.generation_batch} (the prompts of one generation batch)")
+    if cfg.reward_fn:  # one call on a real ground truth: a wrong signature stops the run now
+        install_reward_fn(cfg.reward_fn, cfg.reward_fn_all_rows,
+                          train_rows[0]["reward_model"]["ground_truth"])
     return train_rows, val_rows[:cfg.eval_prompts or None]
+
+
+def install_custom_reward(cfg: Config):
+    """--reward-fn, loaded on every rank before the data (whose rows it may be the verifier of)."""
+    if cfg.reward_fn_all_rows and not cfg.reward_fn:
+        raise ValueError("--reward-fn-all-rows needs --reward-fn FILE.py:NAME")
+    uninstall_reward_fn()
+    if cfg.reward_fn:
+        install_reward_fn(cfg.reward_fn, cfg.reward_fn_all_rows)

@@ -149,7 +149,14 @@ SCORERS = {
 
 def scorer_for(data_source: str):
     """The verifier of a data_source, or None. Any data_source starting with "aime" also goes to
-    math_dapo, as in verl (the AIME-2024 eval set)."""
+    math_dapo, as in verl (the AIME-2024 eval set). With --reward-fn, that function scores the
+    rows no built-in verifier knows (or every row)."""
+    if _custom["fn"] and (_custom["every_row"] or not _builtin_scorer(data_source)):
+        return functools.partial(_score_custom, data_source)
+    return _builtin_scorer(data_source)
+
+
+def _builtin_scorer(data_source: str):
     return SCORERS.get(data_source) or (compute_score if data_source.startswith("aime") else None)
 
 
@@ -166,3 +173,84 @@ def score_response(data_source: str, response_text: str, ground_truth: str) -> d
         raise ValueError(f"no reward function for data_source {data_source!r}; known: "
                          f"{sorted(SCORERS)} and 'aime*'")
     return scorer(response_text, ground_truth)
+
+
+# --------------------------------------------------------------------------------------------------
+# Your own verifier: --reward-fn FILE.py:NAME (verl's custom_reward_function.path/name, TRL's
+# reward_funcs): NAME(response_text, ground_truth) -> float or {"score": float, "acc": bool}
+CUSTOM_DATA_SOURCE = "custom"  # the data_source of plain {"prompt", "answer"} rows (data.py)
+_custom = {"fn": None, "spec": "", "every_row": False}
+
+
+def load_reward_fn(spec: str):
+    """The function NAME of FILE.py, from "FILE.py:NAME"; raise naming the flag, the file and the
+    name when the file is missing or broken or NAME is not a callable."""
+    import importlib.util
+    import os
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path.endswith(".py") or not name.isidentifier():
+        raise ValueError(f"--reward-fn {spec!r}: expected FILE.py:NAME, e.g. "
+                         "examples/countdown.py:score")
+    if not os.path.isfile(path):
+        raise ValueError(f"--reward-fn {spec!r}: no file {path}")
+    module_spec = importlib.util.spec_from_file_location(f"reward_fn_{name}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:
+        raise ValueError(f"--reward-fn {spec!r}: importing {path} failed: "
+                         f"{type(e).__name__}: {e}") from e
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        what = "nothing" if fn is None else f"a {type(fn).__name__}"
+        raise ValueError(f"--reward-fn {spec!r}: {path} defines {what} named {name}, not a "
+                         "function (response_text, ground_truth) -> float or {'score', 'acc'}")
+    return fn
+
+
+def _as_score(result, spec: str) -> dict:
+    """A custom verifier's float or {"score", "acc"} as {"score", "acc", "pred"}; TypeError else.
+    acc defaults to score > 0 (a right answer earns a positive reward)."""
+    if isinstance(result, dict) and "score" in result:
+        score, acc = result["score"], result.get("acc")
+    else:
+        score, acc = result, None
+    if isinstance(score, bool) or not isinstance(score, (int, float)):
+        raise TypeError(f"--reward-fn {spec}: returned {result!r} ({type(result).__name__}); "
+                        "expected a float or a dict with a float 'score' (and optionally 'acc')")
+    return {"score": float(score), "acc": bool(score > 0) if acc is None else bool(acc),
+            "pred": ""}
+
+
+def install_reward_fn(spec: str, every_row: bool, example_ground_truth: str | None = None):
+    """Load --reward-fn and make it the verifier of rows whose data_source has none built in (or
+    of every row). One call on example_ground_truth (the first row's, given as the response too)
+    must return a float or {"score", "acc"}: a wrong signature or type stops the run now."""
+    fn = load_reward_fn(spec)
+    if example_ground_truth is not None:
+        try:
+            _as_score(fn(example_ground_truth, example_ground_truth), spec)
+        except Exception as e:
+            raise ValueError(f"--reward-fn {spec}: the check call {spec.rpartition(':')[2]}"
+                             f"({example_ground_truth!r}, {example_ground_truth!r}) failed: "
+                             f"{type(e).__name__}: {e}") from e
+    _custom.update(fn=fn, spec=spec, every_row=every_row)
+
+
+def uninstall_reward_fn():
+    """Back to the built-in verifiers only (a run without --reward-fn, in the same process)."""
+    _custom.update(fn=None, spec="", every_row=False)
+
+
+def _score_custom(data_source: str, response_text: str, ground_truth: str) -> dict:
+    """The custom verifier's score; an exception or a wrong return type is a wrong answer (-1),
+    logged with the row's ground truth and the response, and the run goes on."""
+    try:
+        return _as_score(_custom["fn"](response_text, ground_truth), _custom["spec"])
+    except Exception as e:
+        import logging
+        logging.getLogger(__name__).warning(
+            "--reward-fn %s raised %s: %s on a row of data_source %r, ground truth %r, response "
+            "%r; scored as a wrong answer (-1)", _custom["spec"], type(e).__name__, e,
+            data_source, ground_truth[:200], response_text[:300])
+        return {"score": -1.0, "acc": False, "pred": "", "reward_fn_error": True}
