@@ -225,6 +225,8 @@ def update_policy(model, opt, batch: Batch, cfg, eps_high) -> dict:
         n_tokens, n_seqs = distributed.all_reduce([mask.sum().item(), mask.any(-1).sum().item()])
         # end exercise
         if n_tokens == 0:
+            if mini_batch.old_logp is None:  # pi_old's entropy is logged whatever the loss mask
+                old_logprobs(model, mini_batch, cfg, stats)
             continue
         for rows, real in distributed.micro_batches(mini_batch, cfg):
             micro = mini_batch.rows(rows)
