@@ -42,3 +42,34 @@ def test_sampling_without_signal_gives_up_after_the_bound(capsys):
     with pytest.raises(RuntimeError, match="no group with signal"):
         health.check_sampling(health.NO_SIGNAL_BOUND, 0, 8)
     health.check_sampling(health.NO_SIGNAL_BOUND, 1, 8)  # slow but alive: goes on
+
+
+def _dead_run(model_dir, out_dir, **kw):
+    """The demo's failure mode on a random model: it never writes "Answer:", so every group is
+    all wrong, and at --max-response-len 2 every response is truncated."""
+    from test_dapo import _cfg
+    return _cfg(model_dir, out_dir, max_response_len=2, overlong_buffer=2, eval_every=0,
+                steps=6, **kw)
+
+
+@pytest.mark.needs("all")
+def test_a_run_that_trains_on_nothing_warns_and_stops_with_a_checkpoint(
+        tiny_model_dir, tmp_path, capsys):
+    import dapo
+    with pytest.raises(health.RunStuck, match="2 consecutive steps"):
+        dapo.main(_dead_run(tiny_model_dir, tmp_path, stop_when_stuck=2, max_gen_batches=1,
+                                  train_prompts=2, gen_prompts=2, mini_batch_prompts=2))
+    out = capsys.readouterr().out
+    assert "warning: step 1: 100% of responses truncated: raise --max-response-len" in out
+    assert "warning: step 2: no group with signal" in out
+    saved = tmp_path / "checkpoints"
+    assert (saved / "step_000002").is_dir() and not (saved / "step_000003").exists()
+
+
+@pytest.mark.needs("all")
+def test_unbounded_dynamic_sampling_without_signal_gives_up(tiny_model_dir, tmp_path, capsys):
+    import dapo
+    with pytest.raises(RuntimeError, match="no group with signal in 64 generation batches"):
+        dapo.main(_dead_run(tiny_model_dir, tmp_path, max_gen_batches=0, gen_prompts=2,
+                            train_prompts=2, mini_batch_prompts=2, group_size=2))
+    assert "dynamic sampling: 56 generation batches, 0 of 2" in capsys.readouterr().out
