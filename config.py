@@ -78,6 +78,8 @@ class Config:
     keep_checkpoints: int = _flag(0, "keep only the last N checkpoints; 0 = all")
     overwrite: bool = _flag(False, "start again in an --out-dir that holds a run (deletes its "
                                    "metrics and checkpoints)")
+    stop_when_stuck: int = _flag(20, "stop (checkpoint, exit 1) after N consecutive steps that "
+                                     "trained on nothing or on a dead policy; 0 = never")
     dist_timeout: float = _flag(1800.0, "seconds a rank waits for the others before failing")
     activation_checkpointing: bool = _flag(False, "recompute block activations in the backward: "
                                                   "less memory, ~30% more time")
@@ -96,7 +98,8 @@ def check_flags(cfg: Config, world: int = 1):
                 "rollout_batch_size": 0, "mini_batch_prompts": 1, "micro_batch_size": 1,
                 "micro_batch_tokens": 0, "lr": 0, "warmup_steps": 0, "eps_low": 0,
                 "eps_high": 0, "eval_every": 0, "eval_samples": 1, "eval_temperature": 0,
-                "eval_prompts": 0, "save_every": 0, "keep_checkpoints": 0, "weight_decay": 0}
+                "eval_prompts": 0, "save_every": 0, "keep_checkpoints": 0, "stop_when_stuck": 0,
+                "weight_decay": 0}
     problems = [f"--{k.replace('_', '-')} must be >= {low}, got {getattr(cfg, k)}"
                 for k, low in at_least.items() if getattr(cfg, k) < low]
     for name, value, ok, need in [

@@ -26,7 +26,7 @@ import launch
 from batch import Batch
 from config import Config, parse_args
 from data import PromptIterator, Tokenizer, encode_prompts
-from infra import checkpoint, distributed, metrics
+from infra import checkpoint, distributed, health, metrics
 from model import response_logprobs
 from reward import overlong_penalty, score_response
 from sampler import generate
@@ -153,7 +153,9 @@ def collect_batch(model, prompt_iter, tok, cfg, generator) -> tuple[Batch | None
     rank, world = distributed.rank(), distributed.world_size()
     kept: dict[int, Batch] = {}  # the groups with signal on this rank, by global group number
     seen, n_gen = [], 0
-    while distributed.all_reduce(len(kept), name="dynamic-sampling count") < cfg.train_prompts:
+    while (n_all := distributed.all_reduce(len(kept), name="dynamic-sampling count")) \
+            < cfg.train_prompts:
+        health.check_sampling(n_gen, n_all, cfg.train_prompts)
         if cfg.max_gen_batches and n_gen == cfg.max_gen_batches:
             break
         # --- Rollout (Algorithm 1, lines 3-5): pi_old samples G responses per prompt ---
@@ -223,6 +225,8 @@ def update_policy(model, opt, batch: Batch, cfg, eps_high) -> dict:
         n_tokens, n_seqs = distributed.all_reduce([mask.sum().item(), mask.any(-1).sum().item()])
         # end exercise
         if n_tokens == 0:
+            if mini_batch.old_logp is None:  # pi_old's entropy is logged whatever the loss mask
+                old_logprobs(model, mini_batch, cfg, stats)
             continue
         for rows, real in distributed.micro_batches(mini_batch, cfg):
             micro = mini_batch.rows(rows)
@@ -281,6 +285,7 @@ def train(cfg: Config):
         if resume_dir else 0
     log = metrics.RunLog(metrics_path, start, cfg.steps)
     first_val = last_val = None
+    alarms = health.Alarms(cfg.stop_when_stuck)
     for step in log.bar:  # Algorithm 1, line 1
         if cfg.eval_every and step % cfg.eval_every == 0:
             last_val = evaluate(model, val_rows, tok, cfg, eval_generator(cfg))
@@ -298,9 +303,12 @@ def train(cfg: Config):
             # --- Algorithm 1, lines 10-11: optimizer steps on the batch (Eq. 8) ---
             row |= update_policy(model, opt, batch, cfg, eps_high)
         log.step(step + 1, row, opt.param_groups[0]["lr"], t_gen, time.time() - t0 - t_gen)
-        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
+        stuck = alarms.check(step + 1, row)  # a dead run: warn, and stop with --stop-when-stuck
+        if stuck or (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
             checkpoint.save(cfg.out_dir, step + 1, model, tok_dir, opt, prompt_iter, generator,
                             asdict(cfg), keep_last=cfg.keep_checkpoints)
+        if stuck:
+            raise alarms.error()
     if cfg.eval_every and start < cfg.steps:
         last_val = evaluate(model, val_rows, tok, cfg, eval_generator(cfg))
         log.write({"step": cfg.steps, **last_val})

@@ -1,0 +1,71 @@
+"""Alarms for a run that has gone dead: after each rollout step, one line naming the cause and
+the flag that fixes it; with --stop-when-stuck N the run stops (checkpoint, non-zero exit) after
+N consecutive dead steps. And a bound on dynamic sampling that finds no signal at all."""
+from infra import distributed
+
+TRUNCATED_ALARM = 0.9  # almost every response truncated
+ENTROPY_FLOOR = 1e-3  # nats per token: the policy has collapsed onto one answer
+PROGRESS_EVERY = 8  # generation batches between progress lines when sampling runs long
+NO_SIGNAL_BOUND = 64  # generation batches without one group with signal: give up
+
+
+class RunStuck(RuntimeError):
+    """The run trained on nothing for --stop-when-stuck consecutive steps."""
+
+
+def dead_step_causes(row: dict) -> list[str]:
+    """The causes that make this step's update worthless, each with its fix, from the step's
+    metrics row (infra/metrics.py's names). Empty when the step is healthy."""
+    causes = []
+    truncated = row.get("rollout/truncated", 0.0)
+    if truncated >= TRUNCATED_ALARM:
+        causes.append(f"{truncated:.0%} of responses truncated: raise --max-response-len")
+    surplus = row.get("train/groups_surplus", 0)
+    if row.get("train/groups_kept", 1) == 0 and surplus:
+        causes.append(f"only {surplus} groups with signal, fewer than --mini-batch-prompts: "
+                      "nothing trained; raise --max-gen-batches or --gen-prompts")
+    elif row.get("train/groups_kept", 1) == 0:
+        causes.append(
+            f"no group with signal (all right {row.get('rollout/frac_all_correct', 0):.0%}, "
+            f"all wrong {row.get('rollout/frac_all_wrong', 0):.0%} of groups): nothing trained; "
+            "check that the prompt asks for the answer format the verifier reads, or that "
+            "the task suits the model")
+    entropy = row.get("actor/entropy")
+    if entropy is not None and not (entropy >= ENTROPY_FLOOR):  # NaN fails the comparison too
+        causes.append(f"actor/entropy {entropy:.3g}: the policy has collapsed or diverged; "
+                      "lower --lr or resume from an earlier checkpoint")
+    return causes
+
+
+class Alarms:
+    """Warns at once on a dead step; counts consecutive dead steps against --stop-when-stuck."""
+
+    def __init__(self, stop_when_stuck: int):
+        self.stop_when_stuck, self.dead_run = stop_when_stuck, 0
+
+    def check(self, step: int, row: dict) -> bool:
+        """Say what is wrong with this step; True when the run should stop."""
+        causes = dead_step_causes(row)
+        self.dead_run = self.dead_run + 1 if causes else 0
+        for cause in causes:
+            distributed.say(f"warning: step {step}: {cause}")
+        return bool(self.stop_when_stuck) and self.dead_run >= self.stop_when_stuck
+
+    def error(self) -> RunStuck:
+        return RunStuck(f"stopping: {self.dead_run} consecutive steps trained on nothing or on a "
+                        f"dead policy (--stop-when-stuck {self.stop_when_stuck}; 0 = never "
+                        "stop); the warnings above name the cause; a checkpoint was saved")
+
+
+def check_sampling(n_gen: int, n_kept: int, train_prompts: int):
+    """Dynamic sampling with a high (or no) --max-gen-batches: a progress line every
+    PROGRESS_EVERY generation batches, and an error after NO_SIGNAL_BOUND batches that kept
+    no group at all (an endless loop otherwise: nothing will ever have signal)."""
+    if n_gen and n_gen % PROGRESS_EVERY == 0:
+        distributed.say(f"dynamic sampling: {n_gen} generation batches, {n_kept} of "
+                        f"{train_prompts} groups with signal so far")
+    if n_gen >= NO_SIGNAL_BOUND and n_kept == 0:
+        raise RuntimeError(
+            f"dynamic sampling found no group with signal in {n_gen} generation batches (every "
+            "group all right or all wrong); check --max-response-len, the prompt's answer "
+            "format against the verifier, or set --max-gen-batches to train on what is kept")

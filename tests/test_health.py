@@ -1,0 +1,75 @@
+"""The dead-run alarms (infra/health.py) on constructed metrics rows, and the bound on dynamic
+sampling that finds no signal."""
+import pytest
+
+from infra import health
+
+HEALTHY = {"rollout/truncated": 0.1, "train/groups_kept": 8, "train/groups_surplus": 0,
+           "rollout/frac_all_correct": 0.2, "rollout/frac_all_wrong": 0.3, "actor/entropy": 0.8}
+
+
+def test_a_healthy_step_raises_no_alarm():
+    assert health.dead_step_causes(HEALTHY) == []
+
+
+@pytest.mark.parametrize("change, flag", [
+    ({"rollout/truncated": 1.0}, "--max-response-len"),
+    ({"train/groups_kept": 0}, "answer format"),
+    ({"train/groups_kept": 0, "train/groups_surplus": 3}, "--max-gen-batches"),
+    ({"actor/entropy": 0.0}, "collapsed"),
+    ({"actor/entropy": float("nan")}, "collapsed"),
+])
+def test_each_alarm_names_its_cause_and_fix(change, flag):
+    causes = health.dead_step_causes(HEALTHY | change)
+    assert len(causes) == 1 and flag in causes[0], causes
+
+
+def test_stop_after_n_consecutive_dead_steps_only():
+    alarms = health.Alarms(stop_when_stuck=2)
+    dead = HEALTHY | {"train/groups_kept": 0}
+    assert not alarms.check(1, dead)
+    assert not alarms.check(2, HEALTHY)  # a healthy step resets the count
+    assert not alarms.check(3, dead)
+    assert alarms.check(4, dead)
+    assert "--stop-when-stuck 2" in str(alarms.error())
+    assert not any(health.Alarms(0).check(s, dead) for s in range(50))  # 0 = never stop
+
+
+def test_sampling_without_signal_gives_up_after_the_bound(capsys):
+    for n_gen in range(health.NO_SIGNAL_BOUND):
+        health.check_sampling(n_gen, 0, 8)
+    assert "dynamic sampling: 8 generation batches, 0 of 8" in capsys.readouterr().out
+    with pytest.raises(RuntimeError, match="no group with signal"):
+        health.check_sampling(health.NO_SIGNAL_BOUND, 0, 8)
+    health.check_sampling(health.NO_SIGNAL_BOUND, 1, 8)  # slow but alive: goes on
+
+
+def _dead_run(model_dir, out_dir, **kw):
+    """The demo's failure mode on a random model: it never writes "Answer:", so every group is
+    all wrong, and at --max-response-len 2 every response is truncated."""
+    from test_dapo import _cfg
+    return _cfg(model_dir, out_dir, max_response_len=2, overlong_buffer=2, eval_every=0,
+                steps=6, **kw)
+
+
+@pytest.mark.needs("all")
+def test_a_run_that_trains_on_nothing_warns_and_stops_with_a_checkpoint(
+        tiny_model_dir, tmp_path, capsys):
+    import dapo
+    with pytest.raises(health.RunStuck, match="2 consecutive steps"):
+        dapo.main(_dead_run(tiny_model_dir, tmp_path, stop_when_stuck=2, max_gen_batches=1,
+                                  train_prompts=2, gen_prompts=2, mini_batch_prompts=2))
+    out = capsys.readouterr().out
+    assert "warning: step 1: 100% of responses truncated: raise --max-response-len" in out
+    assert "warning: step 2: no group with signal" in out
+    saved = tmp_path / "checkpoints"
+    assert (saved / "step_000002").is_dir() and not (saved / "step_000003").exists()
+
+
+@pytest.mark.needs("all")
+def test_unbounded_dynamic_sampling_without_signal_gives_up(tiny_model_dir, tmp_path, capsys):
+    import dapo
+    with pytest.raises(RuntimeError, match="no group with signal in 64 generation batches"):
+        dapo.main(_dead_run(tiny_model_dir, tmp_path, max_gen_batches=0, gen_prompts=2,
+                            train_prompts=2, mini_batch_prompts=2, group_size=2))
+    assert "dynamic sampling: 56 generation batches, 0 of 2" in capsys.readouterr().out
