@@ -26,6 +26,10 @@ from test_dapo import _cfg, torch_kernel_path  # noqa: F401 (an autouse fixture)
                                                   "--mini-batch-prompts=2"),
     (dict(top_p=0.0), "--top-p must be in (0, 1]"),
     (dict(resume=True, overwrite=True), "pick one"),
+    (dict(device="foo"), "--device must be cpu, cuda or cuda:N, got 'foo'"),
+    (dict(device="cuda:99"), "--device must be a CUDA device this machine has"),
+    *([(dict(device="cuda"), "--device must be a CUDA device this machine has (it has none)")]
+      if not torch.cuda.is_available() else []),
 ])
 def test_a_bad_flag_is_named_before_anything_is_loaded(tmp_path, overrides, message):
     with pytest.raises(ValueError, match="bad flags") as e:
