@@ -218,11 +218,15 @@ def open_run(cfg) -> str | None:
     return resume_dir
 
 
-def resume(ckpt, opt, prompt_iter, generator, metrics_path: str) -> int:
+def resume(ckpt, opt, prompt_iter, generator, metrics_path: str, steps: int) -> int:
     """Restore the trainer from checkpoint ckpt and drop the rows of metrics.jsonl logged after it
-    was saved (the resumed run logs them again) -> the step to continue from."""
+    was saved (the resumed run logs them again) -> the step to continue from. A checkpoint already
+    at --steps or past it leaves metrics.jsonl whole (its final evaluation stays) and says so."""
     start = load_trainer_state(ckpt, opt, prompt_iter, generator)
-    if distributed.rank() == 0:
+    if start >= steps:
+        distributed.say(f"--resume: {ckpt} is at step {start} and --steps is {steps}: nothing to "
+                        f"do (pass --steps above {start} to train on)")
+    elif distributed.rank() == 0:
         trim_metrics(metrics_path, start)
     return start
 

@@ -100,3 +100,17 @@ def test_a_nan_weight_after_an_optimizer_step_stops_the_update():
     with pytest.raises(FloatingPointError, match="model.layers.1.mlp.up_proj.weight"):
         dapo.update_policy(model, Poisoned(model.parameters(), lr=0.1), random_batch(50),
                            dapo.Config(group_size=4), 0.28)
+
+
+@pytest.mark.needs("all")
+def test_a_resume_with_nothing_to_do_says_so_and_changes_nothing(tiny_model_dir, tmp_path, capsys):
+    dapo.main(_cfg(tiny_model_dir, tmp_path, steps=2, eval_every=1, save_every=1))
+    before = (tmp_path / "metrics.jsonl").read_text()
+    assert '{"step": 2, "val/acc"' in before  # the final evaluation
+    for steps in (2, 1):  # the finished run, and fewer steps than its checkpoint
+        capsys.readouterr()
+        dapo.main(_cfg(tiny_model_dir, tmp_path, steps=steps, eval_every=1, save_every=1,
+                       resume=True))
+        assert f"at step 2 and --steps is {steps}: nothing to do" in "".join(capsys.readouterr())
+        assert (tmp_path / "metrics.jsonl").read_text() == before
+        assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000002"
