@@ -6,6 +6,7 @@ and the README has the paper's full command line. check_flags() refuses nonsense
 is loaded, naming the flag.
 """
 import argparse
+import re
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -123,10 +124,24 @@ def check_flags(cfg: Config, world: int = 1):
         if getattr(cfg, name) % world:
             problems.append(f"--{name.replace('_', '-')} must be a multiple of the {world} "
                             f"processes (each rank trains whole groups), got {getattr(cfg, name)}")
+    problems += _device_problems(cfg.device)
     if cfg.resume and cfg.overwrite:
         problems.append("--resume continues the run in --out-dir, --overwrite deletes it: pick one")
     if problems:
         raise ValueError("bad flags:\n  " + "\n  ".join(problems))
+
+
+def _device_problems(device: str) -> list[str]:
+    """--device checked here, not by the first tensor moved there: "foo" would surface as a
+    "corrupt" model file, "cuda" without a GPU as a pin_memory error, after --out-dir is made."""
+    match = re.fullmatch(r"cpu|cuda(?::(\d+))?", device)
+    if not match:
+        return [f"--device must be cpu, cuda or cuda:N, got {device!r}"]
+    count = torch.cuda.device_count() if device.startswith("cuda") else 0
+    if device.startswith("cuda") and (count == 0 or int(match.group(1) or 0) >= count):
+        return [f"--device must be a CUDA device this machine has (it has "
+                f"{count or 'none'}), got {device!r}"]
+    return []
 
 
 def parse_args(argv=None, description: str = "") -> Config:

@@ -22,9 +22,12 @@ Messages go through the `logging` module (logger "data"): INFO for what a load d
 duplicates dropped, prompts truncated), WARNING for rows skipped as unusable. The entry point
 decides where they go (logging.basicConfig).
 """
+import contextlib
 import json
 import logging
 import os
+import signal
+import threading
 
 import numpy as np
 from jinja2 import TemplateSyntaxError
@@ -58,6 +61,7 @@ class Tokenizer:
         # {"eos_token": "<|im_end|>", ...}: templates may refer to these
         self.special_tokens = special_tokens
         self.name = name
+        self.template_source = template_source
         self._template = (_compile_chat_template(chat_template, template_source) if chat_template
                           else None)
 
@@ -92,9 +96,14 @@ class Tokenizer:
             raise ValueError("cannot apply a chat template to an empty list of messages")
         # transformers drops None fields
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        return self._template.render(messages=messages, tools=None, documents=None,
-                                     add_generation_prompt=add_generation_prompt,
-                                     **self.special_tokens)
+        try:
+            with _time_limit(MAX_RENDER_S):
+                return _bounded_render(self._template, messages=messages, tools=None,
+                                       documents=None, add_generation_prompt=add_generation_prompt,
+                                       **self.special_tokens)
+        except Exception as e:  # a template is code: any error it raises, named with its file
+            raise ValueError(f"{self.template_source}: the chat template failed: "
+                             f"{type(e).__name__}: {e}") from None
 
     def apply_chat_template(self, messages: list[dict],
                             add_generation_prompt: bool = True) -> list[int]:
@@ -103,12 +112,65 @@ class Tokenizer:
         return self.encode(self.render_chat(messages, add_generation_prompt))
 
 
+# A chat template is code from the model's directory: bounded, so that `{{ 'x' * 10**9 }}` or
+# nested loops stop with an error naming the template instead of hanging the loader. A real
+# template renders a prompt of a few kB in well under a millisecond.
+MAX_RENDER_CHARS = 1_000_000
+MAX_RENDER_S = 5.0
+
+
+class _TemplateBound(Exception):
+    pass
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    intercepted_binops = frozenset({"*"})  # str * n is checked before it allocates
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "*":
+            seq, n = (left, right) if isinstance(right, int) else (right, left)
+            if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and \
+                    len(seq) * n > MAX_RENDER_CHARS:
+                raise _TemplateBound(f"renders more than {MAX_RENDER_CHARS} characters "
+                                     f"({len(seq)} * {n})")
+        return super().call_binop(context, operator, left, right)
+
+
+def _bounded_render(template, **context) -> str:
+    pieces, size = [], 0
+    for piece in template.generate(**context):
+        size += len(piece)
+        if size > MAX_RENDER_CHARS:
+            raise _TemplateBound(f"renders more than {MAX_RENDER_CHARS} characters")
+        pieces.append(piece)
+    return "".join(pieces)
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """SIGALRM stops a template that loops without writing (the output bound never fires). Only
+    the main thread gets signals: elsewhere only the output bound holds."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise _TemplateBound(f"takes more than {seconds:g} s to render")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def _compile_chat_template(source: str, where: str):
     # The environment transformers uses: sandboxed (a template from the Hub is untrusted code),
     # trim_blocks and lstrip_blocks (they change the whitespace, hence the ids), loop controls, and
     # its tojson / raise_exception.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols])
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
@@ -185,8 +247,11 @@ def load_tokenizer(path: str) -> Tokenizer:
                          "eos_token in tokenizer_config.json)")
     pad = (tok.token_to_id(special["pad_token"]) if "pad_token" in special
            else gen.get("pad_token_id"))
-    return Tokenizer(tok, template, eos_ids, eos_ids[0] if pad is None else pad, special, name=path,
-                     template_source=template_source)
+    tokenizer = Tokenizer(tok, template, eos_ids, eos_ids[0] if pad is None else pad, special,
+                          name=path, template_source=template_source)
+    if template:  # rendered once now: a template that fails or runs away stops the load
+        tokenizer.render_chat([{"role": "user", "content": "What is 1 + 1?"}])
+    return tokenizer
 
 
 def check_vocab(model_vocab_size: int, tokenizer: Tokenizer, model_dir: str):

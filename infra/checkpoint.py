@@ -182,8 +182,7 @@ def latest(out_dir) -> str:
 def load_trainer_state(ckpt, opt, prompt_iter, generator) -> int:
     """Restore the optimizer, the data position and the RNG states; returns the step to
     continue from."""
-    with open(os.path.join(ckpt, "trainer.json")) as f:
-        meta = json.load(f)
+    meta = files.read_json(os.path.join(ckpt, "trainer.json"))
     if meta["world_size"] != distributed.world_size():
         raise ValueError(f"{ckpt} was written by {meta['world_size']} processes; resuming it "
                          f"needs the same number (this run has {distributed.world_size()}). "
@@ -219,11 +218,15 @@ def open_run(cfg) -> str | None:
     return resume_dir
 
 
-def resume(ckpt, opt, prompt_iter, generator, metrics_path: str) -> int:
+def resume(ckpt, opt, prompt_iter, generator, metrics_path: str, steps: int) -> int:
     """Restore the trainer from checkpoint ckpt and drop the rows of metrics.jsonl logged after it
-    was saved (the resumed run logs them again) -> the step to continue from."""
+    was saved (the resumed run logs them again) -> the step to continue from. A checkpoint already
+    at --steps or past it leaves metrics.jsonl whole (its final evaluation stays) and says so."""
     start = load_trainer_state(ckpt, opt, prompt_iter, generator)
-    if distributed.rank() == 0:
+    if start >= steps:
+        distributed.say(f"--resume: {ckpt} is at step {start} and --steps is {steps}: nothing to "
+                        f"do (pass --steps above {start} to train on)")
+    elif distributed.rank() == 0:
         trim_metrics(metrics_path, start)
     return start
 
@@ -234,10 +237,19 @@ def prepare_out_dir(out_dir: str, resume: bool, overwrite: bool) -> str | None:
     A directory that holds a run (a metrics.jsonl or a checkpoints/ directory, not empty) is never
     reused silently: resume continues it, overwrite deletes its metrics.jsonl and checkpoints/
     (nothing else: a plot, notes, the demo's tokenizer stay) and starts again, and with neither this
-    raises, naming the directory and both flags. (config.check_flags refuses both at once.)"""
+    raises, naming the directory and both flags. (config.check_flags refuses both at once.)
+    Rank 0 owns out_dir for the run's life (files.own_dir): a second run on it, even with
+    --overwrite, is refused naming the live one's pid. The step_N.tmp/ left by a save that was
+    interrupted (a kill) are deleted."""
+    ckpts = os.path.join(out_dir, "checkpoints")
+    if distributed.rank() == 0:
+        files.own_dir(out_dir)
+        for name in os.listdir(ckpts) if os.path.isdir(ckpts) else []:
+            if re.fullmatch(r"step_\d+\.tmp", name):
+                shutil.rmtree(os.path.join(ckpts, name), ignore_errors=True)
     if resume:
         return latest(out_dir)
-    metrics, ckpts = os.path.join(out_dir, "metrics.jsonl"), os.path.join(out_dir, "checkpoints")
+    metrics = os.path.join(out_dir, "metrics.jsonl")
     held = [p for p in (metrics, ckpts) if (os.path.isfile(p) and os.path.getsize(p)) or
             (os.path.isdir(p) and os.listdir(p))]
     if held and not overwrite:
@@ -305,8 +317,7 @@ MAY_CHANGE_ON_RESUME = {
 
 def saved_config(ckpt: str) -> dict:
     """The config a checkpoint was trained with (trainer.json's "config": asdict of dapo.Config)."""
-    with open(os.path.join(ckpt, "trainer.json")) as f:
-        return json.load(f)["config"]
+    return files.read_json(os.path.join(ckpt, "trainer.json"))["config"]
 
 
 def check_resume_config(saved: dict, current: dict, where: str = "the checkpoint"):

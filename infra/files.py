@@ -8,9 +8,12 @@ atomic, so a power cut or a kill at any moment leaves either the old content or 
     write_atomic(file, text)  replace a small file whole (metrics.jsonl, `latest`)
     write_json(file, obj)     write indented JSON and flush it (into a directory that is renamed
                               into place whole, as a checkpoint's)
+    read_json(file)           JSON, or an error that names the file (a truncated copy)
+    own_dir(dir)              this process owns dir for its life (a lock a crash never leaves stuck)
 """
 import contextlib
 import errno
+import fcntl
 import json
 import os
 
@@ -70,3 +73,37 @@ def write_json(file: str, obj):
         json.dump(obj, f, indent=2)
         f.flush()
         os.fsync(f.fileno())
+
+
+def read_json(file: str):
+    with open(file, encoding="utf-8") as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{file}: not valid JSON, truncated or corrupt (a partial copy?): "
+                             f"{e}") from None
+
+
+_owned: dict[str, int] = {}  # realpath -> the open lock file's descriptor, held until exit
+
+
+def own_dir(path: str, lock_name: str = "run.lock"):
+    """Take path/lock_name with flock for the life of this process, with our pid in it: a second
+    run on the same directory is refused naming the live one's pid. The kernel drops the lock when
+    the process dies however it dies, so a crashed run never leaves it stuck."""
+    os.makedirs(path, exist_ok=True)
+    key = os.path.realpath(path)
+    if key in _owned:
+        return
+    file = os.path.join(path, lock_name)
+    fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise RuntimeError(f"{path} is in use by a live run (pid {holder}, {file}): wait for it "
+                           "or stop it, or choose another --out-dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _owned[key] = fd

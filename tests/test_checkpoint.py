@@ -135,7 +135,7 @@ def test_overwrite_deletes_the_old_runs_metrics_and_checkpoints_only(tmp_path):
     (tmp_path / "tokenizer").mkdir()
     (tmp_path / "notes.txt").write_text("mine")
     assert checkpoint.prepare_out_dir(str(tmp_path), resume=False, overwrite=True) is None
-    assert sorted(os.listdir(tmp_path)) == ["notes.txt", "tokenizer"]
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt", "run.lock", "tokenizer"]
 
 
 def test_a_fresh_or_empty_directory_needs_no_flag(tmp_path):
@@ -196,3 +196,56 @@ def test_resume_refuses_settings_that_change_the_algorithm(tmp_path):
 def test_the_saved_config_is_read_back_from_the_checkpoint(tmp_path, model, tiny_model_dir):
     final = save(tmp_path, 1, model, tiny_model_dir)
     assert checkpoint.saved_config(final) == {"lr": 1e-3}
+
+
+# --- one run per directory (issue 25) -------------------------------------------------------------
+
+_HOLD_THE_DIRECTORY = """
+import sys, time
+from infra import checkpoint
+checkpoint.prepare_out_dir(sys.argv[1], resume=False, overwrite=False)
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def test_overwrite_refuses_a_directory_whose_run_is_alive_naming_its_pid(tmp_path):
+    import subprocess
+    import sys
+    run = subprocess.Popen([sys.executable, "-c", _HOLD_THE_DIRECTORY, str(tmp_path)],
+                           stdout=subprocess.PIPE, text=True,
+                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        assert run.stdout.readline() == "held\n"
+        (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+        for resume, overwrite in [(False, True), (True, False), (False, False)]:
+            with pytest.raises(RuntimeError, match=rf"{tmp_path} is in use by a live run "
+                                                   rf"\(pid {run.pid}, "):
+                checkpoint.prepare_out_dir(str(tmp_path), resume=resume, overwrite=overwrite)
+        assert (tmp_path / "metrics.jsonl").exists()  # nothing deleted
+    finally:
+        run.kill()
+        run.wait()
+    # a run that died (killed: no clean-up ran) leaves no stuck lock
+    assert checkpoint.prepare_out_dir(str(tmp_path), resume=False, overwrite=True) is None
+
+
+def test_a_new_run_or_a_resume_deletes_stale_temporaries_of_an_interrupted_save(
+        tmp_path, model, tiny_model_dir):
+    save(tmp_path, 1, model, tiny_model_dir)
+    stale = tmp_path / "checkpoints" / "step_000002.tmp"
+    (stale / "model").mkdir(parents=True)
+    checkpoint.prepare_out_dir(str(tmp_path), resume=True, overwrite=False)
+    assert not stale.exists()
+    assert (tmp_path / "checkpoints" / "step_000001").is_dir()
+
+
+def test_a_truncated_trainer_json_is_named(tmp_path, model, tiny_model_dir):
+    final = save(tmp_path, 1, model, tiny_model_dir)
+    meta = os.path.join(final, "trainer.json")
+    with open(meta) as f:
+        text = f.read()
+    with open(meta, "w") as f:
+        f.write(text[:len(text) // 2])
+    with pytest.raises(ValueError, match=rf"{meta}: not valid JSON"):
+        checkpoint.saved_config(final)

@@ -9,7 +9,6 @@ import logging
 import random
 import sys
 
-import jinja2
 import pytest
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
@@ -265,8 +264,9 @@ def test_chat_template_runs_sandboxed(tmp_path):
     # a template from the Hub reaching for Python internals
     evil = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
     path = qwen_like_dir(tmp_path, evil)
-    with pytest.raises(jinja2.exceptions.SecurityError):
-        load_tokenizer(path).render_chat(CHATS[0])
+    with pytest.raises(ValueError, match=r"tokenizer_config.json \(its chat_template\): the chat "
+                                         r"template failed: SecurityError"):
+        load_tokenizer(path)  # rendered once at load
 
 
 # --- datasets -------------------------------------------------------------------------------------
@@ -529,3 +529,20 @@ def test_prompt_iterator_refuses_a_state_from_other_data():
 def test_prompt_iterator_needs_a_batch_that_fits():
     with pytest.raises(ValueError, match="batch_size"):
         PromptIterator([{"i": 0}], batch_size=2, seed=0)
+
+
+@pytest.mark.parametrize("template,why", [
+    ("{{ 'x' * 20000000 }}", "renders more than"),  # one 20 MB string
+    ("{% for i in range(100000) %}{{ 'abcdefghijk' }}{% endfor %}",
+     "renders more than"),  # many small pieces
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+     "takes more than"),  # no output at all, 10^10 iterations
+    ("{{ raise_exception('only user turns') }}", "only user turns"),  # a failure, not a bound
+], ids=["one-big-string", "many-pieces", "silent-loops", "raises"])
+def test_a_runaway_chat_template_is_stopped_at_load_naming_it(tmp_path, monkeypatch, template,
+                                                               why):
+    import data
+    monkeypatch.setattr(data, "MAX_RENDER_S", 0.5)  # the silent loops wait it out: keep it short
+    with pytest.raises(ValueError, match=r"tokenizer_config.json \(its chat_template\): the chat "
+                                         rf"template .*{why}"):
+        load_tokenizer(qwen_like_dir(tmp_path, template))

@@ -26,6 +26,10 @@ from test_dapo import _cfg, torch_kernel_path  # noqa: F401 (an autouse fixture)
                                                   "--mini-batch-prompts=2"),
     (dict(top_p=0.0), "--top-p must be in (0, 1]"),
     (dict(resume=True, overwrite=True), "pick one"),
+    (dict(device="foo"), "--device must be cpu, cuda or cuda:N, got 'foo'"),
+    (dict(device="cuda:99"), "--device must be a CUDA device this machine has"),
+    *([(dict(device="cuda"), "--device must be a CUDA device this machine has (it has none)")]
+      if not torch.cuda.is_available() else []),
 ])
 def test_a_bad_flag_is_named_before_anything_is_loaded(tmp_path, overrides, message):
     with pytest.raises(ValueError, match="bad flags") as e:
@@ -96,3 +100,17 @@ def test_a_nan_weight_after_an_optimizer_step_stops_the_update():
     with pytest.raises(FloatingPointError, match="model.layers.1.mlp.up_proj.weight"):
         dapo.update_policy(model, Poisoned(model.parameters(), lr=0.1), random_batch(50),
                            dapo.Config(group_size=4), 0.28)
+
+
+@pytest.mark.needs("all")
+def test_a_resume_with_nothing_to_do_says_so_and_changes_nothing(tiny_model_dir, tmp_path, capsys):
+    dapo.main(_cfg(tiny_model_dir, tmp_path, steps=2, eval_every=1, save_every=1))
+    before = (tmp_path / "metrics.jsonl").read_text()
+    assert '{"step": 2, "val/acc"' in before  # the final evaluation
+    for steps in (2, 1):  # the finished run, and fewer steps than its checkpoint
+        capsys.readouterr()
+        dapo.main(_cfg(tiny_model_dir, tmp_path, steps=steps, eval_every=1, save_every=1,
+                       resume=True))
+        assert f"at step 2 and --steps is {steps}: nothing to do" in "".join(capsys.readouterr())
+        assert (tmp_path / "metrics.jsonl").read_text() == before
+        assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000002"
