@@ -60,6 +60,7 @@ def test_a_malformed_spec_says_the_form(spec):
         reward.load_reward_fn(spec)
 
 
+@pytest.mark.needs("extract_answer", "normalize")  # math_dapo keeps its own verifier
 def test_floats_and_dicts_are_scores_and_acc_follows_the_sign(tmp_path):
     path = write(tmp_path / "mine.py", "def f(r, g):\n    return float(r == g) * 2 - 1\n"
                                        "def d(r, g):\n    return {'score': 0.5, 'acc': False}\n")

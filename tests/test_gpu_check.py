@@ -5,9 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.needs("all")  # it runs DAPO steps
 def test_gpu_check_smoke_writes_one_report(tmp_path):
     report = tmp_path / "gpu_check.md"
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--smoke",
