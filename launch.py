@@ -15,7 +15,7 @@ import torch
 
 from config import Config, check_flags
 from data import Tokenizer, check_vocab, load_rows, load_tokenizer
-from infra import checkpoint, distributed
+from infra import checkpoint, distributed, health
 from model import Qwen2
 from reward import install_reward_fn, uninstall_reward_fn
 from toy import demo_policy, toy_rows
@@ -33,6 +33,9 @@ def run(train, cfg: Config):
     try:
         with autocast:
             return train(cfg)
+    except health.RunStuck as stuck:  # the warnings above name the cause: one line, no traceback
+        distributed.say(f"error: {stuck}")
+        raise SystemExit(1) from None
     finally:
         distributed.shutdown()
 
