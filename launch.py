@@ -16,9 +16,10 @@ import torch
 from config import Config, check_flags
 from data import Tokenizer, check_vocab, load_rows, load_tokenizer
 from infra import checkpoint, distributed, health
-from model import Qwen2
+from infra.files import need_file
+from model import PRESETS, ModelConfig, Qwen2
 from reward import install_reward_fn, uninstall_reward_fn
-from toy import demo_policy, toy_rows
+from toy import WARMUP, demo_policy, toy_rows
 
 
 def run(train, cfg: Config):
@@ -45,7 +46,11 @@ def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:
     checkpoint with --resume, or the demo's base model; sharded with FSDP2 on several processes.
     Returns (model, tokenizer, the tokenizer's directory, the checkpoint to resume or None)."""
     torch.manual_seed(cfg.seed)
+    if not cfg.resume:  # before open_run writes anything (a resume was checked when it started)
+        check_lengths(cfg, cfg.model or None)
     resume_dir = checkpoint.open_run(cfg)
+    if resume_dir:
+        check_lengths(cfg, os.path.join(resume_dir, "model"))
     if resume_dir or cfg.model:
         tok_dir = os.path.join(resume_dir, "model") if resume_dir else cfg.model
         model = Qwen2.from_pretrained(tok_dir, dtype=torch.float32, device=cfg.device)
@@ -57,6 +62,22 @@ def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:
     if distributed.world_size() > 1:  # on GPUs: bf16 compute, fp32 master weights and reductions
         distributed.shard(model, mixed_precision=cfg.device.startswith("cuda"))
     return model, tok, tok_dir, resume_dir
+
+
+def check_lengths(cfg: Config, model_dir: str | None):
+    """A prompt and its response must fit the model's positions (RoPE past its trained range
+    gives garbage, silently). model_dir None: the demo's model."""
+    if model_dir is None:
+        limit, source = PRESETS[WARMUP["preset"]]["max_position_embeddings"], "the demo model"
+    else:
+        config_json = need_file(model_dir, "config.json")
+        limit = ModelConfig.from_json(config_json).max_position_embeddings
+        source = f"{config_json} (max_position_embeddings)"
+    total = cfg.max_prompt_len + cfg.max_response_len
+    if total > limit:
+        raise ValueError(f"--max-prompt-len {cfg.max_prompt_len} + --max-response-len "
+                         f"{cfg.max_response_len} = {total} tokens, more than the {limit} "
+                         f"positions of {source}: lower --max-prompt-len or --max-response-len")
 
 
 def load_data(cfg: Config, tok) -> tuple[list[dict], list[dict]]:

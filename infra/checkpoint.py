@@ -26,12 +26,14 @@ import json
 import os
 import re
 import shutil
+import zipfile
 from dataclasses import asdict
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from infra import distributed, files
-from infra.hf_io import first_nonfinite, save_hf_checkpoint
+from infra.hf_io import checkpoint_files, first_nonfinite, save_hf_checkpoint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                    "vocab.json", "merges.txt", "special_tokens_map.json", "chat_template.jinja")
@@ -167,16 +169,60 @@ def _delete_old(ckpts, keep_last):
 
 
 def latest(out_dir) -> str:
+    """The checkpoint `latest` names, checked complete (every file there and readable: the same
+    answer on every rank, before any collective, so a broken one fails every rank at once)."""
     pointer = os.path.join(out_dir, "checkpoints", "latest")
     if not os.path.isfile(pointer):
         raise FileNotFoundError(f"--resume: {out_dir} holds no checkpoint to continue from "
                                 f"({pointer} does not exist); start without --resume (with "
                                 "--overwrite if the directory holds a run)")
     ckpt = os.path.join(out_dir, "checkpoints", _read(pointer))
-    if not os.path.isfile(os.path.join(ckpt, "trainer.json")):
+    problem = incomplete(ckpt)
+    if problem:
         raise FileNotFoundError(f"--resume: {pointer} names {ckpt}, which is not a complete "
-                                "checkpoint")
+                                f"checkpoint: {problem}. {_way_back(out_dir, ckpt)}")
     return ckpt
+
+
+def incomplete(ckpt) -> str | None:
+    """What is missing or unreadable in checkpoint directory ckpt, or None. Cheap: reads
+    trainer.json and config.json, and only the headers of the other files (a truncated zip lacks
+    its end record, a truncated safetensors file is shorter than its header says)."""
+    try:
+        meta = files.read_json(os.path.join(ckpt, "trainer.json"))
+        for rank in range(meta["world_size"]):
+            file = os.path.join(ckpt, f"trainer_rank{rank}.pt")
+            if not os.path.isfile(file):
+                return f"{file} is missing"
+            if not zipfile.is_zipfile(file):
+                return f"{file} is truncated or corrupt"
+        model_dir = os.path.join(ckpt, "model")
+        files.read_json(files.need_file(model_dir, "config.json"))
+        for file in checkpoint_files(model_dir):
+            try:
+                with safe_open(file, framework="pt"):
+                    pass
+            except SafetensorError as e:
+                return f"{file} is truncated or corrupt ({e})"
+    except (OSError, ValueError) as e:
+        return str(e)
+    except (KeyError, TypeError) as e:
+        return f"{os.path.join(ckpt, 'trainer.json')} lacks {e}"
+    return None
+
+
+def _way_back(out_dir, broken) -> str:
+    """How to resume from the newest complete checkpoint before the broken one."""
+    ckpts = os.path.join(out_dir, "checkpoints")
+    steps = sorted((n for n in os.listdir(ckpts) if re.fullmatch(r"step_\d+", n)),
+                   key=lambda n: int(n[5:]), reverse=True)
+    earlier = [n for n in steps if int(n[5:]) < int(os.path.basename(broken)[5:])]
+    for name in earlier:
+        if incomplete(os.path.join(ckpts, name)) is None:
+            return (f"{name} is complete: to resume from it, remove {broken} and write {name} "
+                    f"into {os.path.join(ckpts, 'latest')}")
+    return ("No earlier checkpoint is complete: start again with --overwrite (or restore the "
+            "missing files)")
 
 
 def load_trainer_state(ckpt, opt, prompt_iter, generator) -> int:

@@ -4,6 +4,8 @@ mode is one way a rank can go wrong.
 
     stop  rank 1 stops itself (SIGSTOP, as a debugger or a swapping node would); rank 0 waits in a
           named all-reduce
+    resume  both resume from OUT_DIR's latest checkpoint, which lacks rank 1's trainer state
+            (rank 1 would raise in loading it while rank 0 waits in the next collective)
     nan   rank 1's shard of one FSDP2-sharded parameter gets a NaN; both ranks run check_finite
 """
 import os
@@ -20,13 +22,24 @@ from model import Qwen2, preset  # noqa: E402
 POISONED = "model.layers.1.mlp.down_proj.weight"
 
 
-def main(mode, timeout_s):
+def main(mode, timeout_s, out_dir=None):
     rank, _, _ = distributed.init("cpu", timeout_s=float(timeout_s))
     torch.set_num_threads(1)
     if mode == "stop":
         if rank == 1:
             os.kill(os.getpid(), signal.SIGSTOP)
         distributed.all_reduce(1, name="dynamic-sampling count")
+    elif mode == "resume":
+        try:  # launch.run's shape: an error on one rank still reaches shutdown()
+            ckpt = checkpoint.prepare_out_dir(out_dir, resume=True, overwrite=False)
+            distributed.barrier("set-up")  # as sharding the model would
+            # as checkpoint.load_trainer_state does
+            torch.load(os.path.join(ckpt, f"trainer_rank{rank}.pt"), weights_only=True)
+            distributed.all_reduce(1, name="first step")
+        except FileNotFoundError as e:
+            print(f"rank {rank} raised: {e}", flush=True)
+        finally:
+            distributed.shutdown()
     elif mode == "nan":
         torch.manual_seed(0)
         model = distributed.shard(Qwen2(preset("tiny", vocab_size=64)), mixed_precision=False)

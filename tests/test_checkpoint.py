@@ -119,6 +119,40 @@ def test_a_truncated_optimizer_file_is_named_on_resume(tmp_path, model, tiny_mod
                                       torch.Generator())
 
 
+
+def cut_in_half(file):
+    with open(file, "r+b") as f:
+        f.truncate(os.path.getsize(file) // 2)
+
+
+@pytest.mark.parametrize("broken,problem", [
+    ("trainer_rank0.pt", r"trainer_rank0\.pt is missing"),
+    ("model/model.safetensors", r"model\.safetensors is truncated or corrupt"),
+    ("trainer.json", r"trainer\.json: not valid JSON"),
+])
+def test_a_broken_latest_checkpoint_names_the_earlier_complete_one(tmp_path, model,
+                                                                   tiny_model_dir, broken,
+                                                                   problem):
+    for step in (2, 3, 4):
+        save(tmp_path, step, model, tiny_model_dir)
+    cut_in_half(tmp_path / "checkpoints" / "step_000003" / "trainer_rank0.pt")
+    latest = tmp_path / "checkpoints" / "step_000004"
+    if broken.endswith(".pt"):
+        os.remove(latest / broken)
+    else:
+        cut_in_half(latest / broken)
+    with pytest.raises(FileNotFoundError, match=rf"step_000004, which is not a complete "
+                       rf"checkpoint: .*{problem}.*step_000002 is complete: to resume from it, "
+                       r"remove .*step_000004 and write step_000002 into .*latest"):
+        checkpoint.prepare_out_dir(str(tmp_path), resume=True, overwrite=False)
+
+
+def test_a_broken_only_checkpoint_says_to_start_again(tmp_path, model, tiny_model_dir):
+    cut_in_half(os.path.join(save(tmp_path, 1, model, tiny_model_dir), "trainer_rank0.pt"))
+    with pytest.raises(FileNotFoundError, match=r"trainer_rank0\.pt is truncated or corrupt\. No "
+                                                r"earlier checkpoint is complete: .*--overwrite"):
+        checkpoint.latest(str(tmp_path))
+
 # --- the run directory ----------------------------------------------------------------------------
 
 def test_a_new_run_refuses_a_directory_that_holds_one(tmp_path):

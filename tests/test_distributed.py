@@ -135,10 +135,11 @@ def store_env():
         yield env
 
 
-def start_pair(mode, timeout_s, store_env):
+def start_pair(mode, timeout_s, store_env, *args):
     env = {**os.environ, **store_env, "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
            "TRITON_INTERPRET": "0"}
-    return [subprocess.Popen([sys.executable, "tests/dist_fail_worker.py", mode, str(timeout_s)],
+    return [subprocess.Popen([sys.executable, "tests/dist_fail_worker.py", mode, str(timeout_s),
+                              *args],
                              cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for r in range(2)]
@@ -167,3 +168,28 @@ def test_a_nan_in_one_ranks_shard_stops_every_rank_naming_the_parameter(store_en
             "holds 1 NaN and 0 inf" in outs[1]), outs[1][-3000:]
     assert ("rank 0 raised: after step 3: parameter 'model.layers.1.mlp.down_proj.weight' "
             "holds NaN/inf values on another rank" in outs[0]), outs[0][-3000:]
+
+
+def test_a_checkpoint_missing_one_ranks_file_fails_every_rank_at_once(store_env, tiny_model_dir,
+                                                                      tmp_path):
+    from data import PromptIterator
+    from infra import checkpoint, files
+    model = Qwen2.from_pretrained(tiny_model_dir)
+    ckpt = checkpoint.save(str(tmp_path), 1, model, tiny_model_dir,
+                           torch.optim.AdamW(model.parameters()), PromptIterator([{"x": 1}], 1, 0),
+                           torch.Generator(), {})
+    meta = files.read_json(os.path.join(ckpt, "trainer.json"))
+    files.write_json(os.path.join(ckpt, "trainer.json"), {**meta, "world_size": 2})
+    # a 2-rank checkpoint without trainer_rank1.pt; the ranks wait 120 s for each other
+    procs = start_pair("resume", 120, store_env, str(tmp_path))
+    try:
+        outs = [p.communicate(timeout=60)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        pytest.fail("a rank waited for the one that failed")
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    for rank, out in enumerate(outs):
+        assert (f"rank {rank} raised: --resume: " in out
+                and "trainer_rank1.pt is missing" in out), out[-3000:]

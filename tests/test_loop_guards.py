@@ -38,14 +38,36 @@ def test_a_bad_flag_is_named_before_anything_is_loaded(tmp_path, overrides, mess
     assert not (tmp_path / "run").exists()  # nothing was created, loaded or trained
 
 
-def test_fewer_rows_than_a_generation_batch_names_the_flag(tiny_model_dir, tmp_path):
+def few_rows(tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({
         "data_source": "math_dapo", "prompt": [{"role": "user", "content": f"{k} + 1?"}],
         "reward_model": {"ground_truth": str(k + 1)}}) + "\n" for k in range(3)))
-    with pytest.raises(ValueError, match="3 usable rows, fewer than --gen-prompts 4"):
-        dapo.main(_cfg(tiny_model_dir, tmp_path / "run", train_data=str(rows)))
+    return rows
 
+
+def test_fewer_rows_than_a_generation_batch_names_the_flag(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="3 usable rows, fewer than --gen-prompts 4"):
+        dapo.main(_cfg(tiny_model_dir, tmp_path / "run", train_data=str(few_rows(tmp_path))))
+
+
+
+@pytest.mark.parametrize("with_model", [True, False])
+def test_lengths_beyond_the_models_positions_are_refused_before_anything_is_written(
+        tiny_model_dir, tmp_path, with_model):
+    # the tiny and the demo model both have 1024 positions
+    lengths = dict(max_prompt_len=1000, max_response_len=25, overlong_buffer=4)
+    cfg = (_cfg(tiny_model_dir, tmp_path / "run", **lengths) if with_model
+           else dapo.Config(out_dir=str(tmp_path / "run"), **lengths))
+    source = r".*/config\.json \(max_position_embeddings\)" if with_model else "the demo model"
+    with pytest.raises(ValueError, match=rf"--max-prompt-len 1000 \+ --max-response-len 25 = "
+                                         rf"1025 tokens, more than the 1024 positions of {source}"):
+        dapo.main(cfg)
+    assert not (tmp_path / "run").exists()
+    if with_model:  # at the limit it runs on (and fails later, on purpose: too few rows)
+        with pytest.raises(ValueError, match="usable rows"):
+            dapo.main(_cfg(tiny_model_dir, tmp_path / "run", **lengths | dict(max_prompt_len=999),
+                           train_data=str(few_rows(tmp_path))))
 
 @pytest.mark.needs("all")
 def test_a_new_run_never_destroys_the_run_in_its_directory(tiny_model_dir, tmp_path):
