@@ -22,19 +22,14 @@ Messages go through the `logging` module (logger "data"): INFO for what a load d
 duplicates dropped, prompts truncated), WARNING for rows skipped as unusable. The entry point
 decides where they go (logging.basicConfig).
 """
-import contextlib
 import json
 import logging
 import os
-import signal
-import threading
 
 import numpy as np
-from jinja2 import TemplateSyntaxError
-from jinja2.ext import loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
+from infra import templates
 from infra.files import need_file
 from reward import CUSTOM_DATA_SOURCE, SCORERS, has_scorer
 
@@ -62,8 +57,8 @@ class Tokenizer:
         self.special_tokens = special_tokens
         self.name = name
         self.template_source = template_source
-        self._template = (_compile_chat_template(chat_template, template_source) if chat_template
-                          else None)
+        self._template = (templates.compile_template(chat_template, template_source)
+                          if chat_template else None)
 
     @property
     def vocab_size(self) -> int:
@@ -97,10 +92,9 @@ class Tokenizer:
         # transformers drops None fields
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
-            with _time_limit(MAX_RENDER_S):
-                return _bounded_render(self._template, messages=messages, tools=None,
-                                       documents=None, add_generation_prompt=add_generation_prompt,
-                                       **self.special_tokens)
+            return templates.render(self._template, messages=messages, tools=None,
+                                    documents=None, add_generation_prompt=add_generation_prompt,
+                                    **self.special_tokens)
         except Exception as e:  # a template is code: any error it raises, named with its file
             raise ValueError(f"{self.template_source}: the chat template failed: "
                              f"{type(e).__name__}: {e}") from None
@@ -110,83 +104,6 @@ class Tokenizer:
         """Token ids of the rendered chat: the same ids as transformers'
         apply_chat_template(..., tokenize=True)."""
         return self.encode(self.render_chat(messages, add_generation_prompt))
-
-
-# A chat template is code from the model's directory: bounded, so that `{{ 'x' * 10**9 }}` or
-# nested loops stop with an error naming the template instead of hanging the loader. A real
-# template renders a prompt of a few kB in well under a millisecond.
-MAX_RENDER_CHARS = 1_000_000
-MAX_RENDER_S = 5.0
-
-
-class _TemplateBound(Exception):
-    pass
-
-
-class _BoundedSandbox(ImmutableSandboxedEnvironment):
-    intercepted_binops = frozenset({"*"})  # str * n is checked before it allocates
-
-    def call_binop(self, context, operator, left, right):
-        if operator == "*":
-            seq, n = (left, right) if isinstance(right, int) else (right, left)
-            if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and \
-                    len(seq) * n > MAX_RENDER_CHARS:
-                raise _TemplateBound(f"renders more than {MAX_RENDER_CHARS} characters "
-                                     f"({len(seq)} * {n})")
-        return super().call_binop(context, operator, left, right)
-
-
-def _bounded_render(template, **context) -> str:
-    pieces, size = [], 0
-    for piece in template.generate(**context):
-        size += len(piece)
-        if size > MAX_RENDER_CHARS:
-            raise _TemplateBound(f"renders more than {MAX_RENDER_CHARS} characters")
-        pieces.append(piece)
-    return "".join(pieces)
-
-
-@contextlib.contextmanager
-def _time_limit(seconds: float):
-    """SIGALRM stops a template that loops without writing (the output bound never fires). Only
-    the main thread gets signals: elsewhere only the output bound holds."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_alarm(signum, frame):
-        raise _TemplateBound(f"takes more than {seconds:g} s to render")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def _compile_chat_template(source: str, where: str):
-    # The environment transformers uses: sandboxed (a template from the Hub is untrusted code),
-    # trim_blocks and lstrip_blocks (they change the whitespace, hence the ids), loop controls, and
-    # its tojson / raise_exception.
-    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    def raise_exception(message):
-        raise ValueError(f"chat template: {message}")
-
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    try:
-        return env.from_string(source)
-    except TemplateSyntaxError as e:
-        # compiled on load, so a broken template stops the run before any training
-        raise ValueError(f"{where}: the chat template does not compile: {e.message} (line "
-                         f"{e.lineno} of the template)") from None
 
 
 def _read_json(path: str, required: bool = True) -> dict:

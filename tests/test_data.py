@@ -541,8 +541,8 @@ def test_prompt_iterator_needs_a_batch_that_fits():
 ], ids=["one-big-string", "many-pieces", "silent-loops", "raises"])
 def test_a_runaway_chat_template_is_stopped_at_load_naming_it(tmp_path, monkeypatch, template,
                                                                why):
-    import data
-    monkeypatch.setattr(data, "MAX_RENDER_S", 0.5)  # the silent loops wait it out: keep it short
+    from infra import templates
+    monkeypatch.setattr(templates, "MAX_RENDER_S", 0.5)  # silent loops wait it out: keep it short
     with pytest.raises(ValueError, match=r"tokenizer_config.json \(its chat_template\): the chat "
                                          rf"template .*{why}"):
         load_tokenizer(qwen_like_dir(tmp_path, template))
