@@ -32,9 +32,11 @@ run: $(VENV)/.runtime
 # left as is. The parity tests (two computations of the same numbers) then run again under another
 # CPU kernel set than this machine's: torch rounds differently on another processor, and a test
 # that holds only on this one's rounding would fail on the next machine.
+# pytest-xdist runs a test file per CPU core at a time (-n auto; each test on one thread): a file
+# stays on one worker, so its module fixtures (a handout, a 2-rank run) are made once.
 test: $(VENV)/.test
-	$(PY) -m pytest -q tests
-	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q -m parity tests
+	$(PY) -m pytest -q -n auto --dist loadfile tests
+	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q -n auto --dist loadfile -m parity tests
 
 bench: $(VENV)/.test
 	for f in benchmarks/bench_*.py; do $(PY) $$f || exit 1; done

@@ -42,9 +42,10 @@ START = re.compile(r"^(\s*)# exercise: (\w+)\s*$")
 END = re.compile(r"^(\s*)# end exercise\s*$")
 # Never part of a handout, even where git tracks something under them
 SKIP_DIRS = {".git", ".venv", "runs", "__pycache__", ".pytest_cache", ".ruff_cache"}
-# The instructor's own: the tests of this file, which expect the reference's answers, and the
-# style check, which the blanked bodies fail (ruff: the code after them uses their names)
-INSTRUCTOR_ONLY = {"tests/test_assign.py", "tests/test_style.py"}
+# The instructor's own: the tests of this file and of its grader, which expect the reference's
+# answers, and the style check, which the blanked bodies fail (ruff: the code after them uses
+# their names)
+INSTRUCTOR_ONLY = {"tests/test_assign.py", "tests/test_grader.py", "tests/test_style.py"}
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,10 @@
 """assign.py: the exercise markers, the student handout generated from them, and the grader, on
-the reference and on a fresh handout (whose own suite runs, minus its slowest tests)."""
+the reference and on a fresh handout (whose own suite runs, minus its slowest tests); the grader's
+scores are in test_grader.py."""
 import ast
-import json
 import os
 import re
-import shutil
 import subprocess
-import sys
 
 import pytest
 
@@ -31,18 +29,6 @@ def read(root, path):
 
 def grading_exercise(nodeid):
     return next((e.id for e in EXERCISES if any(assign._matches(nodeid, t) for t in e.tests)), None)
-
-
-def restore(root, exercise):
-    """Put the reference's body of one exercise back into the copy at root."""
-    path = BY_ID[exercise].file
-    lines, ref = read(root, path).splitlines(True), read(ROOT, path).splitlines(True)
-    regions = [r for r in assign.find_regions("".join(lines), path) if r.id == exercise]
-    ref_regions = [r for r in assign.find_regions("".join(ref), path) if r.id == exercise]
-    for r, s in reversed(list(zip(regions, ref_regions))):
-        lines[r.start + 1:r.end] = ref[s.start + 1:s.end]
-    with open(os.path.join(root, path), "w", encoding="utf-8") as f:
-        f.write("".join(lines))
 
 
 # --- the markers and the registry ---
@@ -164,107 +150,3 @@ def test_in_the_handout_every_other_test_passes_or_needs_the_exercise_it_stops_a
         if r["outcome"] == "failed":
             assert r["exercise"] in r["needs"] or (r["exercise"] and "all" in r["needs"]), r
     assert any(r["outcome"] == "passed" for r in others)
-
-
-def test_the_grader_gives_nothing_for_the_blank_handout(handout, tmp_path):
-    result = tmp_path / "results.json"
-    out = subprocess.run([sys.executable, "course/assign.py", "grade", "--json", str(result)],
-                         cwd=handout, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    report = json.loads(result.read_text())
-    assert report["score"] == 0 and report["max_score"] == 100
-    scores = {t["name"]: (t["score"], t["max_score"]) for t in report["tests"]}
-    assert scores == {**{e.id: (0, e.points) for e in EXERCISES},
-                      "integration": (0, INTEGRATION_POINTS)}
-    assert report["tests"][-1]["output"].startswith("not run")  # nothing trains without them
-    assert "not written" in out.stdout and "0.0 / 100" in out.stdout
-
-
-def test_restoring_one_exercise_in_the_handout_gives_exactly_its_points(handout, tmp_path):
-    one = str(tmp_path / "one")
-    shutil.copytree(handout, one, ignore=shutil.ignore_patterns("runs", "__pycache__"))
-    restore(one, "token_count")  # in update_policy, with three other exercises in dapo.py
-    report = assign.grade(json_path=str(tmp_path / "results.json"), integration=False, root=one)
-    assert {t["name"]: t["score"] for t in report["tests"] if t["score"]} == {"token_count": 8}
-
-
-# --- the reference ---
-
-def test_the_grader_gives_full_marks_on_the_reference(tmp_path):
-    report = assign.grade(json_path=str(tmp_path / "results.json"), integration=False)
-    assert [(t["name"], t["score"], t["status"]) for t in report["tests"]] == \
-        [(e.id, e.points, "passed") for e in EXERCISES]
-    assert json.loads((tmp_path / "results.json").read_text()) == report
-
-
-PRIVATE = """
-import pytest
-import torch
-
-from dapo import keep_groups
-
-
-@pytest.mark.grades("keep_groups")
-def test_private_groups_of_two():
-    assert keep_groups(torch.tensor([True, False, True, True]), 2).tolist() == [True, False]
-
-
-@pytest.mark.grades("keep_groups")
-def test_private_expects_the_wrong_answer():
-    assert keep_groups(torch.tensor([True, True]), 2).tolist() == [True]
-"""
-
-
-def test_a_solution_that_misses_the_idea_scores_at_most_half():
-    policy_loss = assign.BY_ID["policy_loss"]
-    idea = f"tests/test_dapo.py::{policy_loss.idea[1]}[2-micro-batches]"
-    other = f"tests/test_dapo.py::{policy_loss.tests[2]}"
-    # one case of an idea test failed out of 20: half the points are gone with it
-    assert assign.exercise_score(policy_loss, 19, 20, [(idea, "")]) == 12 * (0 + 0.5 * 19 / 20)
-    # the same count of failures elsewhere keeps the idea's half
-    assert assign.exercise_score(policy_loss, 19, 20, [(other, "")]) == 12 * (0.5 + 0.5 * 19 / 20)
-    assert assign.exercise_score(policy_loss, 20, 20, []) == 12
-
-
-def test_extra_tests_count_for_the_exercise_they_name(tmp_path):
-    (tmp_path / "private").mkdir()
-    (tmp_path / "private" / "test_private_groups.py").write_text(PRIVATE)
-    report = assign.grade(["keep_groups"], extra_tests=str(tmp_path / "private"),
-                          json_path=str(tmp_path / "results.json"))
-    (entry,) = report["tests"]  # one exercise asked for: no integration check either
-    # keep_groups's idea test passes: half of 5, and 5 / 2 * 3 / 4 for the tests that pass
-    assert (entry["tests_passed"], entry["tests_total"]) == (3, 4) and entry["score"] == 4.38
-    assert "test_private_expects_the_wrong_answer" in entry["output"]
-
-
-def test_each_exercise_is_graded_by_tests_that_run_it_and_no_other(tmp_path, monkeypatch):
-    """A copy of the reference whose marked bodies log, first thing, which test reached them:
-    each exercise's tests reach that exercise alone, so that its points never wait on another."""
-    copy, log = tmp_path / "probe", tmp_path / "reached.txt"
-    for path in assign.source_files(ROOT):
-        (copy / path).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(os.path.join(ROOT, path), copy / path)
-    for path, regions in assign.marked_regions(ROOT, assign.source_files(ROOT)).items():
-        lines = read(ROOT, path).splitlines(True)
-        for r in sorted(regions, key=lambda r: r.start, reverse=True):
-            lines.insert(r.start + 1, f"{r.indent}__import__('assign').reached({r.id!r})\n")
-        (copy / path).write_text("".join(lines))
-    (copy / "course" / "assign.py").write_text(read(ROOT, "course/assign.py") + PROBE)
-    monkeypatch.setenv("REACHED_LOG", str(log))
-    records = assign.run_tests([t for e in EXERCISES for t in e.tests], root=str(copy))
-    assert records and all(r["outcome"] == "passed" for r in records)
-    reached = {}
-    for line in log.read_text().splitlines():
-        test, exercise = line.split("\t")
-        reached.setdefault(test, set()).add(exercise)
-    for r in records:
-        assert reached.get(r["nodeid"]) == {grading_exercise(r["nodeid"])}, r["nodeid"]
-
-
-PROBE = '''
-
-def reached(exercise):
-    test = os.environ["PYTEST_CURRENT_TEST"].rsplit(" (", 1)[0]
-    with open(os.environ["REACHED_LOG"], "a") as f:
-        f.write(f"{test}\\t{exercise}\\n")
-'''
