@@ -193,10 +193,24 @@ class Attention(nn.Module):
         if kv_cache is not None:
             # store this step's keys/values at their positions, attend over the cached rows
             k, v = kv_cache.update(self.layer_idx, k, v, positions, cache_rows)  # (B, Hkv, S, D)
+        if T == 1 and kv_cache is not None and kv_cache.spans:
+            # a decode step over rows sorted by length: each span of rows reads its keys only up to
+            # its own furthest position, not the furthest row's
+            y = torch.cat([self.attend(q[a:b], k[a:b, :, :S], v[a:b, :, :S], mask[a:b, ..., :S],
+                                       decoding=True) for a, b, S in kv_cache.spans])  # (B, H, 1, D)
+        else:
+            y = self.attend(q, k, v, mask, decoding=T == 1 and kv_cache is not None)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
+
+    def attend(self, q, k, v, mask, decoding: bool):
+        """q (B, H, T, D), k and v (B, Hkv, S, D), mask (B, 1, T, S) bool or None (None: causal);
+        decoding: one new token per row against a cache -> y (B, H, T, D)."""
+        B, H, T, D = q.shape
+        Hkv = k.shape[1]
         # exercise: attention
         # GQA: each group of n_head / n_kv_head query heads shares one k/v head; enable_gqa does the
         # sharing without materialising repeated copies of k and v
-        if T == 1 and kv_cache is not None:
+        if decoding:
             # one decode token: fold each group's query heads into the query-length dim, so every
             # cached k/v head is read once per step, not once per query head (the (B, 1, 1, S) mask
             # broadcasts over the fold)
@@ -206,7 +220,7 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                                enable_gqa=Hkv != H)  # (B, H, T, D)
         # end exercise
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
+        return y
 
 
 class MLP(nn.Module):
@@ -244,11 +258,24 @@ class KVCache:
     k: list[torch.Tensor]  # per layer (B, Hkv, max_len, D)
     v: list[torch.Tensor]  # per layer (B, Hkv, max_len, D)
     length: int = 0  # the positions a step reads; 0 = max_len
+    # a decode step's (first row, end row, S) per span of rows: each span reads positions [0, S)
+    spans: tuple[tuple[int, int, int], ...] = ()
 
-    def upto(self, n: int) -> "KVCache":
-        """The same cache, read up to position n: a step whose tokens sit below n costs n,
-        not max_len."""
-        return KVCache(self.k, self.v, n)
+    def upto(self, n: int, spans: tuple[tuple[int, int, int], ...] = ()) -> "KVCache":
+        """The same cache, read up to position n (by each span of rows up to its own S <= n, if
+        spans are given): a step whose tokens sit below n costs n, not max_len."""
+        return KVCache(self.k, self.v, n, spans)
+
+    def reorder(self, order: list[int], n: int):
+        """Move row order[i] to row i, for the positions below n (those above are stale); only the
+        rows that move are copied."""
+        moved = [i for i, row in enumerate(order) if i != row]
+        if not moved:
+            return
+        device = self.k[0].device
+        to, source = torch.tensor(moved, device=device), torch.tensor(order, device=device)[moved]
+        for cache in self.k + self.v:
+            cache[to, :, :n] = cache[source, :, :n]  # the right side is a gather: a copy
 
     def update(self, layer, k, v, positions, rows=None):
         """k, v (n, Hkv, T, D) of tokens at positions (n, T) in cache rows `rows` (n,) (None: rows

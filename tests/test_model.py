@@ -173,6 +173,7 @@ def test_attention_matches_the_textbook_formula(monkeypatch, case):
 
         class Cache:  # for KVCache (an exercise of its own): 6 cached positions, then this step's
             length = T
+            spans = ()
 
             def update(self, layer, k_new, v_new, positions, rows):
                 return torch.cat([k[:, :, :-1], k_new], 2), torch.cat([v[:, :, :-1], v_new], 2)
