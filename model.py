@@ -196,8 +196,9 @@ class Attention(nn.Module):
         if T == 1 and kv_cache is not None and kv_cache.spans:
             # a decode step over rows sorted by length: each span of rows reads its keys only up to
             # its own furthest position, not the furthest row's
-            y = torch.cat([self.attend(q[a:b], k[a:b, :, :S], v[a:b, :, :S], mask[a:b, ..., :S],
-                                       decoding=True) for a, b, S in kv_cache.spans])  # (B, H, 1, D)
+            y = torch.cat([self.attend(q[a:b], k[a:b, :, :S], v[a:b, :, :S],
+                                       mask[a:b, ..., :S], decoding=True)
+                           for a, b, S in kv_cache.spans])  # (B, H, 1, D)
         else:
             y = self.attend(q, k, v, mask, decoding=T == 1 and kv_cache is not None)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))

@@ -101,8 +101,8 @@ def decode_one_token(model, tokens, positions, kv_cache):
                  head=last_token_logits)
 
 
-# A span of rows costs one more attention call per layer: on one CPU core with the demo's model about
-# as much as reading this many more (row, position) keys (~22 us a call, ~0.026 us a row-key)
+# A span of rows costs one more attention call per layer: on one CPU core with the demo's model
+# about as much as reading this many more (row, position) keys (~22 us a call, ~0.026 us a row-key)
 SPAN_COST = 850
 RESORT_EVERY = 16  # decode steps between two sorts of the slots by length
 

@@ -504,3 +504,16 @@ def test_ranks_with_unequal_work_finish_with_the_results_of_one_process(two_rank
         assert torch.equal(two_ranks[rank]["response_ids"], alone.response_ids)
     # rows end at different steps
     assert two_ranks[0]["lengths"].min() < two_ranks[0]["lengths"].max()
+
+
+@pytest.mark.needs("sample", "rope", "attention", "kv_cache")
+def test_rows_resorted_every_step_into_spans_of_one_row_still_equal_transformers(hf_and_ours,
+                                                                                 monkeypatch):
+    # the most moving the sampler can do: every step the cache rows are re-sorted by length, and
+    # every row is a span of its own reading keys up to its own position only
+    monkeypatch.setattr(sampler, "RESORT_EVERY", 1)
+    monkeypatch.setattr(sampler, "SPAN_COST", 0)
+    ours, eos, alone = hf_and_ours
+    r = generate(ours, RAGGED, max_new_tokens=12, temperature=0, eos_token_ids=[eos], slots=3)
+    for i, expected in enumerate(alone):
+        assert r.response_ids[i, :r.lengths[i]].tolist() == expected
