@@ -28,6 +28,19 @@ stale keys that no query can see):
     slot 1:     b  b  B  B  B  B                 decode on
     slot 2:     c  c  c  c  C  C
 
+Spans: a decode step's cost is in attention, and a row need not read keys past its own position.
+Every RESORT_EVERY steps the cache rows are sorted furthest first (only rows that move are copied)
+and cut into a few spans (plan_spans: fewest keys read, plus SPAN_COST per extra attention call);
+each span reads keys up to its own furthest row:
+
+    slot 0:     a  a  a  A  A  A  A  A     } span 1 reads 8 positions
+    slot 1:     b  b  b  B  B  B  B        }
+    slot 2:     c  c  C  C                 } span 2 reads 4, not 8
+    slot 3:     d  d  d  D                 }
+
+On a GPU each span is one more kernel launch (inside a CUDA graph, a few microseconds); the
+compiled step keeps one span, so that its shapes do not change.
+
 Slots freed in one step are refilled by one batched prefill. The cache is allocated once,
 B x max_len. Lockstep batching (every row decodes until the longest one ends) spends most of a
 long-tailed rollout decoding padding; here a slot is busy as long as sequences wait.
