@@ -233,8 +233,10 @@ def build() -> nbformat.NotebookNode:
 
 def execute(nb, timeout=300) -> nbformat.NotebookNode:
     """Runs every cell in notebooks/ (a failing cell raises CellExecutionError naming it)."""
-    NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                   resources={"metadata": {"path": HERE}}).execute()
+    # iopub_timeout: under load a cell's last printout can arrive seconds after the kernel says the
+    # cell is done; nbclient waits 4 s by default and then drops it in silence
+    NotebookClient(nb, timeout=timeout, kernel_name="python3", iopub_timeout=60,
+                   raise_on_iopub_timeout=True, resources={"metadata": {"path": HERE}}).execute()
     return nb
 
 
