@@ -12,10 +12,14 @@ import build  # noqa: E402  (notebooks/build.py)
 
 
 @pytest.mark.needs("all")  # its cells call the exercises' functions
-def test_the_notebook_executes_every_cell():
+def test_the_notebook_executes_every_cell(monkeypatch):
+    # as a user runs it: conftest's TRITON_INTERPRET=1 (inherited by the kernel) would put the
+    # log-probs through the Triton interpreter, many times slower than the torch path
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     nb = build.execute(build.build())
-    assert all(c.outputs for c in nb.cells if c.cell_type == "code" and "plt" not in c.source
-               and "import" not in c.source)
+    silent = [c.source.split("\n")[0] for c in nb.cells if c.cell_type == "code"
+              and not c.outputs and "Colab" not in c.source]
+    assert not silent, f"cells that showed nothing: {silent}"
 
 
 def test_the_committed_notebook_is_the_builders_with_outputs():
