@@ -200,12 +200,23 @@ def demo_base_model(tok, device="cpu", seed=0, cache_root="runs/demo-base") -> Q
                            cache_root=cache_root)
 
 
+def kernel_set(device) -> str:
+    """The kernels a warm-up on `device` runs: the CPU's (torch's dispatch level, e.g. AVX2, or
+    DEFAULT under ATEN_CPU_CAPABILITY=default), or the accelerator's type ("cuda")."""
+    device = torch.device(device)
+    return torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else device.type
+
+
 def warmed_up_model(tok, key: dict, make_pairs, device="cpu", cache_root="runs/demo-base",
                     label="warm-up", log_every=50) -> Qwen2:
     """A Qwen2 of preset key["preset"] fitted by next-token prediction to make_pairs(n), n =
     steps x batch_size (prompt messages, response text) pairs seen once each, with AdamW at
     key["lr"]; cached like a downloaded checkpoint under cache_root, in a directory named by
-    the key (its settings, seed and a checksum of its data), and loaded from there next time."""
+    the key (its settings, seed and a checksum of its data), and loaded from there next time.
+    The key names the kernels too: another kernel set rounds the warm-up differently and fits
+    another model, so a run under ATEN_CPU_CAPABILITY=default (or on a GPU) gets the base model a
+    fresh clone would get there, not one cached under other kernels."""
+    key = dict(key, kernels=kernel_set(device))
     cache = os.path.join(cache_root, "_".join(f"{k}{v}" for k, v in key.items()))
     if os.path.isfile(os.path.join(cache, "warmup.json")):
         return Qwen2.from_pretrained(cache, dtype=torch.float32, device=device)

@@ -1,6 +1,9 @@
 """toy.py: the demo's tokenizer against transformers, the toy rows and the warm-up data the base
 model learns from."""
+import os
+
 import pytest
+import torch
 
 import reward
 import toy
@@ -90,3 +93,18 @@ def test_toy_warmup_lengths_vary_past_the_demo_limit(toy_tok):
     buffer_start = toy.TOY_MAX_RESPONSE_LEN - toy.TOY_OVERLONG_BUFFER
     in_buffer = sum(buffer_start < n <= toy.TOY_MAX_RESPONSE_LEN for n in lengths) / len(lengths)
     assert min(lengths) < 16 and 0.03 < over < 0.25 and in_buffer > 0.03
+
+
+def test_warmup_cache_is_kept_apart_per_kernel_set(toy_tok, tmp_path, monkeypatch):
+    # a base model warmed up under one kernel set is not loaded under another: each gets the
+    # model a fresh clone would warm up with its own rounding
+    from toy import toy_warmup_pairs, warmed_up_model
+    key = dict(steps=1, batch_size=2, lr=1e-3, preset="tiny", seed=0)
+    dirs = []
+    for capability in ("AVX2", "DEFAULT", "AVX2"):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        warmed_up_model(toy_tok, key, lambda n: toy_warmup_pairs(n, seed=0),
+                        cache_root=str(tmp_path), log_every=10**9)
+        dirs.append(sorted(os.listdir(tmp_path)))
+    assert len(dirs[0]) == 1 and dirs[0][0].endswith("kernelsAVX2"), dirs
+    assert len(dirs[1]) == 2 and dirs[2] == dirs[1], dirs  # the AVX2 one reused, not re-made
