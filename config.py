@@ -133,7 +133,9 @@ def check_flags(cfg: Config, world: int = 1):
             problems.append(f"--{name.replace('_', '-')} must be a multiple of the {world} "
                             f"processes (each rank trains whole groups), got {getattr(cfg, name)}")
     problems += _device_problems(cfg.device)
-    problems += trackers.missing(cfg.report_to)
+    problems += [f"--report-to must be among {' '.join(REPORT_TO)}, got {name!r}"
+                 for name in cfg.report_to if name not in REPORT_TO]
+    problems += trackers.missing(cfg.report_to)  # not installed: refused before the model loads
     if cfg.resume and cfg.overwrite:
         problems.append("--resume continues the run in --out-dir, --overwrite deletes it: pick one")
     if problems:
