@@ -100,8 +100,8 @@ def wandb_records(path: str) -> list:
 def test_wandb_offline_files_hold_every_number_in_one_run(run):
     rows, out, tmp = run
     run_id = json.load(open(out / "trackers.json"))["wandb_id"]
-    files = sorted(glob.glob(str(tmp / "wandb" / "offline-run-*" / "*.wandb")))
-    assert len(files) == 2 and all(f.endswith(f"run-{run_id}.wandb") for f in files)
+    files = sorted(glob.glob(str(tmp / "wandb" / "offline-run-*" / f"run-{run_id}.wandb")))
+    assert len(files) == 2  # the run, and the same run resumed
     got, config, train_steps = {}, {}, []
     for record in (r for f in files for r in wandb_records(f)):
         if record.HasField("history"):
@@ -151,3 +151,21 @@ def test_report_to_takes_several_values():
     assert parse_args(["--report-to", "tensorboard", "wandb"]).report_to == ("tensorboard",
                                                                             "wandb")
     assert parse_args([]).report_to == ("jsonl",)
+
+
+def test_eval_only_logs_to_runs_of_its_own(run, tiny_model_dir, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from test_dapo import _cfg
+    _, out, tmp = run
+    before = (out / "trackers.json").read_text()
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp))
+    torch_kernel_path(monkeypatch)
+    result = dapo.main(_cfg(tiny_model_dir, out, eval_only=True,
+                            report_to=("tensorboard", "wandb")))
+    assert (out / "trackers.json").read_text() == before  # the training run's ids stay
+    acc = EventAccumulator(str(out / "tensorboard-eval"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("val/acc")] == [(0, result["val/acc"])]
+    files = glob.glob(str(tmp / "wandb" / "offline-run-*" / "*.wandb"))
+    assert sum(json.loads(before)["wandb_id"] not in f for f in files) == 1  # a run of its own
