@@ -57,12 +57,14 @@ def expected(rows) -> dict:
     return {(r["step"], k): v for r in rows for k, v in scalars(r).items()}
 
 
+@pytest.mark.needs("all")
 def test_metrics_jsonl_has_evaluations_and_steps_1_to_4(run):
     rows, _, _ = run
     assert [r["step"] for r in rows if "rollout/acc" in r] == [1, 2, 3, 4]
     assert [r["step"] for r in rows if "val/acc" in r] == [0, 2, 4]
 
 
+@pytest.mark.needs("all")
 def test_tensorboard_reads_back_every_number_at_its_step(run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     rows, out, _ = run
@@ -97,6 +99,7 @@ def wandb_records(path: str) -> list:
     return out
 
 
+@pytest.mark.needs("all")
 def test_wandb_offline_files_hold_every_number_in_one_run(run):
     rows, out, tmp = run
     run_id = json.load(open(out / "trackers.json"))["wandb_id"]
@@ -119,6 +122,7 @@ def test_wandb_offline_files_hold_every_number_in_one_run(run):
     assert config["group_size"] == 4 and config["report_to"][1] == "tensorboard"
 
 
+@pytest.mark.needs("all")
 def test_trackio_database_holds_every_number_in_one_run(run):
     from trackio.sqlite_storage import SQLiteStorage
     rows, out, _ = run
@@ -153,6 +157,7 @@ def test_report_to_takes_several_values():
     assert parse_args([]).report_to == ("jsonl",)
 
 
+@pytest.mark.needs("all")
 def test_eval_only_logs_to_runs_of_its_own(run, tiny_model_dir, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from test_dapo import _cfg
