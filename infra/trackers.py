@@ -17,6 +17,7 @@ import math
 import os
 import shutil
 import time
+from dataclasses import asdict
 
 from infra import distributed, files
 
@@ -97,7 +98,6 @@ def open_all(cfg, start: int = 0, metrics_path: str | None = None) -> list:
     names = [n for n in cfg.report_to if n in PACKAGES]
     if distributed.rank() != 0 or not names:
         return []
-    from dataclasses import asdict
     config, state_path = asdict(cfg), os.path.join(cfg.out_dir, "trackers.json")
     state = files.read_json(state_path) if start and os.path.isfile(state_path) else {}
     base = f"{os.path.basename(os.path.abspath(cfg.out_dir))}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -105,7 +105,7 @@ def open_all(cfg, start: int = 0, metrics_path: str | None = None) -> list:
     trackers = []
     if "tensorboard" in names:
         log_dir = os.path.join(cfg.out_dir, "tensorboard-eval" if cfg.eval_only else "tensorboard")
-        if not start and not cfg.eval_only:  # a new run (--overwrite): not the old one's curves
+        if not start:  # a new run (--overwrite, another --eval-only): not the old one's curves
             shutil.rmtree(log_dir, ignore_errors=True)
         replay = [r for r in _rows(metrics_path) if r.get("step") == start] if start else []
         trackers.append(TensorBoard(log_dir, config, start or None, replay))
