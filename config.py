@@ -163,7 +163,8 @@ def parse_args(argv=None, description: str = "") -> Config:
         if isinstance(f.default, bool):  # --flag / --no-flag
             kind = dict(action=argparse.BooleanOptionalAction)
         elif isinstance(f.default, tuple):  # one or more values: --report-to wandb tensorboard
-            kind = dict(nargs="+", type=type(f.default[0]), choices=f.metadata["choices"])
+            kind = dict(nargs="+", type=type(f.default[0]), choices=f.metadata["choices"],
+                        metavar="NAME")  # the help lists the choices
         else:
             kind = dict(type=type(f.default), choices=f.metadata["choices"])
         parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=help_text,
