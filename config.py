@@ -11,6 +11,11 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from infra import trackers
+
+
+REPORT_TO = ("jsonl", "tensorboard", "wandb", "trackio")  # --report-to, TRL's flag name
+
 
 def _flag(default, help_text, choices=None):
     return field(default=default, metadata={"help": help_text, "choices": choices})
@@ -84,6 +89,9 @@ class Config:
     dist_timeout: float = _flag(1800.0, "seconds a rank waits for the others before failing")
     activation_checkpointing: bool = _flag(False, "recompute block activations in the backward: "
                                                   "less memory, ~30% more time")
+    report_to: tuple[str, ...] = _flag(("jsonl",), "where the metrics go, one or more of "
+                                       "jsonl tensorboard wandb trackio (metrics.jsonl is always "
+                                       "written, listed or not)", choices=REPORT_TO)
 
     @property
     def generation_batch(self) -> int:
@@ -125,6 +133,9 @@ def check_flags(cfg: Config, world: int = 1):
             problems.append(f"--{name.replace('_', '-')} must be a multiple of the {world} "
                             f"processes (each rank trains whole groups), got {getattr(cfg, name)}")
     problems += _device_problems(cfg.device)
+    problems += [f"--report-to must be among {' '.join(REPORT_TO)}, got {name!r}"
+                 for name in cfg.report_to if name not in REPORT_TO]
+    problems += trackers.missing(cfg.report_to)  # not installed: refused before the model loads
     if cfg.resume and cfg.overwrite:
         problems.append("--resume continues the run in --out-dir, --overwrite deletes it: pick one")
     if problems:
@@ -151,8 +162,12 @@ def parse_args(argv=None, description: str = "") -> Config:
         help_text = f.metadata["help"].replace("%", "%%") + " (default: %(default)r)"
         if isinstance(f.default, bool):  # --flag / --no-flag
             kind = dict(action=argparse.BooleanOptionalAction)
+        elif isinstance(f.default, tuple):  # one or more values: --report-to wandb tensorboard
+            kind = dict(nargs="+", type=type(f.default[0]), choices=f.metadata["choices"],
+                        metavar="NAME")  # the help lists the choices
         else:
             kind = dict(type=type(f.default), choices=f.metadata["choices"])
         parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=help_text,
                             **kind)
-    return Config(**vars(parser.parse_args(argv)))
+    args = vars(parser.parse_args(argv))
+    return Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in args.items()})

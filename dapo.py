@@ -26,7 +26,7 @@ import launch
 from batch import Batch
 from config import Config, parse_args
 from data import PromptIterator, Tokenizer, encode_prompts
-from infra import checkpoint, distributed, health, metrics
+from infra import checkpoint, distributed, health, metrics, trackers
 from model import response_logprobs
 from reward import overlong_penalty, score_response
 from sampler import generate
@@ -275,6 +275,8 @@ def train(cfg: Config):
     if cfg.eval_only:
         result = evaluate(model, val_rows, tok, cfg, eval_generator(cfg))
         distributed.say(json.dumps(result))
+        for tracker in trackers.open_all(cfg):  # runs of their own, apart from the training run
+            tracker.log(result, 0)
         return result
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.999),
                             weight_decay=cfg.weight_decay)
@@ -283,7 +285,8 @@ def train(cfg: Config):
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
     start = checkpoint.resume(resume_dir, opt, prompt_iter, generator, metrics_path, cfg.steps) \
         if resume_dir else 0
-    log = metrics.RunLog(metrics_path, start, cfg.steps)
+    log = metrics.RunLog(metrics_path, start, cfg.steps,
+                         trackers.open_all(cfg, start, metrics_path))
     first_val = last_val = None
     alarms = health.Alarms(cfg.stop_when_stuck)
     for step in log.bar:  # Algorithm 1, line 1

@@ -15,7 +15,7 @@ import torch
 
 from config import Config, check_flags
 from data import Tokenizer, check_vocab, load_rows, load_tokenizer
-from infra import checkpoint, distributed, health
+from infra import checkpoint, distributed, health, trackers
 from infra.files import need_file
 from model import PRESETS, ModelConfig, Qwen2
 from reward import install_reward_fn, uninstall_reward_fn
@@ -38,6 +38,7 @@ def run(train, cfg: Config):
         distributed.say(f"error: {stuck}")
         raise SystemExit(1) from None
     finally:
+        trackers.close_all()  # a crash still flushes what the trackers were given
         distributed.shutdown()
 
 

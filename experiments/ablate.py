@@ -161,7 +161,9 @@ def parse_overrides(pairs):
                                  "train_data", "val_data"):
             raise SystemExit(f"--set {name}: the ablation sets this itself (rows, --seeds, "
                              "--steps, --out-dir, the base model and the task)")
-        if types[name] is bool:
+        if types[name] is tuple:  # report_to=tensorboard,wandb
+            out[name] = tuple(v.strip() for v in value.split(",") if v.strip())
+        elif types[name] is bool:
             if value.lower() not in ("true", "false", "1", "0"):
                 raise SystemExit(f"--set {pair!r}: a switch takes true or false")
             out[name] = value.lower() in ("true", "1")

@@ -347,17 +347,17 @@ def trim_metrics(path: str, step: int) -> int:
     return dropped
 
 
-# Flags a resumed run may change: what to run for, where and how often to log, evaluate and save,
-# and memory knobs that change no number beyond rounding (micro_batch_size) or which random samples
-# are drawn (rollout_batch_size). Every other field (group size, lengths, lr, eps, batch sizes,
-# seed, data, the technique switches, and any flag added later) changes the algorithm:
-# check_resume_config refuses a change to it.
+# Flags a resumed run may change: what to run for, where and how often to log (and to which
+# trackers), evaluate and save, and memory knobs that change no number beyond rounding
+# (micro_batch_size) or which random samples are drawn (rollout_batch_size). Every other field
+# (group size, lengths, lr, eps, batch sizes, seed, data, the technique switches, and any flag
+# added later) changes the algorithm: check_resume_config refuses a change to it.
 MAY_CHANGE_ON_RESUME = {
     "steps", "out_dir", "resume", "overwrite", "eval_only", "device", "dist_timeout", "save_every",
     "keep_checkpoints", "eval_every", "eval_samples", "eval_temperature", "eval_top_p",
     "eval_prompts", "val_data",
     "rollout_batch_size", "compile", "micro_batch_size", "micro_batch_tokens", "fused_head",
-    "activation_checkpointing",
+    "activation_checkpointing", "report_to",
 }
 
 

@@ -11,6 +11,7 @@ import torch
 from tqdm import tqdm
 
 from infra import distributed
+from infra.trackers import close as close_trackers
 
 # sums over the loss's tokens (clip_stats), then pi_old's entropy and the tokens in the loss
 STAT_NAMES = ("pg_loss", "clip_high", "clip_low", "dual_clip", "kl", "up_clipped_prob",
@@ -137,10 +138,11 @@ def training_batch_metrics(batch) -> dict:
 
 
 class RunLog:
-    """metrics.jsonl (appended by rank 0) and the progress bar of the rollout steps."""
+    """metrics.jsonl (appended by rank 0) and the progress bar of the rollout steps; every row also
+    goes to the trackers of --report-to (infra/trackers.py, rank 0 only), at its step."""
 
-    def __init__(self, path: str, start: int, steps: int):
-        self.path = path
+    def __init__(self, path: str, start: int, steps: int, trackers: list = ()):
+        self.path, self.trackers = path, list(trackers)
         self.bar = tqdm(range(start, steps), initial=start, total=steps, desc="dapo",
                         dynamic_ncols=True, disable=distributed.rank() != 0)
 
@@ -148,6 +150,12 @@ class RunLog:
         if distributed.rank() == 0:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
+            for tracker in self.trackers:
+                tracker.log(row, row["step"])
+
+    def close(self):
+        """Flush and close the trackers (launch.run closes them too, on a crash)."""
+        close_trackers(self.trackers)
 
     def step(self, step: int, row: dict, lr: float, t_gen: float, t_train: float):
         """The row of rollout step `step` (1-based), with its learning rate and timings."""

@@ -46,6 +46,8 @@ def test_runs_of_a_seed_differ_only_in_the_rows_switch():
 def test_overrides_are_typed_and_the_switches_are_refused():
     assert ablate.parse_overrides(["lr=1e-3", "group_size=4", "activation_checkpointing=true"]) == \
         {"lr": 1e-3, "group_size": 4, "activation_checkpointing": True}
+    assert ablate.parse_overrides(["report_to=jsonl,tensorboard"]) == \
+        {"report_to": ("jsonl", "tensorboard")}  # a tuple field: values split at commas
     for bad in (["clip_higher=false"], ["seed=1"], ["model=x"], ["no_such_field=1"], ["lr"]):
         with pytest.raises(SystemExit):
             ablate.parse_overrides(bad)
