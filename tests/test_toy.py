@@ -95,6 +95,7 @@ def test_toy_warmup_lengths_vary_past_the_demo_limit(toy_tok):
     assert min(lengths) < 16 and 0.03 < over < 0.25 and in_buffer > 0.03
 
 
+@pytest.mark.needs("rope", "attention")  # the warm-up trains the model
 def test_warmup_cache_is_kept_apart_per_kernel_set(toy_tok, tmp_path, monkeypatch):
     # a base model warmed up under one kernel set is not loaded under another: each gets the
     # model a fresh clone would warm up with its own rounding
