@@ -20,13 +20,16 @@ from dataclasses import dataclass, fields, replace
 import torch
 import torch.nn.functional as F
 
+from reward import found_answer
+
 
 def _longest(mask) -> int:
     return int(mask.sum(-1).max()) if len(mask) else 0
 
 
 PROMPT_FIELDS = ("prompt_ids", "prompt_mask")  # left-padded: the real tokens end at column P
-RESPONSE_FIELDS = ("response_ids", "response_mask", "old_logp")  # right-padded: start at column 0
+# right-padded: they start at column 0
+RESPONSE_FIELDS = ("response_ids", "response_mask", "rollout_logp", "old_logp")
 
 
 @dataclass
@@ -42,19 +45,24 @@ class Batch:
     acc: torch.Tensor  # (N,) bool: the answer is right
     truncated: torch.Tensor  # (N,) bool: cut at max_response_len before any EOS
     group_size: int
+    # (N, R) fp32: the sampler's log-prob of each response token (tempered, before top-k/top-p)
+    rollout_logp: torch.Tensor | None = None
+    no_answer: torch.Tensor | None = None  # (N,) bool: the verifier found no answer to read
     reward: torch.Tensor | None = None  # (N,) fp32: score + overlong penalty (technique 4)
     adv: torch.Tensor | None = None  # (N,) fp32: the group advantage (Eq. 9)
     old_logp: torch.Tensor | None = None  # (N, R) fp32: log pi_old of each response token
 
     @classmethod
     def from_rollout(cls, out, scores: list[dict], group_size: int) -> "Batch":
-        """From the sampler's Rollout and the verifier's {"score", "acc"} of each response."""
+        """From the sampler's Rollout and the verifier's {"score", "acc", "pred"} of each
+        response."""
         device = out.response_ids.device
         return cls(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask,
                    response_ids=out.response_ids, response_mask=out.response_mask,
                    score=torch.tensor([s["score"] for s in scores], device=device),
                    acc=torch.tensor([bool(s["acc"]) for s in scores], device=device),
-                   truncated=out.truncated, group_size=group_size)
+                   truncated=out.truncated, group_size=group_size, rollout_logp=out.logprobs,
+                   no_answer=torch.tensor([not found_answer(s) for s in scores], device=device))
 
     def __len__(self):
         return self.prompt_ids.shape[0]

@@ -145,14 +145,15 @@ def evaluate(model, rows, tok, cfg, generator) -> dict:
 # ------------------------------------------------------------------------------------------------
 # Algorithm 1, lines 2-8: sample, reward and filter until the batch is full
 
-def collect_batch(model, prompt_iter, tok, cfg, generator) -> tuple[Batch | None, dict]:
+def collect_batch(model, prompt_iter, tok, cfg, generator) -> tuple[Batch | None, dict, Batch]:
     """Generation batches of prompts from pi_old (the current policy), scored, reward-shaped
     (technique 4) and filtered (technique 2), until train_prompts groups with signal are kept
     over all ranks, or max_gen_batches is reached. Returns this rank's share of the training
-    batch (None if nothing was kept) and the rollout's metrics, summed over ranks."""
+    batch (None if nothing was kept), the rollout's metrics, summed over ranks, and every
+    response this rank generated (for the alarms' example)."""
     rank, world = distributed.rank(), distributed.world_size()
     kept: dict[int, Batch] = {}  # the groups with signal on this rank, by global group number
-    seen, n_gen = [], 0
+    seen, n_gen, t_start, t_first = [], 0, time.time(), 0.0
     while (n_all := distributed.all_reduce(len(kept), name="dynamic-sampling count")) \
             < cfg.train_prompts:
         health.check_sampling(n_gen, n_all, cfg.train_prompts)
@@ -173,14 +174,18 @@ def collect_batch(model, prompt_iter, tok, cfg, generator) -> tuple[Batch | None
         for i in keep.nonzero().flatten().tolist():  # this rank's i-th prompt is prompts[i W + r]
             kept[n_gen * len(prompts) + i * world + rank] = batch.groups([i])
         n_gen += 1
+        t_first = t_first or time.time() - t_start
     n_kept = distributed.all_reduce(len(kept))
     n_take = groups_to_train(n_kept, cfg)
     # this rank's share of the first n_take, as one process would have kept them
     shared = distributed.share_in_order(kept, n_take, cfg.mini_batch_prompts)
-    return (Batch.cat(shared) if n_take else None,
-            metrics.rollout_metrics(Batch.cat(seen), cfg.group_size)
+    trained, generated = Batch.cat(shared) if n_take else None, Batch.cat(seen)
+    return (trained,
+            metrics.rollout_metrics(generated, cfg.group_size)
             | metrics.sampling_metrics(n_gen, n_kept, n_take, n_kept < cfg.train_prompts,
-                                       prompt_iter.batch_size))
+                                       prompt_iter.batch_size)
+            | metrics.generation_cost(generated, trained, n_take, time.time() - t_start - t_first),
+            generated)
 
 
 def groups_to_train(n_kept: int, cfg) -> int:
@@ -236,6 +241,7 @@ def update_policy(model, opt, batch: Batch, cfg, eps_high) -> dict:
             if old_logp is None:  # one optimizer step: this forward is pi_old's
                 old_logp = logp.detach()
                 stats.add_entropy(entropy, micro.response_mask, real)
+                stats.add_parity(old_logp, micro.rollout_logp, micro.response_mask, real)
             # naive GRPO (technique 3 off): each sequence's mean, then the mean over sequences
             denom = n_tokens if cfg.token_level_loss else \
                 mask.sum(-1, keepdim=True).clamp(min=1) * n_seqs
@@ -252,7 +258,7 @@ def update_policy(model, opt, batch: Batch, cfg, eps_high) -> dict:
 @torch.no_grad()
 def old_logprobs(model, batch: Batch, cfg, stats: metrics.UpdateStats):
     """log pi_old of every response token, in micro-batches: (N, R), 0 on padding; pi_old's
-    entropy goes into stats."""
+    entropy and its distance to the sampler's log-probs go into stats."""
     old_logp = None
     for rows, real in distributed.micro_batches(batch, cfg):
         micro = batch.rows(rows)
@@ -262,6 +268,7 @@ def old_logprobs(model, batch: Batch, cfg, stats: metrics.UpdateStats):
         if real:
             old_logp[rows, :logp.shape[1]] = logp.masked_fill(~micro.response_mask, 0.0)
         stats.add_entropy(entropy, micro.response_mask, real)
+        stats.add_parity(logp, micro.rollout_logp, micro.response_mask, real)
     return old_logp
 
 
@@ -297,7 +304,7 @@ def train(cfg: Config):
         t0 = time.time()
         set_lr(opt, cfg, step)
         # --- Algorithm 1, lines 2-8: sample, reward, filter, until the batch is full ---
-        batch, row = collect_batch(model, prompt_iter, tok, cfg, generator)
+        batch, row, generated = collect_batch(model, prompt_iter, tok, cfg, generator)
         t_gen = time.time() - t0
         if batch is not None:
             row |= metrics.training_batch_metrics(batch)
@@ -306,7 +313,8 @@ def train(cfg: Config):
             # --- Algorithm 1, lines 10-11: optimizer steps on the batch (Eq. 8) ---
             row |= update_policy(model, opt, batch, cfg, eps_high)
         log.step(step + 1, row, opt.param_groups[0]["lr"], t_gen, time.time() - t0 - t_gen)
-        stuck = alarms.check(step + 1, row)  # a dead run: warn, and stop with --stop-when-stuck
+        # a dead run: warn, and stop with --stop-when-stuck
+        stuck = alarms.check(step + 1, row, generated, tok)
         if stuck or (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
             checkpoint.save(cfg.out_dir, step + 1, model, tok_dir, opt, prompt_iter, generator,
                             asdict(cfg), keep_last=cfg.keep_checkpoints)

@@ -107,6 +107,13 @@ def compute_score(solution_str: str, ground_truth: str) -> dict:
     return {"score": 1.0 if acc else -1.0, "acc": acc, "pred": pred}
 
 
+def found_answer(result: dict) -> bool:
+    """Whether the verifier found an answer in the response it scored (math_dapo's "[INVALID]"
+    case: normalize leaves "[INVALID]" as it is). A custom verifier's responses count as
+    answered: it says only right or wrong."""
+    return result.get("pred") != NO_ANSWER
+
+
 @functools.lru_cache(maxsize=2**16)
 def normalized_ground_truth(ground_truth: str) -> str:
     """normalize(ground_truth), computed once per distinct ground truth. The "$...$" regex above is

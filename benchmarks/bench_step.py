@@ -147,8 +147,8 @@ class OurSide:
         return int(batch.response_mask.sum())
 
     def rollout(self, rows):
-        batch, metrics = dapo.collect_batch(self.model, Rows(rows), self.tok, self.cfg,
-                                            self.generator)
+        batch, metrics, _ = dapo.collect_batch(self.model, Rows(rows), self.tok, self.cfg,
+                                               self.generator)
         return replace(batch, adv=dapo.group_advantages(batch.reward, G)), metrics
 
 

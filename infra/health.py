@@ -1,9 +1,18 @@
 """Alarms for a run that has gone dead: after each rollout step, one line naming the cause and
 the flag that fixes it; with --stop-when-stuck N the run stops (checkpoint, non-zero exit) after
-N consecutive dead steps. And a bound on dynamic sampling that finds no signal at all."""
+N consecutive dead steps. Two more warnings, for a run that trains on something wrong: responses
+without an answer the verifier can read, and sampler log-probs that disagree with the trainer's.
+And a bound on dynamic sampling that finds no signal at all."""
 from infra import distributed
 
 TRUNCATED_ALARM = 0.9  # almost every response truncated
+NO_ANSWER_ALARM = 0.9  # of the responses that ended, the verifier read no answer in almost all
+# nats per token, the mean |log p_sampler - log p_trainer| over the step's response tokens.
+# Measured on the tiny model (tests/test_parity.py): fp32 on CPU 1e-7; a temperature applied
+# twice 0.3, log-probs renormalised after top-p 0.9 0.1. bf16 on a GPU rounds both sides more
+# (not measured here): 0.05 leaves it room.
+PARITY_ALARM = 0.05
+EXAMPLE_CHARS = 200  # of the response shown with the no-answer warning: its end, where answers go
 ENTROPY_FLOOR = 1e-3  # nats per token: the policy has collapsed onto one answer
 PROGRESS_EVERY = 8  # generation batches between progress lines when sampling runs long
 NO_SIGNAL_BOUND = 64  # generation batches without one group with signal: give up
@@ -37,17 +46,51 @@ def dead_step_causes(row: dict) -> list[str]:
     return causes
 
 
+def wrong_signal_causes(row: dict, example: str = "") -> list[str]:
+    """Warnings for a step that trains on a signal that is wrong rather than on none: the
+    verifier read no answer (the prompt's format and the verifier's disagree; `example`, the end
+    of one such response), or the sampler's log-probs are not the trainer's pi_old."""
+    causes = []
+    no_answer = row.get("rollout/no_answer_finished", 0.0)
+    if no_answer >= NO_ANSWER_ALARM:
+        causes.append(f"the verifier found no answer in {no_answer:.0%} of the responses that "
+                      "ended: check that the prompt asks for the format the verifier reads (or "
+                      f"--reward-fn); one ends {example!r}")
+    parity = row.get("training/rollout_logp_diff_mean", 0.0)
+    if not parity <= PARITY_ALARM:  # NaN too
+        causes.append(f"training/rollout_logp_diff_mean {parity:.3g}: the sampler's log-probs "
+                      "are not the trainer's (a temperature or top-p applied on one side only, "
+                      "or another dtype); the importance ratio is off by as much")
+    return causes
+
+
+def no_answer_example(generated, tok) -> str:
+    """The last EXAMPLE_CHARS characters of the first response that ended without an answer the
+    verifier could read; generated a batch.Batch of every response of the step."""
+    finished = generated.no_answer & ~generated.truncated  # (N,)
+    if not finished.any():
+        return ""
+    i = int(finished.nonzero()[0])
+    ids = generated.response_ids[i][generated.response_mask[i]]
+    return tok.decode(ids.tolist())[-EXAMPLE_CHARS:]
+
+
 class Alarms:
-    """Warns at once on a dead step; counts consecutive dead steps against --stop-when-stuck."""
+    """Warns at once on a dead step or a wrong signal; counts consecutive dead steps against
+    --stop-when-stuck (a wrong signal warns every step but does not stop the run)."""
 
     def __init__(self, stop_when_stuck: int):
         self.stop_when_stuck, self.dead_run = stop_when_stuck, 0
 
-    def check(self, step: int, row: dict) -> bool:
-        """Say what is wrong with this step; True when the run should stop."""
+    def check(self, step: int, row: dict, generated=None, tok=None) -> bool:
+        """Say what is wrong with this step; True when the run should stop. generated, tok: the
+        step's responses and the tokenizer, for the no-answer warning's example."""
         causes = dead_step_causes(row)
         self.dead_run = self.dead_run + 1 if causes else 0
-        for cause in causes:
+        example = ""
+        if row.get("rollout/no_answer_finished", 0.0) >= NO_ANSWER_ALARM and generated is not None:
+            example = no_answer_example(generated, tok)
+        for cause in causes + wrong_signal_causes(row, example):
             distributed.say(f"warning: step {step}: {cause}")
         return bool(self.stop_when_stuck) and self.dead_run >= self.stop_when_stuck
 

@@ -16,6 +16,9 @@ from infra.trackers import close as close_trackers
 # sums over the loss's tokens (clip_stats), then pi_old's entropy and the tokens in the loss
 STAT_NAMES = ("pg_loss", "clip_high", "clip_low", "dual_clip", "kl", "up_clipped_prob",
               "token_prob", "entropy", "tokens")
+# the sampler's log-probs against the trainer's pi_old, over every response token: |p - p'|
+# (verl's rollout_probs_diff), |log p - log p'| and |p / p' - 1| (how far off the ratio is)
+PARITY_NAMES = ("probs_diff", "logp_diff", "ratio_diff")
 
 
 @torch.no_grad()
@@ -52,6 +55,8 @@ class UpdateStats:
     def __init__(self):
         self.sums = dict.fromkeys(STAT_NAMES, 0.0)
         self.grad_norms, self.updates, self.skipped = [], 0, 0
+        self.parity_sums = dict.fromkeys(("tokens",) + PARITY_NAMES, 0.0)
+        self.parity_max = dict.fromkeys(PARITY_NAMES, 0.0)
 
     def add_loss(self, stats: dict, loss_mask):
         for k, v in stats.items():
@@ -62,6 +67,37 @@ class UpdateStats:
         """pi_old's entropy, summed over every response token (not only the loss's)."""
         if real:
             self.sums["entropy"] += (entropy.detach() * response_mask).sum().item()
+
+    @torch.no_grad()
+    def add_parity(self, logp, rollout_logp, response_mask, real: bool = True):
+        """How far the trainer's pi_old log-probs (B, R) are from the sampler's for the same
+        tokens, in float64 (so that the figure is the two computations' difference, not this
+        sum's round-off). Skipped for a batch made without a sampler (rollout_logp None)."""
+        if rollout_logp is None or not real:
+            return
+        mask = response_mask
+        train, rollout = logp.double()[mask], rollout_logp.double()[mask]  # (tokens,)
+        diffs = {"probs_diff": (train.exp() - rollout.exp()).abs(),
+                 "logp_diff": (train - rollout).abs(),
+                 "ratio_diff": (train - rollout).exp().sub(1).abs()}
+        self.parity_sums["tokens"] += len(train)
+        for name, d in diffs.items():
+            self.parity_sums[name] += d.sum().item()
+            # NaN wins: a NaN log-prob on either side must show in the max
+            worst = d.max().item() if len(d) else 0.0
+            self.parity_max[name] = nan_max(self.parity_max[name], worst)
+
+    def parity(self) -> dict:
+        """training/rollout_{probs,logp,ratio}_diff_{mean,max}, over ranks; {} without any."""
+        sums = dict(zip(self.parity_sums, distributed.all_reduce(list(self.parity_sums.values()))))
+        if not sums["tokens"]:
+            return {}
+        worst = distributed.all_reduce(list(self.parity_max.values()), "max")
+        out = {}
+        for name, top in zip(PARITY_NAMES, worst):
+            out[f"training/rollout_{name}_mean"] = sums[name] / sums["tokens"]
+            out[f"training/rollout_{name}_max"] = top
+        return out
 
     def add_step(self, grad_norm: float, stepped: bool):
         self.grad_norms.append(grad_norm)
@@ -88,7 +124,12 @@ class UpdateStats:
             "dapo/token_prob": s["token_prob"] / tokens,
             "train/updates": self.updates, "train/skipped_updates": self.skipped,
             "train/tokens": s["trained_tokens"],
-        }
+        } | self.parity()
+
+
+def nan_max(a: float, b: float) -> float:
+    """max(a, b), NaN if either is NaN (Python's max keeps whichever comes first)."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
 def rollout_metrics(seen, group_size: int) -> dict:
@@ -96,12 +137,16 @@ def rollout_metrics(seen, group_size: int) -> dict:
     filter), summed over ranks."""
     acc = seen.acc.float().view(-1, group_size)  # (groups, G)
     lengths = seen.response_lengths.float()
+    no_answer = seen.no_answer if seen.no_answer is not None else torch.zeros_like(seen.acc)
     sums = {
         "n": len(seen), "score": seen.score.sum().item(), "reward": seen.reward.sum().item(),
         "right": acc.sum().item(), "length": lengths.sum().item(),
         "truncated": seen.truncated.sum().item(),
         "all_right": (acc.min(1).values == 1).sum().item(),
         "all_wrong": (acc.max(1).values == 0).sum().item(),
+        "finished": (~seen.truncated).sum().item(),
+        "no_answer": no_answer.sum().item(),
+        "no_answer_finished": (no_answer & ~seen.truncated).sum().item(),
     }
     s = dict(zip(sums, distributed.all_reduce([float(v) for v in sums.values()])))
     n, groups = s["n"], s["n"] / group_size
@@ -112,7 +157,24 @@ def rollout_metrics(seen, group_size: int) -> dict:
         "rollout/truncated": s["truncated"] / n,
         "rollout/frac_all_correct": s["all_right"] / groups,
         "rollout/frac_all_wrong": s["all_wrong"] / groups,
-    }
+        "rollout/no_answer": s["no_answer"] / n,
+    } | ({"rollout/no_answer_finished": s["no_answer_finished"] / s["finished"]}
+         if s["finished"] else {})  # of the responses that ended: the format, not the length
+
+
+def generation_cost(generated, trained, n_take: int, extra_s: float) -> dict:
+    """What dynamic sampling cost this step: response tokens generated (batch.Batch `generated`,
+    every response) per group trained on, the fraction of them not trained on (filtered out, or
+    kept beyond --train-prompts), and the seconds spent on generation batches after the first.
+    Summed over ranks; `trained` is None when nothing was."""
+    n_generated, n_trained = distributed.all_reduce(
+        [generated.response_mask.sum().item(),
+         trained.response_mask.sum().item() if trained is not None else 0])
+    out = {"train/gen_tokens_discarded": 1 - n_trained / max(n_generated, 1),
+           "timing/gen_extra_s": extra_s}
+    if n_take:
+        out["train/gen_tokens_per_group"] = n_generated / n_take
+    return out
 
 
 def sampling_metrics(n_gen: int, n_kept: int, n_take: int, cap_hit: bool,
@@ -178,4 +240,6 @@ def progress_summary(m: dict) -> dict:
            "len": f"{m['rollout/response_length/mean']:.1f}"}
     if "actor/entropy" in m:  # no update when dynamic sampling kept less than a mini-batch
         out["entropy"] = f"{m['actor/entropy']:.2f}"
+    if "train/gen_tokens_discarded" in m:  # the generation dynamic sampling threw away
+        out["thrown"] = f"{m['train/gen_tokens_discarded']:.0%}"
     return out

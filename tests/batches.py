@@ -7,8 +7,8 @@ from batch import Batch
 
 
 def random_batch(vocab, n=8, group_size=4, seed=0, dtype=torch.float32) -> Batch:
-    """n responses of 1-8 tokens to prompts of 3-6 tokens, random advantages and pi_old log-probs
-    (in dtype: float64 for the exact comparisons); response 3 is truncated."""
+    """n responses of 1-8 tokens to prompts of 3-6 tokens, random advantages, pi_old and sampler
+    log-probs (in dtype: float64 for the exact comparisons); response 3 is truncated."""
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(1, vocab, (int(torch.randint(3, 7, (1,), generator=g)),), generator=g)
                for _ in range(n)]
@@ -26,7 +26,10 @@ def random_batch(vocab, n=8, group_size=4, seed=0, dtype=torch.float32) -> Batch
         batch.prompt_ids[i, P - len(p):], batch.prompt_mask[i, P - len(p):] = p, True
         batch.response_ids[i, :len(r)], batch.response_mask[i, :len(r)] = r, True
         batch.old_logp[i, :len(r)] = torch.randn(len(r), generator=g) * 0.1 - 4.0
-    return replace(batch, adv=batch.adv.to(dtype), old_logp=batch.old_logp.to(dtype))
+    # drawn apart, so that the other fields stay what they were before the sampler's were added
+    rollout_logp = torch.randn(n, R, generator=torch.Generator().manual_seed(seed + 1)) - 4.0
+    return replace(batch, adv=batch.adv.to(dtype), old_logp=batch.old_logp.to(dtype),
+                   rollout_logp=(rollout_logp * batch.response_mask).to(dtype))
 
 
 def scripted_rollout(model, rows, tok, cfg, *, group_size, **sampling) -> Batch:

@@ -31,7 +31,7 @@ def collect(cfg=CFG):
     """-> (this rank's groups as prompt numbers, per mini-batch; the step's metrics), with
     dapo.rollout replaced by scripted_rollout."""
     prompt_iter = PromptIterator(ROWS, cfg.gen_prompts, seed=0)
-    batch, metrics = dapo.collect_batch(torch.nn.Linear(1, 1), prompt_iter, None, cfg, None)
+    batch, metrics, _ = dapo.collect_batch(torch.nn.Linear(1, 1), prompt_iter, None, cfg, None)
     groups = (batch.prompt_ids[::cfg.group_size, -1] - 3).tolist()
     share = cfg.mini_batch_prompts // distributed.world_size()
     return [groups[i:i + share] for i in range(0, len(groups), share)], metrics

@@ -346,8 +346,8 @@ def test_filtered_counts_groups_without_signal_not_the_surplus(monkeypatch):
     monkeypatch.setattr(dapo, "rollout", scripted_rollout)
     rows = [indexed_rows(8)[k] for k in (0, 2, 3, 6)]  # all right, right once (x3)
     cfg = Config(train_prompts=2, gen_prompts=4, group_size=2, mini_batch_prompts=2)
-    batch, m = dapo.collect_batch(torch.nn.Linear(1, 1), PromptIterator(rows, 4, 0), None, cfg,
-                                  None)
+    batch, m, _ = dapo.collect_batch(torch.nn.Linear(1, 1), PromptIterator(rows, 4, 0), None,
+                                     cfg, None)
     assert m["train/groups_filtered"] == 1 and m["train/groups_surplus"] == 1
     assert m["train/groups_kept"] == batch.num_groups == 2
 

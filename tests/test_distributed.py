@@ -78,6 +78,9 @@ def test_two_ranks_take_the_same_step_as_one(tiny_model_dir, two_rank_step, opt_
     assert worst < tol * moved and moved > 1e-4
     assert two["metrics"]["train/updates"] == metrics["train/updates"] == 2
     assert two["metrics"]["actor/pg_loss"] == pytest.approx(metrics["actor/pg_loss"], rel=1e-12)
+    parity = [k for k in metrics if k.startswith("training/rollout_")]  # summed over ranks too
+    assert len(parity) == 6 and all(two["metrics"][k] == pytest.approx(metrics[k], rel=1e-12)
+                                    for k in parity), (parity, two["metrics"])
 
 
 @pytest.mark.parity

@@ -1,5 +1,7 @@
 """The dead-run alarms (infra/health.py) on constructed metrics rows, and the bound on dynamic
 sampling that finds no signal."""
+import json
+
 import pytest
 
 from infra import health
@@ -75,3 +77,42 @@ def test_unbounded_dynamic_sampling_without_signal_gives_up(tiny_model_dir, tmp_
         dapo.main(_dead_run(tiny_model_dir, tmp_path, max_gen_batches=0, gen_prompts=2,
                             train_prompts=2, mini_batch_prompts=2, group_size=2))
     assert "dynamic sampling: 56 generation batches, 0 of 2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"rollout/no_answer_finished": 0.95}, "no answer in 95% of the responses that ended"),
+    ({"training/rollout_logp_diff_mean": 0.2}, "a temperature or top-p applied on one side"),
+    ({"training/rollout_logp_diff_mean": float("nan")}, "rollout_logp_diff_mean nan"),
+])
+def test_a_wrong_signal_warns_but_does_not_count_as_a_dead_step(change, words, capsys):
+    causes = health.wrong_signal_causes(HEALTHY | change, example="...x = 3")
+    assert len(causes) == 1 and words in causes[0], causes
+    assert health.wrong_signal_causes(HEALTHY | {"rollout/no_answer_finished": 0.5,
+                                                 "training/rollout_logp_diff_mean": 1e-7}) == []
+    alarms = health.Alarms(stop_when_stuck=1)
+    assert not alarms.check(1, HEALTHY | change)  # it warns, every step, but trains on
+    assert words in capsys.readouterr().out
+
+
+@pytest.mark.needs("all")
+def test_responses_without_an_answer_warn_and_show_one(tiny_model_dir, tmp_path, capsys,
+                                                       monkeypatch):
+    # every token ends a response: each is one token long, finished, and has no "Answer:", as a
+    # model that answers in another format than the verifier reads
+    import dapo
+    from sampler import generate
+
+    def every_token_ends(*args, eos_token_ids, **kw):
+        return generate(*args, eos_token_ids=list(range(args[0].config.vocab_size)), **kw)
+    monkeypatch.setattr(dapo, "generate", every_token_ends)
+    from test_dapo import _cfg
+    dapo.main(_cfg(tiny_model_dir, tmp_path, steps=1, eval_every=0, dynamic_sampling=False))
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "no answer" in x)
+    with capsys.disabled():  # as a user sees it, for -s
+        print(line)
+    assert line.startswith("warning: step 1: the verifier found no answer in 100% of the "
+                           "responses that ended: check that the prompt asks for the format")
+    assert line.endswith("'") and "one ends '" in line, line  # the response, as repr shows it
+    m = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")][0]
+    assert m["rollout/no_answer"] == m["rollout/no_answer_finished"] == 1.0
