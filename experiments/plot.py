@@ -10,7 +10,7 @@ import argparse
 import json
 import os
 
-PANELS = [  # (title, [(metric, line style)])
+PANELS = [  # (title, [(metric, line style[, "right": on a second y axis])])
     ("reward", [("critic/score/mean", "-"), ("rollout/reward/mean", ":")]),
     ("accuracy", [("val/acc", "-o"), ("rollout/acc", ":")]),
     ("entropy (nats/token)", [("actor/entropy", "-")]),
@@ -18,16 +18,24 @@ PANELS = [  # (title, [(metric, line style)])
                                   ("rollout/response_length/max", ":")]),
     ("clip fraction", [("dapo/clipfrac_high", "-"), ("dapo/clipfrac_low", ":")]),
     ("dynamic sampling", [("train/groups_kept", "-"), ("train/groups_filtered", ":")]),
+    # what the filter costs: the share of generated tokens not trained on (left), and the
+    # response tokens generated per group trained on (right)
+    ("cost of dynamic sampling", [("train/gen_tokens_discarded", "-"),
+                                  ("train/gen_tokens_per_group", ":", "right")]),
 ]
 
 
 def read_metrics(path):
-    try:
-        with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    except json.JSONDecodeError as e:
-        raise SystemExit(f"{path}: line {e.lineno if hasattr(e, 'lineno') else '?'} is not "
-                         f"JSON ({e})")
+    rows = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"{path}: line {number} is not JSON ({e.msg})") from None
+    return rows
 
 
 def series(rows, key):
@@ -49,17 +57,20 @@ def plot(paths, out, labels=None, panels=PANELS):
     n_rows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(n_rows, cols, figsize=(5 * cols, 3.4 * ((len(panels) + 2) // 3)))
     for ax, (title, keys) in zip(axes.flat, panels):
+        right = ax.twinx() if any(len(k) == 3 for k in keys) else None
         for i, (rows, label) in enumerate(zip(runs, labels)):
-            for key, style in keys:
+            for key, style, *side in keys:
                 x, y = series(rows, key)
                 if x:
-                    ax.plot(x, y, style, color=f"C{i}", markersize=3,
-                            label=f"{label} {key}" if len(runs) > 1 else key)
+                    (right if side else ax).plot(
+                        x, y, style, color=f"C{i}", markersize=3,
+                        label=f"{label} {key}" if len(runs) > 1 else key)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=7)
+        lines = ax.lines + (right.lines if right else [])
+        if lines:
+            ax.legend(lines, [line.get_label() for line in lines], fontsize=7)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.tight_layout()
