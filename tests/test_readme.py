@@ -98,3 +98,29 @@ def test_the_instructors_section_has_commands():
 def test_pytest_command_selects_the_tests_it_names(command, promised, selected):
     assert selected[command] is not None, f"{command} does not collect"
     assert selected[command] == promised, f"{command} selects {selected[command]}"
+
+
+def documented_metrics() -> set[str]:
+    """The names in the first column of docs/metrics.md's table; "`a/b/c`, `/d`" is a/b/c and
+    a/b/d, "pass@k" any k."""
+    names = set()
+    for line in read("docs/metrics.md").splitlines():
+        if not line.startswith("| `"):
+            continue
+        last = ""
+        for name in re.findall(r"`([^`]+)`", line.split(" | ")[0]):
+            last = last.rpartition("/")[0] + name if name.startswith("/") else name
+            names.add(last)
+    return names
+
+
+@pytest.mark.needs("all")
+def test_docs_metrics_names_every_metric_a_step_logs(tiny_model_dir, tmp_path):
+    import dapo
+    from test_dapo import _cfg
+    dapo.main(_cfg(tiny_model_dir, tmp_path, steps=1, eval_every=1, dynamic_sampling=False))
+    logged = {k for line in open(tmp_path / "metrics.jsonl") for k in json.loads(line)} - {"step"}
+    assert "training/rollout_logp_diff_mean" in logged and "val/acc" in logged
+    names = documented_metrics()
+    missing = sorted(k for k in logged if k not in names and re.sub(r"@\d+$", "@k", k) not in names)
+    assert not missing, f"docs/metrics.md does not say what these are: {missing}"
