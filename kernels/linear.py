@@ -57,10 +57,19 @@ from . import reference
 from .reference import compute_dtype
 from .logprobs import DEFAULT_BLOCK_V, resolve_backend, triton_logprobs
 
-# Logits per chunk (elements): 2^25 is 220 tokens at V = 151936, 128 MB in fp32 and 64 MB in bf16,
-# next to the GBs of the unfused path, and still a large matmul (60 GFLOP a chunk at C = 896), as
-# fast per FLOP as the whole one.
-CHUNK_LOGITS = 2**25
+# Logits per chunk (elements): 2^24 is 110 tokens at V = 151936, 64 MB in fp32 and 32 MB in bf16,
+# next to the GBs of the unfused path, and still a large matmul (30 GFLOP a chunk at C = 896):
+# halving it from 2^25 took 65 MB off the peak for no measurable time on CPU.
+CHUNK_LOGITS = 2**24
+# On CPU, the reference backend's own scratch (its fp32 copy of the logits and their softmax) per
+# call of rows: 2^20 elements, 6 rows (4 MB) at V = 151936. Its default, 2^23, made two 32 MB
+# buffers beside each chunk, and buffers under glibc's 32 MB mmap ceiling come from the heap, which
+# does not always give freed memory back: the peak RSS carried ~100 MB more than the live tensors.
+SCRATCH_ELEMENTS = 2**20
+
+
+def scratch_rows(vocab_size: int) -> int:
+    return max(1, SCRATCH_ELEMENTS // vocab_size)
 
 
 def default_chunk_tokens(vocab_size: int) -> int:
@@ -72,7 +81,7 @@ def chunk_statistics(logits, targets, temperature, backend, block_v):
     rows = logits[None]  # (1, n, V): the backends' (outer, inner, V) layout
     if backend == "triton":
         return triton_logprobs.forward(rows, targets, temperature, block_v)
-    return reference.forward(rows, targets, temperature)
+    return reference.forward(rows, targets, temperature, scratch_rows(logits.shape[1]))
 
 
 def chunk_logits_grad(logits, targets, lse, mean_z, grad_logp, grad_entropy, temperature, backend,
@@ -86,7 +95,7 @@ def chunk_logits_grad(logits, targets, lse, mean_z, grad_logp, grad_entropy, tem
                                         temperature, block_v)
     # written over the logits, which the caller needs no more: one (n, V) chunk instead of two
     return reference.backward(rows, targets, lse, mean_z, grad_logp, grad_entropy, temperature,
-                              out=logits)
+                              scratch_rows(logits.shape[1]), out=logits)
 
 
 def accumulate_weight_grad(grad_weight, grad_logits, hidden):
@@ -190,7 +199,7 @@ def linear_logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targ
         logits = hidden @ weight.T                                   # (..., V)
         logp, entropy = logprobs_and_entropy(logits, targets, temperature)
 
-    but computed chunk_tokens tokens at a time (default: 2^25 logits per chunk, 220 tokens at
+    but computed chunk_tokens tokens at a time (default: 2^24 logits per chunk, 110 tokens at
     V = 151936), so that neither the forward nor the backward ever holds more than one chunk of
     logits and its gradient. Differentiable with respect to hidden and weight (the returned
     gradients add up with any other use of the weight, as a tied embedding's). Under autocast the
