@@ -35,7 +35,9 @@ Qwen2.5-0.5B's head): at 4096 tokens, 0.19x the unfused path's peak extra memory
 4785 MB; 533 MB of the 889 are the gradients, which both return) for 1.39x its time; at 8192 tokens,
 919 MB against 9597 MB. On CPU the chunk's logit gradient is then written over its logits (one
 chunk buffer instead of two): the fused peak at 4096 tokens went from 954 to 729 MB, 196 MB beyond
-the gradients (--one-head fused, one subprocess each, side by side).
+the gradients (--one-head fused, one subprocess each, side by side). The reference's scratch cut
+to 4 MB row blocks then took it to 665-678 MB against 761-875 (0.14x the unfused 4785-4800 MB;
+133-145 MB beyond the gradients, whose 533 MB alone are 0.11x), CPU time within noise.
 
 Where it runs: inside the model's forward, as model.forward(..., head=...) calls it, so that under
 FSDP2 the root unit has the weight gathered. The weight's gradient then flows to that gathered
@@ -59,8 +61,18 @@ from .logprobs import DEFAULT_BLOCK_V, resolve_backend, triton_logprobs
 
 # Logits per chunk (elements): 2^25 is 220 tokens at V = 151936, 128 MB in fp32 and 64 MB in bf16,
 # next to the GBs of the unfused path, and still a large matmul (60 GFLOP a chunk at C = 896), as
-# fast per FLOP as the whole one.
+# fast per FLOP as the whole one. (2^24 took 60 MB more off the peak on CPU but cost ~9% of the
+# time: each chunk adds its dW into the whole (V, C) sum, and a thinner chunk is a thinner matmul.)
 CHUNK_LOGITS = 2**25
+# On CPU, the reference backend's own scratch (its fp32 copy of the logits and their softmax) per
+# call of rows: 2^20 elements, 6 rows (4 MB) at V = 151936. Its default, 2^23, made two 32 MB
+# buffers beside each chunk, and buffers under glibc's 32 MB mmap ceiling come from the heap, which
+# does not always give freed memory back: the peak RSS carried ~100 MB more than the live tensors.
+SCRATCH_ELEMENTS = 2**20
+
+
+def scratch_rows(vocab_size: int) -> int:
+    return max(1, SCRATCH_ELEMENTS // vocab_size)
 
 
 def default_chunk_tokens(vocab_size: int) -> int:
@@ -72,7 +84,7 @@ def chunk_statistics(logits, targets, temperature, backend, block_v):
     rows = logits[None]  # (1, n, V): the backends' (outer, inner, V) layout
     if backend == "triton":
         return triton_logprobs.forward(rows, targets, temperature, block_v)
-    return reference.forward(rows, targets, temperature)
+    return reference.forward(rows, targets, temperature, scratch_rows(logits.shape[1]))
 
 
 def chunk_logits_grad(logits, targets, lse, mean_z, grad_logp, grad_entropy, temperature, backend,
@@ -86,7 +98,7 @@ def chunk_logits_grad(logits, targets, lse, mean_z, grad_logp, grad_entropy, tem
                                         temperature, block_v)
     # written over the logits, which the caller needs no more: one (n, V) chunk instead of two
     return reference.backward(rows, targets, lse, mean_z, grad_logp, grad_entropy, temperature,
-                              out=logits)
+                              scratch_rows(logits.shape[1]), out=logits)
 
 
 def accumulate_weight_grad(grad_weight, grad_logits, hidden):
