@@ -4,25 +4,28 @@ The toy task of the CPU demo, and the demo's "base model" trained on it.
 The task: sums of 2-3 digits from 0 to 5 ("3+5+2"), answered with the sum in the `Answer: ...`
 format that the real math_dapo verifier reads (reward.SCORERS routes TOY_DATA_SOURCE to it). Rows
 follow the DAPO schema, so the loop cannot tell them from DAPO-Math-17k. Held-out problems come from
-a disjoint part of the problem space (a hash of the problem text), never seen in warm-up or RL.
+a disjoint part of the problem space (a hash of the problem text), never seen in warm-up or RL, and
+each of their steps (running sum + next term) is a step of some training problem.
 
 The base model: DAPO starts from a pretrained model that already writes in the expected format and
 is right now and then. A randomly initialised model never writes "Answer: ..." at all, so every
 reward would be -1 and RL would have nothing to learn. So, like pretraining, demo_base_model() fits
 a tiny Qwen2 by next-token prediction to noisy responses (toy_warmup_pairs()) of two kinds:
 - worked: a running sum, then the answer ("3+5=8, 8+2=10.\nAnswer: 10"). Right almost always (a step
-  slips with probability TOY_STEP_ERROR), but only a fraction TOY_WORK_PROB of the warm-up responses
-  work it out;
+  slips with probability TOY_STEP_ERROR), but only a fraction TOY_WORK_PROB (half) of the warm-up
+  responses work it out;
 - direct: "Answer: 12", a guess, right about 1 time in 16.
-So the base model can solve most problems (it has seen how) but mostly does not bother: held-out
-accuracy starts near 0.2, while pass@k is much higher. This is what RL on a real base model does at
-scale: the reward teaches the model to use the reasoning it already has, and the gain is the RL
-phase's alone (more warm-up teaches the same mixture). A fraction TOY_RAMBLE of the responses repeat
-a filler sentence before the answer, so lengths vary widely and ~1 in 6 runs past
+So the base model can solve most problems (it has seen how) but half the time does not bother:
+held-out accuracy starts near 0.3, while pass@4 is 0.7-0.8. This is what RL on a real base model
+does at scale: the reward teaches the model to use the reasoning it already has, and the gain is
+the RL phase's alone (more warm-up teaches the same mixture). A fraction TOY_RAMBLE of the
+responses repeat a filler sentence before the answer, so lengths vary widely and ~1 in 6 runs past
 TOY_MAX_RESPONSE_LEN, where truncation cuts off the Answer line too: overlong shaping and the
 token-level loss have something to act on (paper Sec. 3.3-3.4). The warm-up is cached like a
 downloaded checkpoint, keyed by its settings, so repeated demo runs skip it.
 """
+import functools
+import itertools
 import json
 import math
 import os
@@ -44,14 +47,18 @@ TOY_DATA_SOURCE = reward.TOY_DATA_SOURCE
 TOY_MIN_TERMS, TOY_MAX_TERMS = 2, 3  # terms per problem...
 # ...each in [0, TOY_MAX_DIGIT]: few enough addition facts for a 2-minute warm-up to learn
 TOY_MAX_DIGIT = 5
-TOY_WORK_PROB = 0.3  # chance that a warm-up response works the sum out step by step...
+# chance that a warm-up response works the sum out step by step... (0.3 measured worse: fewer
+# worked examples, and at some seeds a base model that miscopies the terms, which RL keeps)
+TOY_WORK_PROB = 0.5
 TOY_GUESS_MAX = 15  # ...otherwise it states a guess, uniform in [0, TOY_GUESS_MAX]
 TOY_STEP_ERROR = 0.05  # chance that a step of the working slips...
 TOY_SLIPS = (-2, -1, 1, 2)  # ...by one of these, equally likely
 TOY_RAMBLE = 0.4  # chance that a warm-up response repeats filler before its answer...
 TOY_RAMBLE_REPEATS = (1, 8)  # ...this many times (inclusive range)
 TOY_FILLER = "Let me check."
-TOY_TEST_BUCKETS = 5  # 1 problem in 5 (by a hash of its text) is held out for evaluation: 54 of 252
+# 1 problem in 5 (by a hash of its text) is held out for evaluation, less those that take a step
+# no training problem takes (see held_out_problems): 49 of the 252
+TOY_TEST_BUCKETS = 5
 # one token each; digits stay single
 TOY_WORDS = ["user", "assistant", "Answer", "Let", " Let", " me", " check"]
 # suggested demo limits: no plain response is penalised
@@ -111,8 +118,35 @@ def make_toy_tokenizer(out_dir: str) -> Tokenizer:
     return load_tokenizer(out_dir)
 
 
+def toy_steps(terms: list[int]) -> list[tuple[int, int]]:
+    """The steps of a worked answer: (running sum, next term), e.g. 4+5+4 -> (4, 5), (9, 4)."""
+    return [(sum(terms[:i]), t) for i, t in enumerate(terms) if i > 0]
+
+
+def held_out_problems() -> frozenset[str]:
+    """The test split: the problems whose hash falls in bucket 0, less those with a step that no
+    other problem takes. Why: a step such as 9+4 occurs only in 4+5+4 and 5+4+4, and 10+t only in
+    5+5+t, so held out, it is an addition the warm-up and RL never show, which a 2-layer model
+    can only guess; measured, the demo's low seeds slipped on exactly those. Held-out problems are
+    new combinations of steps that training shows, the generalisation the demo is about."""
+    return _held_out(TOY_MIN_TERMS, TOY_MAX_TERMS, TOY_MAX_DIGIT, TOY_TEST_BUCKETS)
+
+
+@functools.cache  # keyed by the task's constants, so a changed constant gets its own split
+def _held_out(min_terms: int, max_terms: int, max_digit: int, buckets: int) -> frozenset[str]:
+    every = ["+".join(map(str, p)) for n in range(min_terms, max_terms + 1)
+             for p in itertools.product(range(max_digit + 1), repeat=n)]
+    hashed = {p for p in every if zlib.crc32(p.encode()) % buckets == 0}
+    trained = {step for p in every if p not in hashed for step in toy_steps(_terms(p))}
+    return frozenset(p for p in hashed if all(step in trained for step in toy_steps(_terms(p))))
+
+
+def _terms(problem: str) -> list[int]:
+    return [int(t) for t in problem.split("+")]
+
+
 def _toy_split(problem: str) -> str:
-    return "test" if zlib.crc32(problem.encode()) % TOY_TEST_BUCKETS == 0 else "train"
+    return "test" if problem in held_out_problems() else "train"
 
 
 def _toy_problems(n: int, seed: int, split: str, stream: str):
@@ -174,7 +208,7 @@ def toy_warmup_pairs(n: int, seed: int) -> list[tuple[list[dict], str]]:
 # --------------------------------------------------------------------------------------------------
 # The demo's base model: a brief supervised warm-up, in the open
 
-# measured: loss ~0.17, held-out acc ~0.3
+# measured over seeds 0-4: last-batch loss 0.18-0.24, held-out val/acc 0.27-0.37
 WARMUP = dict(steps=400, batch_size=64, lr=5e-3, preset="demo")
 
 

@@ -49,7 +49,7 @@ from toy import demo_policy, toy_rows"""),
 
 Sums of 2-3 digits (`toy.py`), answered as `Answer: N` and scored by the math_dapo verifier:
 +1 right, -1 wrong. The base model (a tiny Qwen2, warmed up on noisy responses) can work a
-sum out but mostly guesses, and now and then rambles (`Let me check.`) first. Here: its
+sum out but guesses half the time, and now and then rambles (`Let me check.`) first. Here: its
 answers to six held-out problems, one sample each at temperature 1."""),
     ("code", """cfg = parse_args(["--out-dir", "runs/notebook"])  # the demo's settings (config.py)
 tok_dir, model = demo_policy(cfg.out_dir, cfg.device, cfg.seed)  # cached in runs/demo-base

@@ -60,7 +60,19 @@ def test_toy_train_and_test_problems_are_disjoint():
     test = {r["prompt"][0]["content"] for r in toy_rows(500, 0, "test")}
     warmup = {p[0]["content"] for p, _ in toy_warmup_pairs(5000, 0)}
     assert not train & test and not warmup & test
-    assert len(test) >= 50  # and the held-out set is not a handful of problems (54 of the 252)
+    assert len(test) >= 45  # and the held-out set is not a handful of problems (49 of the 252)
+
+
+def test_every_step_of_a_held_out_problem_is_a_step_of_a_training_problem():
+    train = {r["prompt"][0]["content"] for r in toy_rows(5000, 0, "train")}
+    trained = {s for p in train for s in toy.toy_steps([int(t) for t in p.split("+")])}
+    assert len(train) == 252 - len(toy.held_out_problems())  # every training problem drawn
+    for problem in toy.held_out_problems():
+        steps = toy.toy_steps([int(t) for t in problem.split("+")])
+        assert steps and all(s in trained for s in steps), problem
+    assert toy.toy_steps([4, 5, 4]) == [(4, 5), (9, 4)]
+    # the rule held these out of the test split: 9+4 and 10+t are steps of no other problem
+    assert {"4+5+4", "5+5+3"} <= train
 
 
 @pytest.mark.needs("extract_answer", "normalize")
@@ -69,8 +81,8 @@ def test_toy_warmup_is_right_only_some_of_the_time():
     acc = [reward.score_response("toy_sum", resp,
                                  str(sum(map(int, p[0]["content"].split("+")))))["acc"]
            for p, resp in pairs]
-    # a base model that can, but mostly does not, get it right
-    assert 0.2 <= sum(acc) / len(acc) <= 0.4
+    # a base model that can, but half the time does not, get it right
+    assert 0.35 <= sum(acc) / len(acc) <= 0.6
     assert all(resp.split("\n")[-1].startswith("Answer: ") for _, resp in pairs)
 
 
@@ -81,7 +93,7 @@ def test_toy_warmup_working_is_right_and_guesses_mostly_wrong():
     for (messages,), resp in ((p, r) for p, r in toy_warmup_pairs(3000, 1)):
         right = resp.rsplit("Answer: ", 1)[1] == str(sum(map(int, messages["content"].split("+"))))
         (worked if "=" in resp else guessed).append(right)
-    assert 0.2 < len(worked) / 3000 < 0.4  # the base model mostly does not work it out...
+    assert 0.4 < len(worked) / 3000 < 0.6  # the base model works it out half the time...
     assert sum(worked) / len(worked) > 0.85  # ...but when it does it is right...
     assert 0.03 < sum(guessed) / len(guessed) < 0.12  # ...and a guess is right about 1 time in 16
 
