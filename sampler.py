@@ -57,6 +57,7 @@ The cache is allocated once, B x max_len. Lockstep batching (every row decodes u
 one ends) spends most of a long-tailed rollout decoding padding; here a slot is busy as long as
 sequences wait.
 """
+import bisect
 import math
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -143,6 +144,25 @@ def plan_spans(positions: list[int]) -> list[int]:
         best[b] = min((cost + SPAN_COST + (b - a) * (positions[a] + 1), ends + [b])
                       for a, (cost, ends) in best.items())
     return best[B][1]
+
+
+def group_rows(positions: list[int], ends: list[int]) -> list[int]:
+    """positions (B,) of the rows as they lie, ends: the span ends planned for them sorted furthest
+    first -> order, row order[i] to go to row i, so that span [a, b) holds the rows of ranks a..b-1
+    (in any order: a span reads up to its furthest row), moving as few rows as possible."""
+    B = len(positions)
+    span_at = [bisect.bisect_right(ends, i) for i in range(B)]  # the span that row index i is in
+    ranked = sorted(range(B), key=lambda s: -positions[s])
+    belongs = [0] * B  # per row: the span its rank puts it in
+    for rank, s in enumerate(ranked):
+        belongs[s] = span_at[rank]
+    order = [s if belongs[s] == span_at[s] else None for s in range(B)]  # rows that stay
+    movers = [s for s in range(B) if order[s] is None]
+    for i in range(B):  # each hole takes a row that belongs in its span
+        if order[i] is None:
+            order[i] = next(s for s in movers if belongs[s] == span_at[i])
+            movers.remove(order[i])
+    return order
 
 
 def filter_logits(logits, top_k: int = 0, top_p: float = 1.0):
@@ -370,14 +390,14 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: 
             S = max(positions) + 1  # the keys this step reads: up to the furthest slot's position
             spans = ()
             if not compile:  # the compiled step keeps one shape: every row reads S keys
-                if step % RESORT_EVERY == 0:  # the slots sorted furthest first: rows of like
-                    order = sorted(range(B), key=lambda s: -positions[s])  # length side by side
+                if step % RESORT_EVERY == 0:  # rows of like length side by side, in spans
+                    span_ends = plan_spans(sorted(positions, reverse=True))
+                    order = group_rows(positions, span_ends)
                     moved = [i for i, s in enumerate(order) if i != s]  # copy only these
                     kv_cache.copy_rows([order[i] for i in moved], moved, S)
                     token = token[torch.tensor(order, device=device)]
                     for per_slot in (holds, position, n_new, positions):
                         per_slot[:] = [per_slot[s] for s in order]
-                    span_ends = plan_spans(positions)
                 # each span reads up to its own furthest row; refills land unsorted until the next
                 spans = tuple((a, b, max(positions[a:b]) + 1)
                               for a, b in zip([0] + span_ends[:-1], span_ends))

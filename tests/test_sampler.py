@@ -176,6 +176,18 @@ def test_sampling_never_draws_a_token_of_zero_probability(top_k_only):
     assert set(token[1::2].tolist()) == {2, 4}
 
 
+def test_group_rows_puts_each_span_of_ranks_together_moving_few_rows():
+    positions = [5, 90, 40, 91, 7, 60, 41, 6]  # rows as they lie
+    ends = [2, 5, 8]  # spans of ranks [0, 2), [2, 5), [5, 8): {91, 90}, {60, 41, 40}, {7, 6, 5}
+    order = sampler.group_rows(positions, ends)
+    assert sorted(order) == list(range(8))
+    grouped = [positions[s] for s in order]
+    assert [sorted(grouped[a:b]) for a, b in ((0, 2), (2, 5), (5, 8))] == \
+        [[90, 91], [40, 41, 60], [5, 6, 7]]
+    # rows 1, 2 and 7 lie in their spans already: 5 rows move, where a full sort moves 7
+    assert [i for i in range(8) if order[i] == i] == [1, 2, 7]
+
+
 # --------------------------------------------------------------------------------------------------
 # generate: one batch of slots
 
