@@ -585,3 +585,21 @@ def test_rows_resorted_every_step_into_spans_of_one_row_still_equal_transformers
     r = generate(ours, RAGGED, max_new_tokens=12, temperature=0, eos_token_ids=[eos], slots=3)
     for i, expected in enumerate(alone):
         assert r.response_ids[i, :r.lengths[i]].tolist() == expected
+
+
+@pytest.mark.needs("sample", "rope", "attention", "kv_cache")
+def test_rows_after_the_last_busy_slot_skip_the_step_and_the_rest_still_equal_transformers(
+        hf_and_ours, monkeypatch):
+    # resorted every step, the slots whose sequences ended go last, and stop decoding
+    monkeypatch.setattr(sampler, "RESORT_EVERY", 1)
+    ours, eos, alone = hf_and_ours
+    rows = []
+    decode_one_token = sampler.decode_one_token
+    monkeypatch.setattr(sampler, "decode_one_token", lambda model, tokens, positions, kv: (
+        rows.append(len(tokens)), decode_one_token(model, tokens, positions, kv))[1])
+    r = generate(ours, RAGGED, max_new_tokens=12, temperature=0, eos_token_ids=[eos])
+    # decode step t feeds token t of every sequence longer than t + 1 tokens, and only those
+    assert rows == [sum(len(a) > t + 1 for a in alone) for t in range(11)]
+    assert rows[0] == len(RAGGED) > rows[-1]
+    for i, expected in enumerate(alone):
+        assert r.response_ids[i, :r.lengths[i]].tolist() == expected
