@@ -332,15 +332,17 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: 
 
     # the G samples of a group share their prompt: its keys/values are computed once and copied
     # from a slot that holds it (positions [0, len(prompt)) of any slot decoding it) into the next
-    key = [tuple(p) if SHARE_PROMPTS else i for i, p in enumerate(prompts)]
-    left = Counter(key)  # per prompt, its sequences not yet given a slot
+    first = {}  # prompt -> the first sequence that has it
+    key = [first.setdefault(tuple(p), i) if SHARE_PROMPTS else i for i, p in enumerate(prompts)]
+    left = Counter(key)  # per prompt (by its first sequence), its sequences not yet given a slot
     prompt_logits = {}  # per prompt with sequences left: its next-token logits (V,)
 
     def holders():  # prompt -> a slot whose positions [0, len(prompt)) hold its keys/values
         return {key[holds[s]]: s for s in range(B) if holds[s] < N}
 
     def needs_prefill():  # will the next refill meet a prompt that no slot holds
-        held, free = holders(), min(holds.count(N), len(waiting))
+        free = min(holds.count(N), len(waiting))
+        held = holders() if free else {}
         return any(key[waiting[i]] not in held for i in range(free))
 
     def refill():  # the next waiting sequences into the free slots -> whether it ran a forward
