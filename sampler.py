@@ -52,9 +52,9 @@ the prompts no slot holds are prefilled once each, in one forward for the step's
     slot 0:     e  e  e  E  E  E  E
     slot 1:     e  e  e                  the next sample of e: slot 0's positions 0-2 copied
 
-On the RL-shaped CPU benchmark (64 prompts x 8 samples in 64 slots) 58 prefill forwards of one
-prompt or more remain of 342, and 65 prompts are prefilled, not 512 (one twice: its slots had
-all ended).
+On the RL-shaped CPU benchmark (64 prompts x 8 samples in 64 slots, bench seed) 57 prefill
+forwards remain of 342, and 64 prompts are prefilled, not 512 (in other draws a prompt whose
+slots had all ended before its next sample is prefilled again).
 
 The cache is allocated once, B x max_len. Lockstep batching (every row decodes until the longest
 one ends) spends most of a long-tailed rollout decoding padding; here a slot is busy as long as
