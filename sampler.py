@@ -160,12 +160,11 @@ def group_rows(positions: list[int], ends: list[int]) -> list[int]:
     for rank, s in enumerate(ranked):
         belongs[s] = span_at[rank]
     order = [s if belongs[s] == span_at[s] else None for s in range(B)]  # rows that stay
-    movers = [s for s in range(B) if order[s] is None]
-    for i in range(B):  # each hole takes a row that belongs in its span
-        if order[i] is None:
-            order[i] = next(s for s in movers if belongs[s] == span_at[i])
-            movers.remove(order[i])
-    return order
+    movers = {}  # span -> the rows that belong in it and lie elsewhere, as many as its holes
+    for s in range(B):
+        if order[s] is None:
+            movers.setdefault(belongs[s], []).append(s)
+    return [s if s is not None else movers[span_at[i]].pop() for i, s in enumerate(order)]
 
 
 def filter_logits(logits, top_k: int = 0, top_p: float = 1.0):
