@@ -21,7 +21,8 @@ of rounds).
    nearly flat, so the lengths are about geometric with mean 128 and a long tail. Useful tokens/s
    (response tokens up to the EOS) for ours with 64 slots, eager and compiled, against (a) lockstep:
    ours with one slot per sequence, all 512 at once, which is the schedule of the previous sampler
-   (every row decodes until the longest one ends); (b) transformers' generate in batches of 64
+   (every row decodes until the longest one ends; eager, the ended rows grouped last skip the
+   step, so here it costs memory more than time); (b) transformers' generate in batches of 64
    (8 prompts x 8); (c) transformers' continuous batching (generate_batch, 64 requests at a time).
 3. memory: how far resident memory rises during the rl run, ours with 64 slots against 512 rows
    (Linux: VmHWM, each in a fresh process).

@@ -176,6 +176,18 @@ def test_sampling_never_draws_a_token_of_zero_probability(top_k_only):
     assert set(token[1::2].tolist()) == {2, 4}
 
 
+def test_group_rows_puts_each_span_of_ranks_together_moving_few_rows():
+    positions = [5, 90, 40, 91, 7, 60, 41, 6]  # rows as they lie
+    ends = [2, 5, 8]  # spans of ranks [0, 2), [2, 5), [5, 8): {91, 90}, {60, 41, 40}, {7, 6, 5}
+    order = sampler.group_rows(positions, ends)
+    assert sorted(order) == list(range(8))
+    grouped = [positions[s] for s in order]
+    assert [sorted(grouped[a:b]) for a, b in ((0, 2), (2, 5), (5, 8))] == \
+        [[90, 91], [40, 41, 60], [5, 6, 7]]
+    # rows 1, 2 and 7 lie in their spans already: 5 rows move, where a full sort moves 7
+    assert [i for i in range(8) if order[i] == i] == [1, 2, 7]
+
+
 # --------------------------------------------------------------------------------------------------
 # generate: one batch of slots
 
@@ -378,6 +390,17 @@ def test_greedy_rows_equal_transformers_generate_on_each_prompt_alone(hf_and_our
         assert bool(r.truncated[i]) == (expected[-1] != eos)
 
 
+@pytest.mark.needs("sample", "rope", "attention", "kv_cache")
+def test_greedy_rows_of_repeated_prompts_equal_transformers(hf_and_ours):
+    # repeats side by side and apart: refills copy the keys of slots holding the same prompt
+    ours, eos, alone = hf_and_ours
+    which = [0, 0, 1, 3, 3, 3, 5, 0, 6, 6, 1]
+    r = generate(ours, [RAGGED[i] for i in which], max_new_tokens=12, temperature=0,
+                 eos_token_ids=[eos], slots=3)
+    for row, i in enumerate(which):
+        assert r.response_ids[row, :r.lengths[row]].tolist() == alone[i]
+
+
 @pytest.mark.needs("filter_logits", "sample", "rope", "attention", "kv_cache")
 def test_kv_cache_is_allocated_once_for_the_slots_whatever_the_number_of_sequences():
     model = tiny_model()
@@ -430,6 +453,51 @@ def test_draws_do_not_depend_on_the_slot():
     # < 4 * 0.35^7 = 0.0026
     alike = sum(len(set(drawn[i:i + slots])) == 1 for i in range(0, n, slots))
     assert alike <= 3
+
+
+@pytest.mark.parity
+@pytest.mark.needs("filter_logits", "sample", "rope", "attention", "kv_cache")
+@pytest.mark.parametrize("grouped", [True, False])
+def test_a_prompt_held_by_a_slot_is_copied_not_prefilled_and_samples_the_same(monkeypatch, grouped):
+    """G = 6 samples of each of 3 prompts in 4 slots (grouped, as dapo.py passes them, or
+    interleaved), lengths ragged: a slot that takes a prompt another slot holds copies that slot's
+    keys/values instead of prefilling it. Against the same run with a prefill per sequence (float64,
+    so that the two orders of arithmetic cannot flip a draw): the same tokens, and log-probs within
+    a few fp32 epsilons (the sampler's logits are fp32)."""
+    model = tiny_model(head_scale=4.0).double()
+    A, B, C = [5, 17, 3], [8, 2, 44, 61, 9, 23, 30], [60, 1]
+    prompts = [A] * 6 + [B] * 6 + [C] * 6 if grouped else [A, B, C] * 6
+    prefilled = []  # the prompts of each prefill forward
+    prefill_slots = sampler.prefill_slots
+    monkeypatch.setattr(sampler, "prefill_slots", lambda model, ps, slots, kv: (
+        prefilled.append(ps), prefill_slots(model, ps, slots, kv))[1])
+
+    def run():
+        return generate(model, prompts, max_new_tokens=12, eos_token_ids=[3, 9, 11], slots=4,
+                        generator=torch.Generator().manual_seed(0))
+    shared = run()
+    assert all(len(set(map(tuple, ps))) == len(ps) for ps in prefilled)  # no prompt twice in one
+    assert sum(map(len, prefilled)) < len(prompts)
+    if grouped:
+        # a refill places 4 sequences at most, so there were at least 18 / 4 of them: had each one
+        # prefilled a prompt, none would have copied all its keys from slots already decoding
+        assert sum(map(len, prefilled)) < 18 / 4
+    monkeypatch.setattr(sampler, "SHARE_PROMPTS", False)
+    prefilled.clear()
+    alone = run()
+    assert sum(map(len, prefilled)) == len(prompts)
+    assert shared.lengths.min() < shared.lengths.max()  # slots were refilled mid-way
+    assert torch.equal(shared.response_ids, alone.response_ids)
+    assert torch.equal(shared.lengths, alone.lengths)
+    tol = 8 * torch.finfo(torch.float32).eps * alone.logprobs.abs().max().clamp(min=1)
+    assert (shared.logprobs - alone.logprobs).abs().max() < tol
+    # and both are the log-probs of a full forward over prompt + response (the model's own numbers)
+    input_ids, attention_mask = full_sequences(shared)
+    P, T = shared.prompt_ids.shape[1], shared.response_ids.shape[1]
+    logits = full_forward(model, input_ids, attention_mask)[:, P - 1:P - 1 + T]
+    ref = logits.log_softmax(-1).gather(-1, shared.response_ids[..., None]).squeeze(-1)
+    m = shared.response_mask
+    assert (shared.logprobs[m] - ref[m]).abs().max() < tol
 
 
 # --------------------------------------------------------------------------------------------------
@@ -515,5 +583,23 @@ def test_rows_resorted_every_step_into_spans_of_one_row_still_equal_transformers
     monkeypatch.setattr(sampler, "SPAN_COST", 0)
     ours, eos, alone = hf_and_ours
     r = generate(ours, RAGGED, max_new_tokens=12, temperature=0, eos_token_ids=[eos], slots=3)
+    for i, expected in enumerate(alone):
+        assert r.response_ids[i, :r.lengths[i]].tolist() == expected
+
+
+@pytest.mark.needs("sample", "rope", "attention", "kv_cache")
+def test_rows_after_the_last_busy_slot_skip_the_step_and_the_rest_still_equal_transformers(
+        hf_and_ours, monkeypatch):
+    # resorted every step, the slots whose sequences ended go last, and stop decoding
+    monkeypatch.setattr(sampler, "RESORT_EVERY", 1)
+    ours, eos, alone = hf_and_ours
+    rows = []
+    decode_one_token = sampler.decode_one_token
+    monkeypatch.setattr(sampler, "decode_one_token", lambda model, tokens, positions, kv: (
+        rows.append(len(tokens)), decode_one_token(model, tokens, positions, kv))[1])
+    r = generate(ours, RAGGED, max_new_tokens=12, temperature=0, eos_token_ids=[eos])
+    # decode step t feeds token t of every sequence longer than t + 1 tokens, and only those
+    assert rows == [sum(len(a) > t + 1 for a in alone) for t in range(11)]
+    assert rows[0] == len(RAGGED) > rows[-1]
     for i, expected in enumerate(alone):
         assert r.response_ids[i, :r.lengths[i]].tolist() == expected
