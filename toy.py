@@ -118,7 +118,7 @@ def make_toy_tokenizer(out_dir: str) -> Tokenizer:
     return load_tokenizer(out_dir)
 
 
-def toy_steps(terms: list[int]) -> list[tuple[int, int]]:
+def toy_steps(terms) -> list[tuple[int, int]]:
     """The steps of a worked answer: (running sum, next term), e.g. 4+5+4 -> (4, 5), (9, 4)."""
     return [(sum(terms[:i]), t) for i, t in enumerate(terms) if i > 0]
 
@@ -134,15 +134,15 @@ def held_out_problems() -> frozenset[str]:
 
 @functools.cache  # keyed by the task's constants, so a changed constant gets its own split
 def _held_out(min_terms: int, max_terms: int, max_digit: int, buckets: int) -> frozenset[str]:
-    every = ["+".join(map(str, p)) for n in range(min_terms, max_terms + 1)
-             for p in itertools.product(range(max_digit + 1), repeat=n)]
-    hashed = {p for p in every if zlib.crc32(p.encode()) % buckets == 0}
-    trained = {step for p in every if p not in hashed for step in toy_steps(_terms(p))}
-    return frozenset(p for p in hashed if all(step in trained for step in toy_steps(_terms(p))))
+    every = [p for n in range(min_terms, max_terms + 1)
+             for p in itertools.product(range(max_digit + 1), repeat=n)]  # term tuples
+    hashed = {p for p in every if zlib.crc32(_text(p).encode()) % buckets == 0}
+    trained = {step for p in every if p not in hashed for step in toy_steps(p)}
+    return frozenset(_text(p) for p in hashed if all(step in trained for step in toy_steps(p)))
 
 
-def _terms(problem: str) -> list[int]:
-    return [int(t) for t in problem.split("+")]
+def _text(terms) -> str:
+    return "+".join(map(str, terms))
 
 
 def _toy_split(problem: str) -> str:
@@ -160,7 +160,7 @@ def _toy_problems(n: int, seed: int, split: str, stream: str):
     while len(problems) < n:
         terms = [rng.randrange(TOY_MAX_DIGIT + 1)
                  for _ in range(rng.randint(TOY_MIN_TERMS, TOY_MAX_TERMS))]
-        if _toy_split("+".join(map(str, terms))) == split:
+        if _toy_split(_text(terms)) == split:
             problems.append(terms)
     return problems, rng
 
@@ -170,7 +170,7 @@ def toy_rows(n: int, seed: int, split: str = "train") -> list[dict]:
     a problem."""
     problems, _ = _toy_problems(n, seed, split, "rows")
     return [{"data_source": TOY_DATA_SOURCE,
-             "prompt": [{"role": "user", "content": "+".join(map(str, terms))}],
+             "prompt": [{"role": "user", "content": _text(terms)}],
              "ability": "arithmetic",
              "reward_model": {"ground_truth": str(sum(terms)), "style": "rule"},
              "extra_info": {"split": split, "index": i}} for i, terms in enumerate(problems)]
@@ -201,7 +201,7 @@ def toy_warmup_pairs(n: int, seed: int) -> list[tuple[list[dict], str]]:
     makes the demo's base model. About a quarter of the answers are right (see the comment above the
     TOY_ constants)."""
     problems, rng = _toy_problems(n, seed, "train", "warmup")
-    return [([{"role": "user", "content": "+".join(map(str, terms))}], toy_response(terms, rng))
+    return [([{"role": "user", "content": _text(terms)}], toy_response(terms, rng))
             for terms in problems]
 
 
