@@ -75,6 +75,22 @@ def test_every_step_of_a_held_out_problem_is_a_step_of_a_training_problem():
     assert {"4+5+4", "5+5+3"} <= train
 
 
+def test_held_out_rows_weigh_every_problem_the_same():
+    # the test split comes in passes over its problems: any 128 rows (the demo's eval) hold each
+    # problem 2 or 3 times, so no few problems decide val/acc (drawn i.i.d. with a uniform
+    # number of terms, the 7 two-term problems took about half the rows)
+    problems = toy.held_out_problems()
+    rows = [r["prompt"][0]["content"] for r in toy_rows(1000, 0, "test")]
+    n = len(problems)
+    for start in range(0, 1000 - n, n):
+        assert sorted(rows[start:start + n]) == sorted(problems)
+    counts = [rows[:128].count(p) for p in problems]
+    assert min(counts) >= 2 and max(counts) <= 3
+    assert rows != [r["prompt"][0]["content"] for r in toy_rows(1000, 1, "test")]
+    two_terms = sum(p.count("+") == 1 for p in rows[:128])
+    assert two_terms < 128 / 4
+
+
 @pytest.mark.needs("extract_answer", "normalize")
 def test_toy_warmup_is_right_only_some_of_the_time():
     pairs = toy_warmup_pairs(4000, 0)
