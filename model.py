@@ -4,13 +4,13 @@ one file.
 
 Per layer: RMSNorm -> attention (q/k/v with bias, grouped-query, RoPE) -> residual -> RMSNorm ->
 SwiGLU MLP -> residual. Weights load from and save to the Hugging Face safetensors layout
-(Qwen2.from_pretrained / save_pretrained, through infra/hf_io.py), so a checkpoint moves freely
-between this file, transformers and vLLM. Parameter names mirror the HF keys
-(model.layers.N.self_attn.q_proj.weight, ...), so no key mapping is needed anywhere. At the end,
-response_logprobs(): the policy's log-probs of sampled responses, which the RL loss reads.
+(Qwen2.from_pretrained / save_pretrained, through infra/hf_io.py, which also reads and checks
+config.json), so a checkpoint moves freely between this file, transformers and vLLM. Parameter
+names mirror the HF keys (model.layers.N.self_attn.q_proj.weight, ...), so no key mapping is
+needed anywhere. At the end, response_logprobs(): the policy's log-probs of sampled responses,
+which the RL loss reads.
 """
-import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -46,73 +46,17 @@ class ModelConfig:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
 
+    # config.json, read and written in infra/hf_io.py (checked there: model_type, RoPE, types)
     @classmethod
     def from_hf(cls, hf: dict, source: str = "config.json") -> "ModelConfig":
-        """Build from a Hugging Face config.json dict (old top-level rope_theta or newer
-        rope_parameters)."""
-        if hf.get("model_type", "qwen2") != "qwen2":
-            raise ValueError(f"{source}: model_type is {hf['model_type']!r}; this project "
-                             "implements 'qwen2' only")
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"{source}: rope type {rope_type!r} is not supported "
-                             "(only the default RoPE of Qwen2/Qwen2.5)")
-        if hf.get("use_sliding_window", False):
-            raise ValueError(f"{source}: use_sliding_window=true is not supported "
-                             "(Qwen2.5 ships with it off)")
-        known = {f.name for f in fields(cls)}
-        kw = {k: v for k, v in hf.items() if k in known and v is not None}
-        if "rope_theta" in rope:
-            kw["rope_theta"] = rope["rope_theta"]
-        kw["torch_dtype"] = hf.get("torch_dtype") or hf.get("dtype") or "float32"
-        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                  "num_attention_heads"):
-            if k not in kw:
-                raise ValueError(f"{source}: missing required field {k!r}")
-        kw.setdefault("num_key_value_heads", kw["num_attention_heads"])
-        _check_types(cls, kw, source)
-        return cls(**kw)
+        return hf_io.config_from_hf(cls, hf, source)
 
     @classmethod
     def from_json(cls, path: str) -> "ModelConfig":
-        with open(path) as f:
-            try:
-                hf = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: not valid JSON ({e})") from None
-        return cls.from_hf(hf, source=path)
+        return hf_io.config_from_json(cls, path)
 
     def to_hf(self) -> dict:
-        """The config.json that transformers (and vLLM) read for a Qwen2ForCausalLM."""
-        hf = asdict(self)
-        hf.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_act="silu",
-                  use_sliding_window=False, attention_dropout=0.0, initializer_range=0.02,
-                  use_cache=True)
-        return {k: v for k, v in hf.items() if v is not None}
-
-
-def _check_types(cls, kw: dict, source: str):
-    """A config.json edited by hand ("hidden_size": "128") would otherwise fail deep
-    inside torch."""
-    kinds = {int: "a positive integer", float: "a positive number", bool: "true or false"}
-    for f in fields(cls):
-        if f.name not in kw or f.type not in kinds:
-            continue
-        v = kw[f.name]
-        if f.type is bool:
-            ok = isinstance(v, bool)
-        else:
-            # JSON has one number type: 1e6 may come as 1000000; a bool is an int to Python, not
-            # here; head_dim 0 is derived from the other sizes
-            ok = isinstance(v, (int, float) if f.type is float else int) and \
-                not isinstance(v, bool) and (v > 0 or (f.name == "head_dim" and v == 0))
-        if not ok:
-            raise ValueError(f"{source}: {f.name!r} must be {kinds[f.type]}, got {json.dumps(v)} "
-                             f"({type(v).__name__})")
-    if not isinstance(getattr(torch, str(kw["torch_dtype"]), None), torch.dtype):
-        raise ValueError(f"{source}: torch_dtype {kw['torch_dtype']!r} is not a torch dtype "
-                         "(e.g. \"bfloat16\")")
+        return hf_io.config_to_hf(self)
 
 
 # Small named shapes. The vocab of the toy ones is set by whoever builds them (the tokenizer

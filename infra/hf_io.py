@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import tempfile
+from dataclasses import asdict, fields
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -209,3 +210,73 @@ def _replace_dir(src, dst):
         shutil.rmtree(old)
 
 
+# --------------------------------------------------------------------------------------------------
+# config.json <-> model.ModelConfig
+
+def config_from_hf(cls, hf: dict, source: str = "config.json"):
+    """A cls (model.ModelConfig) from a Hugging Face config.json dict (old top-level rope_theta or
+    newer rope_parameters)."""
+    if hf.get("model_type", "qwen2") != "qwen2":
+        raise ValueError(f"{source}: model_type is {hf['model_type']!r}; this project "
+                         "implements 'qwen2' only")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"{source}: rope type {rope_type!r} is not supported "
+                         "(only the default RoPE of Qwen2/Qwen2.5)")
+    if hf.get("use_sliding_window", False):
+        raise ValueError(f"{source}: use_sliding_window=true is not supported "
+                         "(Qwen2.5 ships with it off)")
+    known = {f.name for f in fields(cls)}
+    kw = {k: v for k, v in hf.items() if k in known and v is not None}
+    if "rope_theta" in rope:
+        kw["rope_theta"] = rope["rope_theta"]
+    kw["torch_dtype"] = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+    for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads"):
+        if k not in kw:
+            raise ValueError(f"{source}: missing required field {k!r}")
+    kw.setdefault("num_key_value_heads", kw["num_attention_heads"])
+    _check_types(cls, kw, source)
+    return cls(**kw)
+
+
+def config_from_json(cls, path: str):
+    with open(path) as f:
+        try:
+            hf = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+    return config_from_hf(cls, hf, source=path)
+
+
+def config_to_hf(cfg) -> dict:
+    """The config.json that transformers (and vLLM) read for a Qwen2ForCausalLM."""
+    hf = asdict(cfg)
+    hf.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_act="silu",
+              use_sliding_window=False, attention_dropout=0.0, initializer_range=0.02,
+              use_cache=True)
+    return {k: v for k, v in hf.items() if v is not None}
+
+
+def _check_types(cls, kw: dict, source: str):
+    """A config.json edited by hand ("hidden_size": "128") would otherwise fail deep
+    inside torch."""
+    kinds = {int: "a positive integer", float: "a positive number", bool: "true or false"}
+    for f in fields(cls):
+        if f.name not in kw or f.type not in kinds:
+            continue
+        v = kw[f.name]
+        if f.type is bool:
+            ok = isinstance(v, bool)
+        else:
+            # JSON has one number type: 1e6 may come as 1000000; a bool is an int to Python, not
+            # here; head_dim 0 is derived from the other sizes
+            ok = isinstance(v, (int, float) if f.type is float else int) and \
+                not isinstance(v, bool) and (v > 0 or (f.name == "head_dim" and v == 0))
+        if not ok:
+            raise ValueError(f"{source}: {f.name!r} must be {kinds[f.type]}, got {json.dumps(v)} "
+                             f"({type(v).__name__})")
+    if not isinstance(getattr(torch, str(kw["torch_dtype"]), None), torch.dtype):
+        raise ValueError(f"{source}: torch_dtype {kw['torch_dtype']!r} is not a torch dtype "
+                         "(e.g. \"bfloat16\")")
