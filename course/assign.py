@@ -207,10 +207,10 @@ EXERCISES = [
 BY_ID = {e.id: e for e in EXERCISES}
 
 # The integration check: a short run of the demo (make run's task and settings), the student's
-# code everywhere. Measured with the reference (one thread): val/acc (avg@4) 0.36 -> 0.80 after 6
-# steps at seed 0, the check's (0.36 -> 0.84 under ATEN_CPU_CAPABILITY=default); 0.27-0.37 ->
-# 0.50-0.85 over seeds 0-4 (before the sampler's prompt sharing); 15-20 s after the warm-up. The
-# bar sits well above the base model and well below the reference.
+# code everywhere. Measured with the reference (one thread): val/acc (avg@4) 0.33 -> 0.79 after 6
+# steps at seed 0, the check's (0.33 -> 0.80 under ATEN_CPU_CAPABILITY=default); 0.29-0.35 ->
+# 0.66-0.79 over seeds 0-4; 15-20 s after the warm-up. The bar sits well above the base model and
+# well below the reference.
 INTEGRATION_ARGS = ("--steps", "6", "--eval-every", "6")
 INTEGRATION_MIN_ACC = 0.55
 INTEGRATION_POINTS = 10
