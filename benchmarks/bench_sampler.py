@@ -6,6 +6,8 @@ of rounds).
     .venv/bin/python benchmarks/bench_sampler.py
     # one part (uniform, rl, memory)
     .venv/bin/python benchmarks/bench_sampler.py --parts rl
+    # this sampler against an earlier revision's (about 2 minutes)
+    .venv/bin/python benchmarks/bench_sampler.py --parts against --against 015f0be --rl-rounds 4
     # both cores: only on an otherwise idle machine
     .venv/bin/python benchmarks/bench_sampler.py --threads 2
 
@@ -26,6 +28,11 @@ of rounds).
    (8 prompts x 8); (c) transformers' continuous batching (generate_batch, 64 requests at a time).
 3. memory: how far resident memory rises during the rl run, ours with 64 slots against 512 rows
    (Linux: VmHWM, each in a fresh process).
+4. against (--against REV): the rl case in 64 slots, this tree's sampler against git revision REV's
+   (its whole tree exported to a temporary directory), each rollout in a fresh process, the two
+   alternating for --rl-rounds rounds (at least 2); per-round tok/s and ratios. On a shared machine
+   one process can run much faster or slower than the next, so look at the spread, not one round.
+   E.g. `--parts against --against 015f0be --rl-rounds 4`.
 
 CPU time of the process on one thread: the other tenants of a shared machine disturb it far less
 than wall time. One thread by default: on a 2-core machine a second OpenMP thread helps only while
@@ -34,6 +41,8 @@ nothing else runs.
 import argparse
 import multiprocessing
 import os
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -277,6 +286,58 @@ def rl(rounds, parts):
                 print(f"{name:>32} {rise:7.0f} ({kv_mib:5.0f})", flush=True)
 
 
+# 4. against another revision
+
+# one rollout of the rl case by the sampler and model in directory argv[1]: prints tokens, CPU s
+ONE_ROLLOUT = """
+import sys, time, torch
+sys.path.insert(0, sys.argv[1])
+from model import ModelConfig, Qwen2
+from sampler import generate
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = Qwen2(ModelConfig(**{demo}, max_position_embeddings=1024, torch_dtype="float32")).eval()
+g = torch.Generator().manual_seed(1)
+lengths = torch.randint(40, 73, ({prompts},), generator=g)
+prompts = [torch.randint(5, {vocab}, (int(k),), generator=g).tolist() for k in lengths]
+seqs = [p for p in prompts for _ in range({group})]
+t0 = time.process_time()
+out = generate(model, seqs, {new}, temperature=1.0, eos_token_ids={eos}, slots={slots},
+               generator=torch.Generator().manual_seed(int(sys.argv[2])))
+print(int(out.lengths.sum()), time.process_time() - t0)
+"""
+
+
+def against(rev, rounds):
+    """The rl case in 64 slots: this tree's sampler against revision rev's, alternating."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ONE_ROLLOUT.format(demo=DEMO, prompts=RL_PROMPTS, vocab=DEMO["vocab_size"],
+                              group=RL_G, new=RL_NEW, eos=RL_EOS, slots=RL_SLOTS)
+    with tempfile.TemporaryDirectory() as old:
+        archive = subprocess.run(["git", "-C", here, "archive", rev], capture_output=True,
+                                 check=True).stdout
+        subprocess.run(["tar", "-x", "-C", old], input=archive, check=True)
+        print(f"\n4. against {rev}: the rl case in 64 slots, one fresh process a rollout, "
+              f"1 thread, CPU time; tok/s")
+        print(f"{'round':>5} {rev:>10} {'this tree':>10} {'ratio':>6}")
+        ratios, totals = [], {"old": [0, 0.0], "new": [0, 0.0]}
+        for r in range(max(rounds, 2)):
+            tps = {}
+            # which side goes first alternates, so neither always runs on a warmer machine
+            for side in (("old", "new") if r % 2 == 0 else ("new", "old")):
+                out = subprocess.run([sys.executable, "-c", code, old if side == "old" else here,
+                                      str(r)], capture_output=True, text=True, check=True)
+                tokens, seconds = out.stdout.split()
+                totals[side][0] += int(tokens)
+                totals[side][1] += float(seconds)
+                tps[side] = int(tokens) / float(seconds)
+            ratios.append(tps["new"] / tps["old"])
+            print(f"{r:5d} {tps['old']:10.0f} {tps['new']:10.0f} {ratios[-1]:5.2f}x", flush=True)
+        total = (totals["new"][0] / totals["new"][1]) / (totals["old"][0] / totals["old"][1])
+        print(f"this tree / {rev}: {total:.2f}x over all rounds (median round "
+              f"{statistics.median(ratios):.2f}x, {min(ratios):.2f}-{max(ratios):.2f}x)")
+
+
 def main():
     # the first paragraph of the docstring (argparse joins its lines)
     ap = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
@@ -286,7 +347,9 @@ def main():
     ap.add_argument("--rl-rounds", type=int, default=1,
                     help="the same for the rl part (about 75 s CPU a round)")
     ap.add_argument("--parts", default="uniform,rl,memory",
-                    help="comma-separated, from: uniform, rl, memory")
+                    help="comma-separated, from: uniform, rl, memory, against")
+    ap.add_argument("--against", default="",
+                    help="a git revision whose sampler the against part runs (see above)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     parts = args.parts.split(",")
@@ -297,6 +360,10 @@ def main():
         uniform(args.rounds)
     if "rl" in parts or "memory" in parts:
         rl(args.rl_rounds, parts)
+    if "against" in parts:
+        if not args.against:
+            ap.error("--parts against needs --against REV (a git revision)")
+        against(args.against, args.rl_rounds)
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 
