@@ -39,6 +39,7 @@ than wall time. One thread by default: on a 2-core machine a second OpenMP threa
 nothing else runs.
 """
 import argparse
+import json
 import multiprocessing
 import os
 import statistics
@@ -288,19 +289,17 @@ def rl(rounds, parts):
 
 # 4. against another revision
 
-# one rollout of the rl case by the sampler and model in directory argv[1]: prints tokens, CPU s
+# one rollout by the sampler and model in directory argv[1] of the sequences (JSON) on stdin:
+# prints tokens, CPU s
 ONE_ROLLOUT = """
-import sys, time, torch
+import json, sys, time, torch
 sys.path.insert(0, sys.argv[1])
 from model import ModelConfig, Qwen2
 from sampler import generate
 torch.set_num_threads(1)
 torch.manual_seed(0)
 model = Qwen2(ModelConfig(**{demo}, max_position_embeddings=1024, torch_dtype="float32")).eval()
-g = torch.Generator().manual_seed(1)
-lengths = torch.randint(40, 73, ({prompts},), generator=g)
-prompts = [torch.randint(5, {vocab}, (int(k),), generator=g).tolist() for k in lengths]
-seqs = [p for p in prompts for _ in range({group})]
+seqs = json.load(sys.stdin)
 t0 = time.process_time()
 out = generate(model, seqs, {new}, temperature=1.0, eos_token_ids={eos}, slots={slots},
                generator=torch.Generator().manual_seed(int(sys.argv[2])))
@@ -311,8 +310,9 @@ print(int(out.lengths.sum()), time.process_time() - t0)
 def against(rev, rounds):
     """The rl case in 64 slots: this tree's sampler against revision rev's, alternating."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = ONE_ROLLOUT.format(demo=DEMO, prompts=RL_PROMPTS, vocab=DEMO["vocab_size"],
-                              group=RL_G, new=RL_NEW, eos=RL_EOS, slots=RL_SLOTS)
+    code = ONE_ROLLOUT.format(demo=DEMO, new=RL_NEW, eos=RL_EOS, slots=RL_SLOTS)
+    # the rl part's sequences
+    seqs = [p for p in ragged_prompts(RL_PROMPTS, DEMO["vocab_size"], seed=1) for _ in range(RL_G)]
     with tempfile.TemporaryDirectory() as old:
         archive = subprocess.run(["git", "-C", here, "archive", rev], capture_output=True,
                                  check=True).stdout
@@ -326,7 +326,8 @@ def against(rev, rounds):
             # which side goes first alternates, so neither always runs on a warmer machine
             for side in (("old", "new") if r % 2 == 0 else ("new", "old")):
                 out = subprocess.run([sys.executable, "-c", code, old if side == "old" else here,
-                                      str(r)], capture_output=True, text=True, check=True)
+                                      str(r)], input=json.dumps(seqs), capture_output=True,
+                                     text=True, check=True)
                 tokens, seconds = out.stdout.split()
                 totals[side][0] += int(tokens)
                 totals[side][1] += float(seconds)
