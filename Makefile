@@ -33,10 +33,13 @@ run: $(VENV)/.runtime
 # CPU kernel set than this machine's: torch rounds differently on another processor, and a test
 # that holds only on this one's rounding would fail on the next machine.
 # pytest-xdist runs a test file per CPU core at a time (-n auto; each test on one thread): a file
-# stays on one worker, so its module fixtures (a handout, a 2-rank run) are made once.
+# stays on one worker, so its module fixtures (a handout, a 2-rank run) are made once. The files
+# are handed out in tests/conftest.py's order, longest first (xdist's own puts the files with the
+# most tests first).
+XDIST := -n auto --dist loadfile --no-loadscope-reorder
 test: $(VENV)/.test
-	$(PY) -m pytest -q -n auto --dist loadfile tests
-	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q -n auto --dist loadfile -m parity tests
+	$(PY) -m pytest -q $(XDIST) tests
+	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q $(XDIST) -m parity tests
 
 bench: $(VENV)/.test
 	for f in benchmarks/bench_*.py; do $(PY) $$f || exit 1; done
