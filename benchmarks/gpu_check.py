@@ -1,8 +1,9 @@
 """
-The GPU check in one call: the three GPU scripts (the fused kernels and head against their
+The GPU check in one call: the four GPU scripts (the fused kernels and head against their
 references, then speed and memory; the RL-shaped rollout, eager vs compiled vs transformers'
-generate; a few DAPO steps of dapo.py) on one GPU, each in its own subprocess, and one markdown
-report of what each printed, its exit status and its time.
+generate; FSDP2 on one process against the one-GPU path; a few DAPO steps of dapo.py) on one GPU,
+each in its own subprocess, and one markdown report of what each printed, its exit status and its
+time.
 
     python benchmarks/gpu_check.py [--out runs/gpu_check.md]    # one H100/H200, ~8 minutes
     python benchmarks/gpu_check.py --smoke                      # CPU, tiny shapes, seconds
@@ -20,13 +21,17 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# (name, GPU arguments, smoke arguments, timeout s on the GPU): sized to ~8 minutes in all
+# (name, GPU arguments, smoke arguments, timeout s on the GPU): the timeouts add up to 10
+# minutes, for a run sized to ~8 (not yet timed on a GPU)
 CHECKS = [
     ("fused kernels and head: correctness, speed, memory (16k tokens)", "gpu_kernels.py",
      ["--rows", "16384"], ["--smoke"], 150),
     ("RL-shaped rollout, Qwen2.5-0.5B shape, bf16: eager / compiled / transformers",
      "gpu_sampler.py", [], ["--device", "cpu", "--preset", "tiny", "--prompts", "2",
                             "--max-new", "16", "--slots", "4", "--hf-batches", "1"], 210),
+    ("FSDP2 on one process against one GPU's autocast and fp32: weights, log-probs, gradient, "
+     "rollout", "gpu_fsdp.py", [], ["--device", "cpu", "--preset", "tiny", "--prompts", "2",
+                                    "--group-size", "2", "--max-response-len", "8"], 90),
     ("3 DAPO steps of dapo.py, Qwen2.5-0.5B shape", "gpu_dapo.py",
      ["--steps", "3", "--prompts", "16", "--max-response-len", "512"],
      ["--device", "cpu", "--preset", "tiny", "--steps", "1", "--prompts", "2",

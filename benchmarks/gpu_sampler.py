@@ -15,6 +15,8 @@ A random model's next-token distribution is nearly flat, so making a set of voca
 token ids end a response gives lengths about geometric with mean max_new / 4. transformers runs
 only --hf-batches of the batches of 64 (its tokens/s is per batch, and it is the slow side). The
 compiled run's first call (compile + graph capture) is reported apart from its timed call.
+Before the timed runs, greedy decoding eager and compiled are compared token by token (exit 1 if
+they disagree beyond rounding).
 """
 import argparse
 import os
@@ -105,6 +107,7 @@ def main():
     # compile + record the graphs
     _, first_s, _ = timed(lambda: ours_run(args.slots, compile=True))
     print(f"compiled: first call (compile, CUDA graph capture, and the run) {first_s:.0f}s")
+    agreed = compiled_agrees_with_eager(ours, seqs[:args.slots], dtype)
     runs = {f"ours, {args.slots} slots, eager": lambda: ours_run(args.slots),
             f"ours, {args.slots} slots, compiled": lambda: ours_run(args.slots, compile=True),
             f"ours, {len(seqs)} rows (lockstep)": lambda: ours_run(len(seqs)),
@@ -115,6 +118,30 @@ def main():
         lengths, seconds, peak = timed(fn)
         print(f"{name:>36} {seconds:8.1f} {sum(lengths):8d} {sum(lengths) / len(lengths):8.1f} "
               f"{max(lengths):7d} {sum(lengths) / seconds:8.0f} {peak:8.1f}", flush=True)
+    sys.exit(0 if agreed else 1)
+
+
+def compiled_agrees_with_eager(model, prompts, dtype, new_tokens=32) -> bool:
+    """Greedy decoding of the prompts, eager against compiled (on a GPU: CUDA graphs, whose
+    replays must read this step's tokens, positions and cache), compared token by token. Rounding
+    differs between the two (fused kernels), so a row may take another token where two are nearly
+    tied, and then go its own way: the log-probs are compared over each row's common prefix, and
+    most rows must agree on their first tokens (a replay of stale inputs agrees on none)."""
+    eager, compiled = (generate(model, prompts, new_tokens, temperature=0, eos_token_ids=[],
+                                slots=len(prompts), compile=c) for c in (False, True))
+    same = (eager.response_ids == compiled.response_ids).cpu()  # (N, new_tokens)
+    prefix = same.long().cumprod(-1).sum(-1)  # (N,): tokens before the first difference
+    on_prefix = torch.arange(new_tokens) < prefix[:, None]  # (N, new_tokens)
+    gap = (eager.logprobs - compiled.logprobs).abs().cpu()[on_prefix]
+    bound = 0.05 if dtype == torch.bfloat16 else 1e-4  # nats: bf16's rounding, or fp32's
+    median = float(prefix.median())
+    ok = float(gap.mean()) <= bound and median >= min(4, new_tokens)
+    print(f"greedy, eager against compiled, {len(prompts)} rows x {new_tokens} tokens: "
+          f"{int((prefix == new_tokens).sum())} rows identical, common prefix median "
+          f"{median:.0f} tokens; log-prob gap on it mean {float(gap.mean()):.2e} max "
+          f"{float(gap.max()):.2e} nats (bound on the mean {bound}): {'ok' if ok else 'FAILED'}",
+          flush=True)
+    return ok
 
 
 if __name__ == "__main__":

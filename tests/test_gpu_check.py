@@ -1,6 +1,7 @@
 """benchmarks/gpu_check.py, the one-call GPU check, in its CPU smoke mode: the report is written
-and says what ran. Only its cheapest part (a DAPO step of a tiny model, ~10 s) runs here; the
-kernels' and the sampler's smoke runs take minutes on CPU (torch.compile)."""
+and says what ran. Only its cheapest parts (FSDP2 on one process and a DAPO step, a tiny model,
+~10 s each) run here; the kernels' and the sampler's smoke runs take minutes on CPU
+(torch.compile)."""
 import subprocess
 import sys
 from pathlib import Path
@@ -14,11 +15,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_gpu_check_smoke_writes_one_report(tmp_path):
     report = tmp_path / "gpu_check.md"
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--smoke",
-                           "--only", "gpu_dapo.py", "--out", str(report)],
+                           "--only", "gpu_fsdp.py", "gpu_dapo.py", "--out", str(report)],
                           capture_output=True, text=True, timeout=300)
     text = report.read_text() if report.exists() else ""
     assert done.returncode == 0, done.stdout + done.stderr + text  # the failing part's output
     assert text.startswith("# GPU check: CPU smoke run")
-    assert "gpu_dapo.py --device cpu" in text and "exit 0" in text
-    assert text.count("skipped (--only)") == 2
+    for script in ("gpu_fsdp.py", "gpu_dapo.py"):
+        assert f"{script} --device cpu" in text, script
+    assert text.count("exit 0") == 2 and text.count("skipped (--only)") == 2
+    assert "FAILED" not in text and "rollout in gathered()" in text
     assert text.rstrip().endswith("all checks exited 0")
