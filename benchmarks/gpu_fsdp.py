@@ -134,9 +134,11 @@ def run(args, device, d) -> list[str]:
     with torch.no_grad():
         with autocast():
             ref, _ = response_logprobs(one, batch, cfg.temperature)
-        # gathered, as the project's no-grad forwards outside update_policy are: after a bare
-        # no-grad forward of the sharded root, update_policy's step found no gradient on the
-        # root's weights (1 rank, gloo, torch 2.13; not a path dapo.py takes)
+        # gathered, as the project's no-grad forwards outside update_policy are: FSDP2 does not
+        # reshard the root after a forward (its backward would gather it again), so after a bare
+        # no-grad one parameters() lists the root's unsharded weights, and an optimizer built
+        # then (KeepGradient, below) holds tensors that never get a gradient. dapo.py builds its
+        # optimizer before any forward
         with distributed.gathered(sharded):
             logp, _ = response_logprobs(sharded, batch, cfg.temperature)
     gap = float(((logp - ref).abs() * batch.response_mask).sum() / batch.response_mask.sum())
