@@ -2,12 +2,12 @@
 sampler.generate against transformers on the same random weights (CPU, one thread, CPU time, best
 of rounds).
 
-    # the three parts, about 3 minutes of CPU
+    # the four parts, about 5 minutes of CPU
     .venv/bin/python benchmarks/bench_sampler.py
     # one part (uniform, rl, memory)
     .venv/bin/python benchmarks/bench_sampler.py --parts rl
-    # this sampler against an earlier revision's (about 2 minutes)
-    .venv/bin/python benchmarks/bench_sampler.py --parts against --against 015f0be --rl-rounds 4
+    # this sampler against an earlier revision's (default 015f0be; about 2 minutes)
+    .venv/bin/python benchmarks/bench_sampler.py --parts against --rl-rounds 4
     # both cores: only on an otherwise idle machine
     .venv/bin/python benchmarks/bench_sampler.py --threads 2
 
@@ -28,11 +28,12 @@ of rounds).
    (8 prompts x 8); (c) transformers' continuous batching (generate_batch, 64 requests at a time).
 3. memory: how far resident memory rises during the rl run, ours with 64 slots against 512 rows
    (Linux: VmHWM, each in a fresh process).
-4. against (--against REV): the rl case in 64 slots, this tree's sampler against git revision REV's
-   (its whole tree exported to a temporary directory), each rollout in a fresh process, the two
-   alternating for --rl-rounds rounds (at least 2); per-round tok/s and ratios. On a shared machine
-   one process can run much faster or slower than the next, so look at the spread, not one round.
-   E.g. `--parts against --against 015f0be --rl-rounds 4`.
+4. against (--against REV, default 015f0be: the sampler before its spans and prompt sharing): the
+   rl case in 64 slots, this tree's sampler against git revision REV's (its whole tree exported to a
+   temporary directory), each rollout in a fresh process, the two alternating for --rl-rounds
+   rounds (at least 2); per-round tok/s and ratios. On a shared machine one process can run much
+   faster or slower than the next, so look at the spread, not one round. Skipped in a copy that
+   lacks REV (no git history).
 
 CPU time of the process on one thread: the other tenants of a shared machine disturb it far less
 than wall time. One thread by default: on a 2-core machine a second OpenMP thread helps only while
@@ -289,6 +290,8 @@ def rl(rounds, parts):
 
 # 4. against another revision
 
+BASELINE = "015f0be"  # the sampler before its spans (plan_spans) and its prompt sharing
+
 # one rollout by the sampler and model in directory argv[1] of the sequences (JSON) on stdin:
 # prints tokens, CPU s
 ONE_ROLLOUT = """
@@ -347,10 +350,12 @@ def main():
                     help="alternating timed rounds of the uniform part (best kept)")
     ap.add_argument("--rl-rounds", type=int, default=1,
                     help="the same for the rl part (about 75 s CPU a round)")
-    ap.add_argument("--parts", default="uniform,rl,memory",
+    ap.add_argument("--parts", default="uniform,rl,memory,against",
                     help="comma-separated, from: uniform, rl, memory, against")
-    ap.add_argument("--against", default="",
-                    help="a git revision whose sampler the against part runs (see above)")
+    ap.add_argument("--against", default=BASELINE,
+                    help="a git revision whose sampler the against part runs (see above; default "
+                         "the sampler before its spans and prompt sharing, which the README's "
+                         "ratio is against)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     parts = args.parts.split(",")
@@ -364,7 +369,13 @@ def main():
     if "against" in parts:
         if not args.against:
             ap.error("--parts against needs --against REV (a git revision)")
-        against(args.against, args.rl_rounds)
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        known = subprocess.run(["git", "-C", here, "cat-file", "-e", f"{args.against}^{{commit}}"],
+                               capture_output=True).returncode == 0
+        if known:
+            against(args.against, args.rl_rounds)
+        else:  # a copy without the history (an archive, a shallow clone)
+            print(f"\n4. against {args.against}: skipped, not a commit of this checkout")
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 
