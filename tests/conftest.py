@@ -53,7 +53,7 @@ def pytest_configure(config):
 # --no-loadscope-reorder), so these go first: a long file started last keeps one core busy after
 # the other has finished.
 LONGEST_FIRST = ["test_notebook.py", "test_assign.py", "test_distributed.py", "test_sampler.py",
-                 "test_grader.py", "test_gpu_check.py"]
+                 "test_grader.py"]
 
 
 def pytest_collection_modifyitems(items):
