@@ -52,7 +52,8 @@ class Config:
     top_k: int = _flag(0, "rollout top-k (0 = off)")
     rollout_batch_size: int = _flag(64, "sequences decoding at once per process, the KV cache's "
                                         "rows: bounds its memory (0 = all)")
-    compile: bool = _flag(False, "decode with a torch.compile'd step (CUDA graphs on a GPU)")
+    compile: bool = _flag(False, "decode with a torch.compile'd step (CUDA graphs on a GPU), and "
+                                 "train with torch.compile'd decoder blocks")
     # update
     mini_batch_prompts: int = _flag(8, "prompts per optimizer step (paper: 32)")
     micro_batch_size: int = _flag(64, "sequences per forward/backward when --micro-batch-tokens "
@@ -128,6 +129,9 @@ def check_flags(cfg: Config, world: int = 1):
     ]:
         if not ok:
             problems.append(f"--{name} must be {need}, got {value}")
+    if cfg.compile and world > 1:  # FSDP2's hooks on every block are not traceable into it
+        problems.append(f"--compile runs in one process only, got {world}: the compiled decode "
+                        "step is one graph, and FSDP2's hooks in each block cannot be traced")
     for name in ("train_prompts", "mini_batch_prompts", "gen_prompts"):
         if getattr(cfg, name) % world:
             problems.append(f"--{name.replace('_', '-')} must be a multiple of the {world} "

@@ -38,6 +38,16 @@ def test_a_bad_flag_is_named_before_anything_is_loaded(tmp_path, overrides, mess
     assert not (tmp_path / "run").exists()  # nothing was created, loaded or trained
 
 
+def test_compile_under_several_processes_is_refused_naming_why(monkeypatch, tmp_path):
+    # before: torchrun --nproc_per_node=2 dapo.py --compile failed in the first decode step, inside
+    # torch._dynamo ("Attempted to call function marked as skipped", FSDP2's hook)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="bad flags") as e:
+        dapo.main(dapo.Config(out_dir=str(tmp_path / "run"), compile=True))
+    assert "--compile runs in one process only, got 2" in str(e.value)
+    assert not (tmp_path / "run").exists()
+
+
 def few_rows(tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({
