@@ -62,6 +62,8 @@ def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:
     model.activation_checkpointing = cfg.activation_checkpointing
     if distributed.world_size() > 1:  # on GPUs: bf16 compute, fp32 master weights and reductions
         distributed.shard(model, mixed_precision=cfg.device.startswith("cuda"))
+    if cfg.compile:
+        model.compile_blocks()
     return model, tok, tok_dir, resume_dir
 
 

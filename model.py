@@ -265,6 +265,7 @@ class Qwen2(nn.Module):
             norm=RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
         ))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.compiled_blocks = None  # compile_blocks(): the blocks of the forwards without a cache
         self.tie_weights()
         self.register_buffer("inv_freq", self._rope_inv_freq(), persistent=False)
         if self.inv_freq.device.type != "meta":
@@ -287,6 +288,13 @@ class Qwen2(nn.Module):
             nn.init.normal_(m.weight, std=0.02)
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
+
+    def compile_blocks(self):
+        """torch.compile each decoder block for the forwards without a KV cache (the training
+        forward, pi_old's): norms, RoPE and SwiGLU fused, one graph per block, so that FSDP2's
+        per-block hooks stay outside the graphs. Any sequence length (dynamic shapes); the weights
+        and their names are the model's own."""
+        self.compiled_blocks = [torch.compile(block, dynamic=True) for block in self.model.layers]
 
     def new_kv_cache(self, batch_size: int, max_len: int) -> KVCache:
         w = self.model.embed_tokens.weight
@@ -327,7 +335,11 @@ class Qwen2(nn.Module):
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
         # computed once, shared by all layers
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
-        for block in self.model.layers:
+        # the rollout's forwards (with a cache) run the plain blocks: its decode step is compiled
+        # apart, by the sampler
+        blocks = self.compiled_blocks if self.compiled_blocks and kv_cache is None else \
+            self.model.layers
+        for block in blocks:
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
                 # keep only each block's input and recompute its activations in the backward:
                 # memory traded for compute

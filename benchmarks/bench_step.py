@@ -20,7 +20,8 @@ toy tokenizer, which both sides load.
   model: "defaults" with dapo.py's flags (--rollout-batch-size 512, so all 256 sequences at once,
   and micro-batches of 64 rows); "eager" and "compiled" (the torch.compile'd decode step) with
   --slots 64 and micro-batches by a budget of 1024 padded tokens (dapo.py's --micro-batch-tokens),
-  the best measured here. Dynamic sampling is off: TRL has none, and a step must be one rollout.
+  the best measured here ("compiled" also trains with compiled decoder blocks, as dapo.py
+  --compile does). Dynamic sampling is off: TRL has none, and a step must be one rollout.
 - TRL: GRPOTrainer(loss_type="dapo", beta=0, epsilon=0.2, epsilon_high=0.28), generating with
   transformers' generate (no vLLM). per_device_train_batch_size 64 x gradient_accumulation_steps 4,
   with steps_per_generation 4: one generation of 256 completions per optimizer step, and no
@@ -131,6 +132,8 @@ class OurSide:
                           overlong_buffer=BUFFER, mini_batch_prompts=PROMPTS,
                           micro_batch_size=MICRO, lr=LR, device="cpu", **flags)
         self.model = Qwen2.from_pretrained(base, dtype=torch.float32)
+        if self.cfg.compile:  # as launch.load_policy does
+            self.model.compile_blocks()
         self.tok = load_tokenizer(base)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, betas=(0.9, 0.999),
                                      weight_decay=0.0)

@@ -211,6 +211,55 @@ def test_kv_cache_without_rows_writes_the_first_rows():
     assert torch.equal(cache.k[0], expected)
 
 
+@pytest.mark.parity
+@pytest.mark.needs("rope", "attention", "kv_cache")
+def test_compiled_blocks_train_as_the_eager_ones_and_leave_the_rollout_eager():
+    """--compile's training forward (Qwen2.compile_blocks): the log-probs and every gradient equal
+    the eager blocks' in float64, with and without activation checkpointing (inductor fuses and may
+    sum in another order: round-off only); the weights keep their names; and a forward with a KV
+    cache (the rollout's) runs the plain blocks."""
+    from types import SimpleNamespace
+
+    from model import response_logprobs
+    from sampler import generate
+    torch.manual_seed(0)
+    eager = Qwen2(preset("tiny", vocab_size=300)).double()
+    compiled = Qwen2(preset("tiny", vocab_size=300)).double()
+    compiled.load_state_dict(eager.state_dict())
+    compiled.compile_blocks()
+    assert list(compiled.state_dict()) == list(eager.state_dict())
+    prompt_mask = torch.ones(4, 6, dtype=torch.bool)
+    prompt_mask[0, :2] = False  # left padding
+    response_mask = torch.ones(4, 9, dtype=torch.bool)
+    response_mask[1, 5:] = False
+    batch = SimpleNamespace(prompt_ids=torch.randint(0, 300, (4, 6)), prompt_mask=prompt_mask,
+                            response_ids=torch.randint(0, 300, (4, 9)),
+                            response_mask=response_mask)
+    for checkpointing in (False, True):
+        logps, grads = [], []
+        for m in (eager, compiled):
+            m.activation_checkpointing = checkpointing
+            m.train()
+            m.zero_grad(set_to_none=True)
+            logp, _ = response_logprobs(m, batch, 1.0)
+            (logp * torch.linspace(-1, 1, 9, dtype=torch.float64)).sum().backward()
+            logps.append(logp)
+            grads.append(torch.cat([p.grad.flatten() for p in m.parameters()]))
+        scale = logps[0].abs().max()
+        assert (logps[0] - logps[1]).abs().max() <= 64 * torch.finfo(torch.float64).eps * scale
+        scale = grads[0].abs().max()
+        assert (grads[0] - grads[1]).abs().max() <= 64 * torch.finfo(torch.float64).eps * scale
+
+    def not_here(*args):
+        raise AssertionError("a compiled block ran")
+    compiled.compiled_blocks = [not_here] * len(compiled.compiled_blocks)
+    prompts = [[5, 6, 7], [8, 9]]
+    assert torch.equal(generate(compiled, prompts, 5, temperature=0).response_ids,
+                       generate(eager, prompts, 5, temperature=0).response_ids)
+    with pytest.raises(AssertionError, match="a compiled block ran"):
+        compiled(torch.tensor([[5, 6, 7]]))
+
+
 @pytest.mark.needs("rope", "attention")
 def test_hidden_and_head_paths_give_the_logits(tmp_path):
     ours = ours_from(hf_model(vocab=300, tied=False), tmp_path)
