@@ -313,6 +313,10 @@ print(int(out.lengths.sum()), time.process_time() - t0)
 def against(rev, rounds):
     """The rl case in 64 slots: this tree's sampler against revision rev's, alternating."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if subprocess.run(["git", "-C", here, "cat-file", "-e", f"{rev}^{{commit}}"],
+                      capture_output=True).returncode:  # no history here (an archive, a shallow
+        print(f"\n4. against {rev}: skipped, not a commit of this checkout")  # clone)
+        return
     code = ONE_ROLLOUT.format(demo=DEMO, new=RL_NEW, eos=RL_EOS, slots=RL_SLOTS)
     # the rl part's sequences
     seqs = [p for p in ragged_prompts(RL_PROMPTS, DEMO["vocab_size"], seed=1) for _ in range(RL_G)]
@@ -369,13 +373,7 @@ def main():
     if "against" in parts:
         if not args.against:
             ap.error("--parts against needs --against REV (a git revision)")
-        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        known = subprocess.run(["git", "-C", here, "cat-file", "-e", f"{args.against}^{{commit}}"],
-                               capture_output=True).returncode == 0
-        if known:
-            against(args.against, args.rl_rounds)
-        else:  # a copy without the history (an archive, a shallow clone)
-            print(f"\n4. against {args.against}: skipped, not a commit of this checkout")
+        against(args.against, args.rl_rounds)
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 
