@@ -117,8 +117,8 @@ def rollout(model, rows, tok: Tokenizer, cfg, *, group_size, temperature, top_p,
     sequences = [p for p in prompts for _ in range(group_size)]
     out = generate(model, sequences, cfg.max_response_len, temperature=temperature, top_p=top_p,
                    top_k=top_k, eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id,
-                   generator=generator, slots=min(cfg.rollout_batch_size or len(sequences),
-                                                  len(sequences)), compile=cfg.compile)
+                   generator=generator, slots=cfg.rollout_batch_size or None,  # 0: all
+                   compile=cfg.compile)
     # decoded only for the verifier, which reads text
     scores = [score_response(row["data_source"], tok.decode(ids[:n].tolist()),
                              row["reward_model"]["ground_truth"])
@@ -127,12 +127,13 @@ def rollout(model, rows, tok: Tokenizer, cfg, *, group_size, temperature, top_p,
     return Batch.from_rollout(out, scores, group_size)
 
 
-def evaluate(model, rows, tok, cfg, generator) -> dict:
+def evaluate(model, rows, tok, cfg) -> dict:
     """avg@k (mean accuracy over k samples per problem: the paper's avg@32 on AIME) and pass@k
     (any of the k right). Under torch.distributed each rank takes every world_size-th problem
-    and the counts are summed."""
+    and the counts are summed. A fresh generator: every evaluation draws the same numbers."""
     rank, world, k = distributed.rank(), distributed.world_size(), cfg.eval_samples
     mine = rows[rank::world]
+    generator = torch.Generator(cfg.device).manual_seed(cfg.seed + 1 + rank)
     with distributed.gathered(model):  # a rank without a problem samples one and ignores it
         batch = rollout(model, mine or rows[:1], tok, cfg, group_size=k,
                         temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, top_k=0,
@@ -280,7 +281,7 @@ def train(cfg: Config):
     train_rows, val_rows = launch.load_data(cfg, tok)
     eps_high = cfg.eps_high if cfg.clip_higher else cfg.eps_low  # technique 1 off: PPO's clip
     if cfg.eval_only:
-        result = evaluate(model, val_rows, tok, cfg, eval_generator(cfg))
+        result = evaluate(model, val_rows, tok, cfg)
         distributed.say(json.dumps(result))
         for tracker in trackers.open_all(cfg):  # runs of their own, apart from the training run
             tracker.log(result, 0)
@@ -298,7 +299,7 @@ def train(cfg: Config):
     alarms = health.Alarms(cfg.stop_when_stuck)
     for step in log.bar:  # Algorithm 1, line 1
         if cfg.eval_every and step % cfg.eval_every == 0:
-            last_val = evaluate(model, val_rows, tok, cfg, eval_generator(cfg))
+            last_val = evaluate(model, val_rows, tok, cfg)
             first_val = first_val or last_val
             log.write({"step": step, **last_val})
         t0 = time.time()
@@ -321,7 +322,7 @@ def train(cfg: Config):
         if stuck:
             raise alarms.error()
     if cfg.eval_every and start < cfg.steps:
-        last_val = evaluate(model, val_rows, tok, cfg, eval_generator(cfg))
+        last_val = evaluate(model, val_rows, tok, cfg)
         log.write({"step": cfg.steps, **last_val})
         if first_val:
             log.say_eval_change(first_val, last_val, start, cfg.steps, cfg.eval_samples)
@@ -333,11 +334,6 @@ def set_lr(opt, cfg, step):
     step 0 as verl's constant-with-warm-up schedule."""
     for group in opt.param_groups:
         group["lr"] = cfg.lr * min(1.0, step / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
-
-
-def eval_generator(cfg):
-    """A fresh generator per evaluation: every evaluation draws the same random numbers."""
-    return torch.Generator(cfg.device).manual_seed(cfg.seed + 1 + distributed.rank())
 
 
 def main(cfg: Config):
