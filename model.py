@@ -19,7 +19,7 @@ import torch.utils.checkpoint
 
 from infra import hf_io
 from infra.files import need_file
-from kernels import linear_logprobs_and_entropy, logprobs_and_entropy
+from dapo_kernels import linear_logprobs_and_entropy, logprobs_and_entropy
 
 
 @dataclass

@@ -35,7 +35,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kernels import linear_logprobs_and_entropy, logprobs_and_entropy  # noqa: E402
+from dapo_kernels import linear_logprobs_and_entropy, logprobs_and_entropy  # noqa: E402
 
 MB = 2**20
 VARIANTS = {  # name -> f(logits (N, V), targets (N,)) -> (logp, entropy), both (N,) fp32

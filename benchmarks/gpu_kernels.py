@@ -9,17 +9,17 @@ GPU machine:
     python benchmarks/gpu_kernels.py --smoke
 
 Part "logits": the Triton log-prob + entropy kernels on (rows, vocab) logits.
-1. Correctness against the chunked fp32 PyTorch reference (kernels/reference.py) on the same GPU,
-   forward and backward, reported separately for the rows from (2^31 - 1) // vocab on (14,134 at
-   V = 151936): the first rows whose element offsets no longer fit in int32. A few of those rows are
-   also checked against float64.
+1. Correctness against the chunked fp32 PyTorch reference (dapo_kernels/reference.py) on the same
+   GPU, forward and backward, reported separately for the rows from (2^31 - 1) // vocab on (14,134
+   at V = 151936): the first rows whose element offsets no longer fit in int32. A few of those rows
+   are also checked against float64.
 2. Speed with triton.testing.do_bench (median, L2 flushed): GB/s = the bytes a pass must move / its
    time (forward: read the logits once; backward: read them and write their gradient), against a
    torch copy of the same logits, which is what this card's memory really delivers (goal >= 80% of
    it), and against torch.compile of the naive log_softmax + gather + -(p * logp).sum(), in time and
    in peak memory.
-Part "head": linear_logprobs_and_entropy (the output layer fused in, kernels/linear.py) on hidden
-states (rows, hidden) and a (vocab, hidden) weight, forward + backward of a loss on logp (the
+Part "head": linear_logprobs_and_entropy (the output layer fused in, dapo_kernels/linear.py) on
+hidden states (rows, hidden) and a (vocab, hidden) weight, forward + backward of a loss on logp (the
 training pass).
 1. Correctness: the fused and the unfused path (`hidden @ weight.T` then logprobs_and_entropy) in
    --dtype, each against the unfused path in fp32 on the same (rounded) inputs: the fused one must
@@ -39,9 +39,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kernels import linear_logprobs_and_entropy, logprobs_and_entropy, reference  # noqa: E402
-from kernels.linear import default_chunk_tokens  # noqa: E402
-from kernels.logprobs import (DEFAULT_BLOCK_V, TRITON_INTERPRET, as_rows,  # noqa: E402
+from dapo_kernels import linear_logprobs_and_entropy, logprobs_and_entropy, reference  # noqa: E402
+from dapo_kernels.linear import default_chunk_tokens  # noqa: E402
+from dapo_kernels.logprobs import (DEFAULT_BLOCK_V, TRITON_INTERPRET, as_rows,  # noqa: E402
                               triton_logprobs)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

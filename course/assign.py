@@ -164,7 +164,8 @@ EXERCISES = [
         idea=("test_sample_draws_in_proportion_to_the_tempered_softmax",
               "test_sample_logprob_is_the_policys_before_truncation")),
     Exercise(
-        "logprobs_forward", "kernels/reference.py", "log-softmax and entropy of a chunk of rows",
+        "logprobs_forward", "dapo_kernels/reference.py",
+        "log-softmax and entropy of a chunk of rows",
         "Fig. 2b (entropy)", "hard", 9, "log-prob, entropy, lse and mean logit of each row",
         ("Work relative to the row max m: d = sum exp(z - m), lse = m + log d.",
          "entropy = lse - E[z], E[z] = sum p z; a -inf logit has p = 0 and 0 * -inf is NaN.",
@@ -172,7 +173,7 @@ EXERCISES = [
         _tests("test_kernels.py", "test_forward_chunk_matches_float64"),
         idea=("test_forward_chunk_matches_float64",)),
     Exercise(
-        "logprobs_backward", "kernels/reference.py", "the gradient of log-prob and entropy",
+        "logprobs_backward", "dapo_kernels/reference.py", "the gradient of log-prob and entropy",
         "Fig. 2b (entropy)", "hard", 9, "the loss's gradient w.r.t. the chunk's logits",
         ("p_j = exp(z_j - lse) from the saved lse; d logp / dz_j = 1[j = t] - p_j.",
          "d H / dz_j = -p_j (z_j - E[z]); a gradient that is None contributes nothing.",

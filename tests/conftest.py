@@ -4,7 +4,8 @@ import sys
 import tempfile
 
 # The Triton kernel runs on CPU tensors only under the interpreter, and the flag is read when the
-# module holding the @triton.jit functions is imported: set it before any test imports kernels/.
+# module holding the @triton.jit functions is imported: set it before any test imports
+# dapo_kernels/.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # torch.compile's on-disk cache is not keyed by the CPU kernel set: code compiled for AVX-512 and
 # reused under ATEN_CPU_CAPABILITY=avx2 gave wrong tokens, and under =default failed to build

@@ -27,7 +27,7 @@ def torch_kernel_path(monkeypatch):
     Triton's interpreter for the kernel's own tests, which would make these end-to-end runs
     needlessly slow."""
     import model
-    from kernels import linear_logprobs_and_entropy, logprobs_and_entropy
+    from dapo_kernels import linear_logprobs_and_entropy, logprobs_and_entropy
     monkeypatch.setattr(model, "logprobs_and_entropy",
                         lambda *a, **k: logprobs_and_entropy(*a, **k, backend="torch"))
     monkeypatch.setattr(model, "linear_logprobs_and_entropy",

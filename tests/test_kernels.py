@@ -1,4 +1,4 @@
-"""kernels/: logprobs_and_entropy against float64 autograd, on both paths: the chunked PyTorch
+"""dapo_kernels/: logprobs_and_entropy against float64 autograd, on both paths: the chunked PyTorch
 reference (the CPU path in training) and the Triton kernels, run on CPU under TRITON_INTERPRET=1
 (conftest.py sets it)."""
 import math
@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from kernels import default_backend, logprobs_and_entropy
-from kernels.logprobs import TRITON_INTERPRET, as_rows, triton_logprobs
-from kernels.reference import backward_chunk, forward_chunk
+from dapo_kernels import default_backend, logprobs_and_entropy
+from dapo_kernels.logprobs import TRITON_INTERPRET, as_rows, triton_logprobs
+from dapo_kernels.reference import backward_chunk, forward_chunk
 
 # not a multiple of the block: the last block, [2560, 3072), is partial (441 real columns)
 V, BLOCK = 3001, 512
@@ -173,15 +173,15 @@ def test_gradients_match_float64(backend, dtype, wrt):
 def test_logp_only_backward_gets_no_entropy_gradient(monkeypatch):
     # entropy is logged, not in the loss (the paper's objective, Eq. 8, has no entropy term): the
     # backward must then skip its term, not multiply zeros by it
-    import kernels.reference
+    import dapo_kernels.reference
 
-    seen, real_backward = [], kernels.reference.backward
+    seen, real_backward = [], dapo_kernels.reference.backward
 
     def spy(rows, targets, lse, mean_z, grad_logp, grad_entropy, *rest):
         seen.append(grad_entropy)
         return real_backward(rows, targets, lse, mean_z, grad_logp, grad_entropy, *rest)
 
-    monkeypatch.setattr(kernels.reference, "backward", spy)
+    monkeypatch.setattr(dapo_kernels.reference, "backward", spy)
     logits = torch.randn(3, V, requires_grad=True)
     logp, entropy = run(logits, torch.tensor([0, 1, 2]), 1.0, "torch")
     (logp * torch.randn(3)).sum().backward()
@@ -342,13 +342,13 @@ def test_kernels_compile_for_a_gpu_with_128_bit_accesses():
 
 
 def test_cpu_tensors_take_the_kernel_only_under_the_interpreter(monkeypatch):
-    import kernels.logprobs
+    import dapo_kernels.logprobs
 
     cpu = torch.zeros(1, 4)
     expected = "triton" if triton_logprobs is not None and TRITON_INTERPRET else "torch"
     assert default_backend(cpu) == expected
     # as read at import without the flag
-    monkeypatch.setattr(kernels.logprobs, "TRITON_INTERPRET", False)
+    monkeypatch.setattr(dapo_kernels.logprobs, "TRITON_INTERPRET", False)
     assert default_backend(cpu) == "torch"
 
 
@@ -357,11 +357,11 @@ def test_imports_and_runs_without_triton():
     # sys.modules["triton"] = None makes `import triton` raise ImportError, as on a machine
     # without it
     code = ("import sys; sys.modules['triton'] = None\n"
-            "import torch, kernels\n"
-            "assert kernels.logprobs.triton_logprobs is None\n"
-            "logp, entropy = kernels.logprobs_and_entropy(torch.zeros(2, 10), "
+            "import torch, dapo_kernels\n"
+            "assert dapo_kernels.logprobs.triton_logprobs is None\n"
+            "logp, entropy = dapo_kernels.logprobs_and_entropy(torch.zeros(2, 10), "
             "torch.tensor([1, 2]))\n"
-            "print(kernels.default_backend(torch.zeros(1, 4)), round(entropy[0].item(), 4))")
+            "print(dapo_kernels.default_backend(torch.zeros(1, 4)), round(entropy[0].item(), 4))")
     assert _python(code, TRITON_INTERPRET="1") == f"torch {round(math.log(10), 4)}"
 
 

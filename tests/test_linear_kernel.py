@@ -1,7 +1,7 @@
-"""kernels/linear.py: linear_logprobs_and_entropy (the output layer fused into the log-prob/entropy
-kernel) against the unfused `logits = hidden @ weight.T` then logprobs_and_entropy, and against
-float64 autograd; its memory; and the settings it trains under: a tied embedding, padding, autocast,
-activation checkpointing, FSDP2 on two ranks."""
+"""dapo_kernels/linear.py: linear_logprobs_and_entropy (the output layer fused into the
+log-prob/entropy kernel) against the unfused `logits = hidden @ weight.T` then
+logprobs_and_entropy, and against float64 autograd; its memory; and the settings it trains under: a
+tied embedding, padding, autocast, activation checkpointing, FSDP2 on two ranks."""
 import copy
 import os
 import time
@@ -12,8 +12,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels import linear_logprobs_and_entropy, logprobs_and_entropy
-from kernels.logprobs import TRITON_INTERPRET, triton_logprobs
+from dapo_kernels import linear_logprobs_and_entropy, logprobs_and_entropy
+from dapo_kernels.logprobs import TRITON_INTERPRET, triton_logprobs
 from model import Qwen2, preset
 from rendezvous import file_init
 

@@ -5,8 +5,9 @@ is what runs a DAPO step out of memory: 16k response tokens of bf16 logits are 5
 log_softmax another 10 GB.
 
 One autograd.Function, two implementations of its forward and backward:
-  - CUDA tensors                         -> the Triton kernels (kernels/triton_logprobs.py)
-  - CPU tensors                          -> the chunked PyTorch reference (kernels/reference.py)
+  - CUDA tensors                         -> the Triton kernels (dapo_kernels/triton_logprobs.py)
+  - CPU tensors                          -> the chunked PyTorch reference
+                                            (dapo_kernels/reference.py)
   - CPU tensors with TRITON_INTERPRET=1  -> the Triton kernels under Triton's interpreter
                                             (how the tests run them)
 """

@@ -4,7 +4,7 @@ program per row. The forward reads each row once and keeps three numbers; the ba
 more and writes the gradient. Neither ever holds the (rows, V) softmax, so the only full-size
 tensors are the logits and their gradient.
 
-This module imports triton at the top: kernels/logprobs.py imports it inside a try, so without
+This module imports triton at the top: dapo_kernels/logprobs.py imports it inside a try, so without
 triton the package still works (on the plain PyTorch path).
 """
 import torch

@@ -13,8 +13,8 @@ gradient. Here they exist one chunk of tokens at a time, in the forward and agai
         dz_c = g_logp (onehot - p) - g_ent p (z - E) (then / T), from lse_c and E_c
         dh_c = dz_c W        dW += dz_c^T h_c                   (fp32 sums for bf16 weights)
 
-The per-chunk log-prob/entropy work is the existing fused kernel's (kernels/logprobs.py): Triton on
-CUDA, the chunked PyTorch reference on CPU.
+The per-chunk log-prob/entropy work is the existing fused kernel's (dapo_kernels/logprobs.py):
+Triton on CUDA, the chunked PyTorch reference on CPU.
 
 Why the backward recomputes the logits instead of computing the gradients in the forward
 (Liger-Kernel's fused_linear_cross_entropy does the latter): Liger's output is a scalar loss, so the
