@@ -36,6 +36,7 @@ print("ok")
 """
 
 
+@pytest.mark.needs("rope", "attention")  # the round trip compares logits
 @pytest.mark.parametrize("order", ["ours first", "transformers first"])
 def test_transformers_and_the_kernels_package_import_beside_the_project(order):
     """From the checkout's root (the script's folder is first on sys.path, as for any script a
