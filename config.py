@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from infra import trackers
+from infra.precision import PRECISIONS
 
 
 REPORT_TO = ("jsonl", "tensorboard", "wandb", "trackio")  # --report-to, TRL's flag name
@@ -35,6 +36,10 @@ class Config:
     eval_only: bool = _flag(False, "evaluate --model on --val-data and exit")
     seed: int = _flag(0, "seeds the model init, the data order and the sampling")
     device: str = _flag("cuda" if torch.cuda.is_available() else "cpu", "cpu or cuda")
+    precision: str = _flag("auto", "compute precision: fp32, or bf16 with fp32 master weights, "
+                                   "optimizer and gradient reduction (autocast in one process, "
+                                   "FSDP2's mixed precision in several); auto: bf16 on CUDA, "
+                                   "fp32 on CPU", choices=PRECISIONS)
     # rollout
     steps: int = _flag(40, "rollout steps")
     train_prompts: int = _flag(32, "prompts per rollout step (paper: 512)")

@@ -26,7 +26,7 @@ import launch
 from batch import Batch
 from config import Config, parse_args
 from data import PromptIterator, Tokenizer, encode_prompts
-from infra import checkpoint, distributed, health, metrics, trackers
+from infra import checkpoint, distributed, health, metrics, precision, trackers
 from model import response_logprobs
 from reward import overlong_penalty, score_response
 from sampler import generate
@@ -115,10 +115,11 @@ def rollout(model, rows, tok: Tokenizer, cfg, *, group_size, temperature, top_p,
     --rollout-batch-size decode at a time (the KV cache's rows), a finished one making room."""
     prompts, _ = encode_prompts(rows, tok, cfg.max_prompt_len)
     sequences = [p for p in prompts for _ in range(group_size)]
-    out = generate(model, sequences, cfg.max_response_len, temperature=temperature, top_p=top_p,
-                   top_k=top_k, eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id,
-                   generator=generator, slots=cfg.rollout_batch_size or None,  # 0: all
-                   compile=cfg.compile)
+    with precision.autocast(cfg):  # bf16 under --precision bf16: per phase, never around a step
+        out = generate(model, sequences, cfg.max_response_len, temperature=temperature,
+                       top_p=top_p, top_k=top_k, eos_token_ids=tok.eos_token_ids,
+                       pad_token_id=tok.pad_token_id, generator=generator,
+                       slots=cfg.rollout_batch_size or None, compile=cfg.compile)  # slots 0: all
     # decoded only for the verifier, which reads text
     scores = [score_response(row["data_source"], tok.decode(ids[:n].tolist()),
                              row["reward_model"]["ground_truth"])
@@ -237,7 +238,8 @@ def update_policy(model, opt, batch: Batch, cfg, eps_high) -> dict:
         for rows, real in distributed.micro_batches(mini_batch, cfg):
             micro = mini_batch.rows(rows)
             mask = loss_mask(micro, cfg) & real  # (B, R); a stand-in micro-batch trains nothing
-            logp, entropy = response_logprobs(model, micro, cfg.temperature, cfg.fused_head)
+            with precision.autocast(cfg):  # the forward only: backward and step outside
+                logp, entropy = response_logprobs(model, micro, cfg.temperature, cfg.fused_head)
             old_logp = micro.old_logp
             if old_logp is None:  # one optimizer step: this forward is pi_old's
                 old_logp = logp.detach()
@@ -263,7 +265,8 @@ def old_logprobs(model, batch: Batch, cfg, stats: metrics.UpdateStats):
     old_logp = None
     for rows, real in distributed.micro_batches(batch, cfg):
         micro = batch.rows(rows)
-        logp, entropy = response_logprobs(model, micro, cfg.temperature, cfg.fused_head)
+        with precision.autocast(cfg):
+            logp, entropy = response_logprobs(model, micro, cfg.temperature, cfg.fused_head)
         if old_logp is None:
             old_logp = logp.new_zeros(batch.response_ids.shape)  # (N, R)
         if real:

@@ -7,7 +7,6 @@ DAPO; it is what a run needs before Algorithm 1 starts.
     load_policy(cfg)       the policy from --model, from a checkpoint (--resume) or the demo's
     load_data(cfg, tok)    training and held-out rows, from files or the toy task's
 """
-import contextlib
 import logging
 import os
 
@@ -15,7 +14,7 @@ import torch
 
 from config import Config, check_flags
 from data import Tokenizer, check_vocab, load_rows, load_tokenizer
-from infra import checkpoint, distributed, health, trackers
+from infra import checkpoint, distributed, health, precision, trackers
 from infra.files import need_file
 from model import PRESETS, ModelConfig, Qwen2
 from reward import install_reward_fn, uninstall_reward_fn
@@ -25,15 +24,13 @@ from toy import WARMUP, demo_policy, toy_rows
 def run(train, cfg: Config):
     check_flags(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
     rank, world, cfg.device = distributed.init(cfg.device, timeout_s=cfg.dist_timeout)
+    # bf16 compute with fp32 master weights: dapo.py enters autocast per forward phase, never
+    # around the whole run (infra/precision.py says why)
+    cfg.precision = precision.resolve(cfg.precision, cfg.device)
     # data.py reports through logging: rank 0 shows it, the others only warnings
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
-    # one GPU: fp32 weights, bf16 compute by autocast (under FSDP the mixed-precision policy)
-    autocast = contextlib.nullcontext()
-    if cfg.device.startswith("cuda") and world == 1:
-        autocast = torch.autocast("cuda", torch.bfloat16)
     try:
-        with autocast:
-            return train(cfg)
+        return train(cfg)
     except health.RunStuck as stuck:  # the warnings above name the cause: one line, no traceback
         distributed.say(f"error: {stuck}")
         raise SystemExit(1) from None
@@ -60,8 +57,8 @@ def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:
     tok = load_tokenizer(tok_dir)
     check_vocab(model.config.vocab_size, tok, tok_dir)
     model.activation_checkpointing = cfg.activation_checkpointing
-    if distributed.world_size() > 1:  # on GPUs: bf16 compute, fp32 master weights and reductions
-        distributed.shard(model, mixed_precision=cfg.device.startswith("cuda"))
+    if distributed.world_size() > 1:  # bf16: bf16 compute, fp32 master weights and reductions
+        distributed.shard(model, mixed_precision=cfg.precision == "bf16")
     if cfg.compile:
         model.compile_blocks()
     return model, tok, tok_dir, resume_dir

@@ -231,8 +231,9 @@ class KVCache:
         index = torch.arange(n, device=k.device) if rows is None else rows  # (n,)
         # index[:, None] and positions index dims 0 and 2 together: the indexed shape is
         # (n, T, Hkv, D)
-        self.k[layer][index[:, None], :, positions] = k.transpose(1, 2)
-        self.v[layer][index[:, None], :, positions] = v.transpose(1, 2)
+        # in the cache's dtype: under autocast, RoPE's fp32 tables make k fp32, the cache is bf16
+        self.k[layer][index[:, None], :, positions] = k.transpose(1, 2).to(self.k[layer].dtype)
+        self.v[layer][index[:, None], :, positions] = v.transpose(1, 2).to(self.v[layer].dtype)
         S = self.length or self.k[layer].shape[2]
         if rows is None:  # the first rows in order (a decode step: all of them): views, no copy
             return self.k[layer][:n, :, :S], self.v[layer][:n, :, :S]

@@ -24,7 +24,6 @@ bounds are loose: they catch a weight that gets no gradient, a gradient or a wei
 dtype, or a sampler reading other weights than the trainer, not rounding.
 """
 import argparse
-import contextlib
 import copy
 import os
 import sys
@@ -37,7 +36,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dapo  # noqa: E402
 from data import load_tokenizer  # noqa: E402
-from infra import distributed  # noqa: E402
+from infra import distributed, precision  # noqa: E402
 from model import Qwen2, num_params, preset, response_logprobs  # noqa: E402
 from toy import make_toy_tokenizer, toy_rows  # noqa: E402
 
@@ -59,10 +58,9 @@ class KeepGradient(torch.optim.Optimizer):
             else distributed.as_local(p.grad).flatten().double().cpu() for p in params])
 
 
-def gradient(model, batch, cfg, precision):
+def gradient(model, batch, cfg):
     opt = KeepGradient(model.parameters())
-    with precision():
-        dapo.update_policy(model, opt, batch, cfg, cfg.eps_high)
+    dapo.update_policy(model, opt, batch, cfg, cfg.eps_high)  # cfg.precision: its autocast
     return opt.gradient, opt.missing
 
 
@@ -112,15 +110,16 @@ def run(args, device, d) -> list[str]:
                       max_response_len=args.max_response_len,
                       overlong_buffer=args.max_response_len // 4, dynamic_sampling=False,
                       grad_clip=1e9)  # no clipping: the gradient as computed
-    autocast = (lambda: torch.autocast("cuda", torch.bfloat16)) if on_gpu else \
-        contextlib.nullcontext
-    fp32 = contextlib.nullcontext
+    # the one-GPU side: bf16 autocast per forward phase (dapo.py's, from --precision); the sharded
+    # side: no autocast, FSDP's policy gathers bf16 weights; and fp32, the reference
+    autocast, fp32 = replace(cfg, precision="bf16" if on_gpu else "fp32"), \
+        replace(cfg, precision="fp32")
     rows = toy_rows(args.prompts, seed=0)
     g = torch.Generator(device).manual_seed(0)
 
-    def rollout(model, precision):
-        with precision(), distributed.gathered(model):
-            batch = dapo.rollout(model, rows, tok, cfg, group_size=cfg.group_size,
+    def rollout(model, run_cfg):
+        with distributed.gathered(model):
+            batch = dapo.rollout(model, rows, tok, run_cfg, group_size=cfg.group_size,
                                  temperature=1.0, top_p=1.0, top_k=0, generator=g)
         adv = torch.randn(len(batch), generator=torch.Generator().manual_seed(1))
         return replace(batch, adv=adv.to(device))
@@ -132,7 +131,7 @@ def run(args, device, d) -> list[str]:
 
     batch = rollout(one, autocast)  # one batch, the same tokens for every side below
     with torch.no_grad():
-        with autocast():
+        with precision.autocast(autocast):
             ref, _ = response_logprobs(one, batch, cfg.temperature)
         # gathered, as the project's no-grad forwards outside update_policy are: FSDP2 does not
         # reshard the root after a forward (its backward would gather it again), so after a bare
@@ -145,9 +144,9 @@ def run(args, device, d) -> list[str]:
     bound = 0.05 if on_gpu else 1e-5
     checks.append(("log-probs: mean |sharded - one-GPU| (nats)", gap, bound, gap <= bound))
 
-    (g_one, _), (g_sharded, missing) = (gradient(one, batch, cfg, autocast),
-                                        gradient(sharded, batch, cfg, fp32))
-    g_fp32, _ = gradient(one, batch, cfg, fp32)
+    g_one, _ = gradient(one, batch, autocast)
+    g_sharded, missing = gradient(sharded, batch, fp32)
+    g_fp32, _ = gradient(one, batch, fp32)
     checks.append(("gradient: sharded weights without one", missing, 0, missing == 0))
     cos, ratio = cosine(g_sharded, g_one), float(g_sharded.norm() / g_one.norm())
     bound = 0.98 if on_gpu else 1 - 1e-6
@@ -159,7 +158,7 @@ def run(args, device, d) -> list[str]:
         checks.append((f"  (information) cosine {name} / fp32", cosine(grad, g_fp32), None, True))
 
     own_batch = rollout(sharded, fp32)
-    stats = dapo.update_policy(sharded, KeepGradient(sharded.parameters()), own_batch, cfg,
+    stats = dapo.update_policy(sharded, KeepGradient(sharded.parameters()), own_batch, fp32,
                                cfg.eps_high)
     drift = stats["training/rollout_logp_diff_mean"]
     bound = 0.05 if on_gpu else 1e-5  # the run's own warning is at 0.05 nats

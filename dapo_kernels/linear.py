@@ -101,17 +101,36 @@ def chunk_logits_grad(logits, targets, lse, mean_z, grad_logp, grad_entropy, tem
                               scratch_rows(logits.shape[1]), out=logits)
 
 
+_mixed_addmm = {}  # device type -> whether torch.addmm takes bf16 inputs and an fp32 out there
+
+
+def has_mixed_addmm(device: torch.device) -> bool:
+    """Whether this torch can multiply half-precision matrices straight into an fp32 sum on this
+    device (torch.addmm's out_dtype: CUDA on recent releases; not on CPU, nor in older torch
+    releases, whatever the device). Tried once per device type."""
+    if device.type not in _mixed_addmm:
+        out = torch.zeros(2, 2, device=device)
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+        try:
+            torch.addmm(out, a, a, out_dtype=torch.float32, out=out)
+            _mixed_addmm[device.type] = bool(out[0, 0] == 2)
+        except (TypeError, RuntimeError, NotImplementedError):  # no such overload or kernel
+            _mixed_addmm[device.type] = False
+    return _mixed_addmm[device.type]
+
+
 def accumulate_weight_grad(grad_weight, grad_logits, hidden):
     """grad_weight (V, C) += grad_logits.T (V, n) @ hidden (n, C), summing in grad_weight's dtype
     (fp32 for a half-precision weight: adding each chunk's product rounded to bf16 would lose low
-    bits once per chunk)."""
+    bits once per chunk). The two mixed-precision paths compute the same products (a bf16 value is
+    exact in fp32) and sum them in fp32."""
     if grad_weight.dtype == grad_logits.dtype:
         grad_weight.addmm_(grad_logits.T, hidden)
-    elif grad_weight.is_cuda:
-        # cuBLAS multiplies bf16 and accumulates into the fp32 buffer directly
-        torch.addmm(grad_weight, grad_logits.T, hidden, out_dtype=torch.float32, out=grad_weight)
-    else:  # no bf16 x bf16 -> fp32 matmul on CPU: upcast the chunk (a chunk-sized copy)
-        grad_weight.addmm_(grad_logits.T.float(), hidden.float())
+    elif has_mixed_addmm(grad_weight.device):  # e.g. cuBLAS: no fp32 copy of the chunk
+        torch.addmm(grad_weight, grad_logits.T, hidden, out_dtype=grad_weight.dtype,
+                    out=grad_weight)
+    else:  # upcast the chunk (a chunk-sized copy)
+        grad_weight.addmm_(grad_logits.T.to(grad_weight.dtype), hidden.to(grad_weight.dtype))
 
 
 class LinearLogProbsAndEntropy(torch.autograd.Function):

@@ -32,7 +32,7 @@ from dataclasses import asdict
 import torch
 from safetensors import SafetensorError, safe_open
 
-from infra import distributed, files
+from infra import distributed, files, precision
 from infra.hf_io import checkpoint_files, first_nonfinite, save_hf_checkpoint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
@@ -66,6 +66,7 @@ def step_if_finite(model, opt, grad_clip: float) -> tuple[float, bool]:
     an inf anywhere: then skip it (the weights stay finite) and say so. Then check that the step
     left no NaN in the weights (they would train on, every group then looking all wrong, into
     every checkpoint). Clears the gradients. -> (the norm before clipping, whether it stepped)."""
+    precision.check_no_autocast()
     grad_norm = distributed.as_local(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
     stepped = bool(torch.isfinite(grad_norm))
     if stepped:

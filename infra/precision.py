@@ -1,0 +1,50 @@
+"""
+Compute precision: fp32, or bf16 with fp32 master weights (the precision of every GPU run, and of
+`--precision bf16` on CPU, where torch's CPU autocast runs the same machinery as CUDA's).
+
+    --precision  one process                        several (FSDP2)
+    fp32         fp32 throughout                    fp32 throughout
+    bf16         autocast around each forward phase gathered weights and compute in bf16
+                 (a rollout, an evaluation, each    (MixedPrecisionPolicy); shards, optimizer
+                 micro-batch's forward)             and gradient reduction in fp32
+    auto         bf16 on CUDA, fp32 on CPU
+
+In one process the weights stay fp32 and autocast casts them to bf16 as each matmul reads them.
+Autocast keeps those bf16 copies for the life of the outermost autocast region, so a region must
+never hold an optimizer step: forwards after the step, inside the same region, would still read
+the copies of the weights from before it (every linear layer; only the embeddings and norms, which
+autocast leaves in fp32, would move). Hence autocast() per phase, and check_no_autocast() before
+each step.
+"""
+import contextlib
+
+import torch
+
+from infra import distributed
+
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+def resolve(precision: str, device: str) -> str:
+    """--precision auto -> bf16 on CUDA, fp32 on CPU; fp32 and bf16 as they are."""
+    if precision == "auto":
+        return "bf16" if device.startswith("cuda") else "fp32"
+    return precision
+
+
+def autocast(cfg):
+    """The context of one forward phase (cfg: --precision, already resolved, and --device): bf16
+    autocast for a bf16 run in one process; nothing for fp32, nor under FSDP2, whose mixed
+    precision gathers the weights in bf16 already (launch.load_policy)."""
+    if cfg.precision != "bf16" or distributed.world_size() > 1:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(cfg.device).type, torch.bfloat16)
+
+
+def check_no_autocast():
+    """Refuse an optimizer step inside an autocast region: the forwards after it in the region
+    would read the weights' bf16 copies from before the step (see the module docstring)."""
+    if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+        raise RuntimeError("an optimizer step inside an autocast region: the forwards after it "
+                           "in the region would use the weights from before it. Enter autocast "
+                           "per forward phase (infra/precision.py), never around opt.step()")
