@@ -169,6 +169,9 @@ def collect_batch(model, prompt_iter, tok, cfg, generator) -> tuple[Batch | None
                             generator=generator)
         # --- DAPO technique 4: overlong reward shaping (paper Sec. 3.4, Eq. 13) ---
         batch = replace(batch, reward=shape_rewards(batch.response_lengths, batch.score, cfg))
+        # --- Algorithm 1, line 9: group advantages (paper Eq. 9), one per response: here, where
+        # each group is whole (its responses may then train on several ranks) ---
+        batch = replace(batch, adv=group_advantages(batch.reward, cfg.group_size))
         seen.append(batch)
         # --- DAPO technique 2: dynamic sampling (paper Sec. 3.2): keep the groups with signal ---
         keep = keep_groups(batch.acc, cfg.group_size) if cfg.dynamic_sampling else \
@@ -179,8 +182,11 @@ def collect_batch(model, prompt_iter, tok, cfg, generator) -> tuple[Batch | None
         t_first = t_first or time.time() - t_start
     n_kept = distributed.all_reduce(len(kept))
     n_take = groups_to_train(n_kept, cfg)
-    # this rank's share of the first n_take, as one process would have kept them
-    shared = distributed.share_in_order(kept, n_take, cfg.mini_batch_prompts)
+    # this rank's share of the responses of the first n_take, as one process would have kept them:
+    # each mini-batch's split evenly between the ranks
+    G = cfg.group_size
+    responses = {g * G + i: r for g, group in kept.items() for i, r in enumerate(group.split(1))}
+    shared = distributed.share_in_order(responses, n_take * G, cfg.mini_batch_prompts * G)
     trained, generated = Batch.cat(shared) if n_take else None, Batch.cat(seen)
     return (trained,
             metrics.rollout_metrics(generated, cfg.group_size)
@@ -216,7 +222,7 @@ def update_policy(model, opt, batch: Batch, cfg, eps_high) -> dict:
     mini-batch. Returns the step's training metrics, summed over ranks."""
     model.train()
     world = distributed.world_size()
-    mini_rows = cfg.mini_batch_prompts // world * cfg.group_size  # this rank's rows per step
+    mini_rows = cfg.mini_batch_prompts * cfg.group_size // world  # this rank's rows per step
     stats = metrics.UpdateStats()
     # pi_old (Algorithm 1, line 4): with several optimizer steps per rollout the policy moves
     # between them, so the log-probs of the policy that sampled the batch are recomputed now by
@@ -312,8 +318,6 @@ def train(cfg: Config):
         t_gen = time.time() - t0
         if batch is not None:
             row |= metrics.training_batch_metrics(batch)
-            # --- Algorithm 1, line 9: group advantages (paper Eq. 9), one per response ---
-            batch = replace(batch, adv=group_advantages(batch.reward, cfg.group_size))
             # --- Algorithm 1, lines 10-11: optimizer steps on the batch (Eq. 8) ---
             row |= update_policy(model, opt, batch, cfg, eps_high)
         log.step(step + 1, row, opt.param_groups[0]["lr"], t_gen, time.time() - t0 - t_gen)

@@ -14,11 +14,11 @@ import torch
 
 from config import Config, check_flags
 from data import Tokenizer, check_vocab, load_rows, load_tokenizer
-from infra import checkpoint, distributed, health, precision, trackers
+from infra import checkpoint, distributed, health, memory, precision, trackers
 from infra.files import need_file
 from model import PRESETS, ModelConfig, Qwen2
 from reward import install_reward_fn, uninstall_reward_fn
-from toy import WARMUP, demo_policy, toy_rows
+from toy import WARMUP, demo_model_config, demo_policy, toy_rows
 
 
 def run(train, cfg: Config):
@@ -30,6 +30,9 @@ def run(train, cfg: Config):
     # data.py reports through logging: rank 0 shows it, the others only warnings
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     try:
+        plan_memory(cfg, world)  # before anything loads: a run that cannot fit stops here
+        if cfg.plan:
+            return None
         return train(cfg)
     except health.RunStuck as stuck:  # the warnings above name the cause: one line, no traceback
         distributed.say(f"error: {stuck}")
@@ -37,6 +40,32 @@ def run(train, cfg: Config):
     finally:
         trackers.close_all()  # a crash still flushes what the trackers were given
         distributed.shutdown()
+
+
+def plan_memory(cfg: Config, world: int) -> memory.Plan:
+    """The memory plan per process (infra/memory.py) from the model's config.json and the flags,
+    printed by rank 0. A run that cannot fit the device stops with the numbers; --rollout-batch-size
+    auto becomes the slots that fit. --plan N: the plan for N processes, against no device."""
+    planned = cfg.plan if cfg.plan > 0 else world
+    capacity = memory.device_capacity(cfg.device) if planned == world else 0
+    plan = memory.plan(model_config(cfg), cfg, planned, capacity)
+    distributed.say(plan.describe(cfg.device if capacity else "a device of any size"))
+    if not cfg.plan:
+        memory.refuse_if_too_big(plan, cfg.device)
+        cfg.rollout_batch_size = plan.slots if cfg.rollout_batch_size == "auto" else \
+            cfg.rollout_batch_size
+    return plan
+
+
+def model_config(cfg: Config) -> ModelConfig:
+    """The shape of the policy a run will load: --model's, the checkpoint's (--resume) or the
+    demo's; from config.json alone."""
+    if cfg.resume:
+        return ModelConfig.from_json(need_file(os.path.join(checkpoint.latest(cfg.out_dir),
+                                                            "model"), "config.json"))
+    if cfg.model:
+        return ModelConfig.from_json(need_file(cfg.model, "config.json"))
+    return demo_model_config()
 
 
 def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:

@@ -72,6 +72,9 @@ PRESETS = {
     "qwen2.5-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
                        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                        tie_word_embeddings=False),
+    "qwen2.5-32b": dict(vocab_size=152064, hidden_size=5120, intermediate_size=27648,
+                        num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
+                        tie_word_embeddings=False),
 }
 
 

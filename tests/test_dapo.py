@@ -335,7 +335,7 @@ def test_dynamic_sampling_cap_trains_whole_mini_batches_and_says_so(tiny_model_d
     assert f"with {kept} of 4 groups with signal; training on" in "".join(capsys.readouterr())
 
 
-@pytest.mark.needs("keep_groups", "overlong_penalty")
+@pytest.mark.needs("keep_groups", "overlong_penalty", "group_advantages")
 def test_dynamic_sampling_cap_stops_with_an_error_when_asked(monkeypatch):
     monkeypatch.setattr(dapo, "rollout", scripted_rollout)
     cfg = Config(train_prompts=4, gen_prompts=4, group_size=2, mini_batch_prompts=2,
@@ -345,7 +345,7 @@ def test_dynamic_sampling_cap_stops_with_an_error_when_asked(monkeypatch):
         dapo.collect_batch(torch.nn.Linear(1, 1), iterator, None, cfg, None)
 
 
-@pytest.mark.needs("keep_groups", "overlong_penalty")
+@pytest.mark.needs("keep_groups", "overlong_penalty", "group_advantages")
 def test_filtered_counts_groups_without_signal_not_the_surplus(monkeypatch):
     # 3 groups with signal and 1 all-correct, for a batch of 2: 1 filtered, 1 surplus
     monkeypatch.setattr(dapo, "rollout", scripted_rollout)
@@ -357,18 +357,24 @@ def test_filtered_counts_groups_without_signal_not_the_surplus(monkeypatch):
     assert m["train/groups_kept"] == batch.num_groups == 2
 
 
-@pytest.mark.needs("keep_groups", "overlong_penalty")
-def test_two_ranks_keep_the_groups_one_process_keeps(tmp_path, monkeypatch):
-    """From the same (scripted) generations, 2 ranks train each mini-batch on the same groups as
-    one process, although the ranks found groups with signal at different rates."""
+@pytest.mark.needs("keep_groups", "overlong_penalty", "group_advantages")
+@pytest.mark.parametrize("split", ["groups", "rows"])
+def test_two_ranks_keep_the_groups_one_process_keeps(tmp_path, monkeypatch, split):
+    """From the same (scripted) generations, 2 ranks train each mini-batch on the same responses
+    as one process, although the ranks found groups with signal at different rates: whole groups
+    with 2 prompts per mini-batch, and with 1 (fewer than the ranks, as the paper's 32 prompts on
+    128 GPUs) each rank one of the group's 2 responses."""
     import collect_worker
     monkeypatch.setattr(dapo, "rollout", scripted_rollout)
-    one, one_metrics = collect_worker.collect()
-    torchrun_collect(tmp_path)
+    cfg = replace(collect_worker.CFG, mini_batch_prompts=1) if split == "rows" else \
+        collect_worker.CFG
+    one, one_metrics = collect_worker.collect(cfg)
+    torchrun_collect(tmp_path, *(["rows"] if split == "rows" else []))
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
     two = [sorted(a + b) for a, b in zip(ranks[0]["mini_batches"], ranks[1]["mini_batches"])]
     assert two == [sorted(m) for m in one]
-    assert all(len(a) == 2 for r in ranks for a in r["mini_batches"])  # an even split
+    share = 1 if split == "rows" else 4  # an even split: responses per rank and mini-batch
+    assert all(len(a) == share for r in ranks for a in r["mini_batches"])
     assert ranks[0]["metrics"]["train/num_gen_batches"] == one_metrics["train/num_gen_batches"]
     # the case is not trivial: rank 0 took prompts 0, 2, 4 of each generation batch, rank 1 the
     # others, and one of them held more than its half of the groups with signal
@@ -376,10 +382,10 @@ def test_two_ranks_keep_the_groups_one_process_keeps(tmp_path, monkeypatch):
     assert len(owned[0]) != len(owned[1])
 
 
-def torchrun_collect(out_dir):
+def torchrun_collect(out_dir, *args):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "tests/collect_worker.py", str(out_dir)]
+           "tests/collect_worker.py", str(out_dir), *args]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 

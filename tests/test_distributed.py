@@ -5,13 +5,14 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
 from dapo import update_policy
 from data import load_tokenizer
-from dist_worker import CFG, PROBE, load_model, make_batch, make_optimizer
+from dist_worker import PROBE, load_model, make_batch, make_optimizer, run_config
 from model import Qwen2
 from rendezvous import held_store_env
 
@@ -34,10 +35,12 @@ def torchrun(*args, timeout=300):
 
 
 def one_process_update(model_dir, opt_name):
+    """The same update in one process (micro-batches by count, whatever the 2 ranks used)."""
     model = load_model(model_dir)
     tok = load_tokenizer(model_dir)
+    cfg = replace(run_config(opt_name), micro_batch_tokens=0)
     metrics = update_policy(model, make_optimizer(opt_name, model.parameters()),
-                            make_batch(tok.vocab_size), CFG, 0.28)
+                            make_batch(tok.vocab_size), cfg, 0.28)
     return model, metrics
 
 
@@ -49,7 +52,7 @@ def two_rank_step(tiny_model_dir, tmp_path_factory):
         out = tmp_path_factory.mktemp(f"two-{opt_name}")
         torchrun("tests/dist_worker.py", tiny_model_dir, str(out), opt_name)
         return out, torch.load(out / "result.pt", weights_only=True)
-    return {name: run(name) for name in ("sgd", "adamw", "sgd-tokens")}
+    return {name: run(name) for name in ("sgd", "adamw", "sgd-tokens", "sgd-rows")}
 
 
 # Both sides run in float64: they sum the same gradient terms in another order (2 ranks, then the
@@ -63,6 +66,9 @@ def two_rank_step(tiny_model_dir, tmp_path_factory):
     ("adamw", 1e-7),
     # micro-batches by token budget on 2 ranks, against fixed-size ones in one process
     ("sgd-tokens", 1e-9),
+    # one prompt per optimizer step: each rank trains half of each group's responses (what lets
+    # the paper's 32-prompt mini-batch run on 128 ranks)
+    ("sgd-rows", 1e-9),
 ])
 @pytest.mark.needs("policy_loss", "token_count", "logprobs_forward", "logprobs_backward", "rope",
                    "attention")
@@ -76,7 +82,8 @@ def test_two_ranks_take_the_same_step_as_one(tiny_model_dir, two_rank_step, opt_
           f"(which moved weights by up to {moved:.2e})")
     assert all(v.dtype == torch.float64 for v in two["weights"].values())
     assert worst < tol * moved and moved > 1e-4
-    assert two["metrics"]["train/updates"] == metrics["train/updates"] == 2
+    steps = 4 if opt_name.endswith("-rows") else 2  # 4 groups, in mini-batches of 1 or 2 prompts
+    assert two["metrics"]["train/updates"] == metrics["train/updates"] == steps
     assert two["metrics"]["actor/pg_loss"] == pytest.approx(metrics["actor/pg_loss"], rel=1e-12)
     parity = [k for k in metrics if k.startswith("training/rollout_")]  # summed over ranks too
     assert len(parity) == 6 and all(two["metrics"][k] == pytest.approx(metrics[k], rel=1e-12)
