@@ -134,6 +134,18 @@ def shard(model, mixed_precision: bool):
     return model
 
 
+def local_rows(model) -> dict:
+    """{name: (the rows of dim 0 this rank holds, the full shape, its local tensor)} for each
+    parameter of a model that shard() has sharded: FSDP2 cuts dim 0 as torch.chunk does (rank r
+    holds rows [r c, r c + c), c = ceil(rows / world); the last ranks may hold fewer, or none)."""
+    out = {}
+    for name, p in model.named_parameters():
+        local = p.to_local()
+        start = min(rank() * -(-p.shape[0] // world_size()), p.shape[0])
+        out[name] = slice(start, start + local.shape[0]), p.shape, local
+    return out
+
+
 def _fsdp_modules(model):
     from torch.distributed.fsdp import FSDPModule
     return [m for m in model.modules() if isinstance(m, FSDPModule)]

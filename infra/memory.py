@@ -17,7 +17,7 @@ checks the formulas against that count). Not counted: the CUDA context and the a
 fragmentation (OVERHEAD_GB and MARGIN below), a backward's transient gradients of one block.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -157,14 +157,24 @@ def plan(m, cfg, world: int, capacity: int = 0, slots: int | None = None) -> Pla
         activations=int(micro_tokens * activation_bytes_per_token(
             m, mode, cfg.activation_checkpointing)), head=head, capacity=capacity)
     wanted = slots if slots is not None else cfg.rollout_batch_size
-    if wanted == "auto":
-        room = MARGIN * capacity - OVERHEAD_GB * GB - result.shards - gathered_rollout
-        wanted = max(1, min(int(room // per_slot), max_slots(cfg, world))) if capacity else 64
-    result.slots = int(wanted) or max_slots(cfg, world)  # 0: one row per sequence
-    result.kv_cache = result.slots * positions * kv_bytes_per_token(m, act_bytes)
-    result.sampling = result.slots * SAMPLING_BYTES * m.vocab_size
-    result.prefill = prefill_bytes(m, cfg, result.slots, act_bytes)
-    return result
+    if wanted != "auto":
+        return with_slots(result, m, cfg, int(wanted) or max_slots(cfg, world))  # 0: all
+    if not capacity:
+        return with_slots(result, m, cfg, 64)  # the default, for a plan against no device
+    room = MARGIN * capacity - OVERHEAD_GB * GB - result.shards - gathered_rollout
+    guess = max(1, min(int(room // per_slot), max_slots(cfg, world)))
+    while guess > 1 and not with_slots(result, m, cfg, guess).fits:  # the prefill grows too
+        guess -= max(1, guess // 16)
+    return with_slots(result, m, cfg, guess)
+
+
+def with_slots(p: Plan, m, cfg, slots: int) -> Plan:
+    """p with the rollout's parts for this many KV-cache slots."""
+    act_bytes = 2 if p.precision == "bf16" else 4
+    return replace(p, slots=slots,
+                   kv_cache=slots * p.positions * kv_bytes_per_token(m, act_bytes),
+                   sampling=slots * SAMPLING_BYTES * m.vocab_size,
+                   prefill=prefill_bytes(m, cfg, slots, act_bytes))
 
 
 def max_slots(cfg, world: int) -> int:
