@@ -125,8 +125,10 @@ EXERCISES = [
          "The last match of a left-to-right scan, not a search from the end."),
         _tests("test_reward.py", "test_extract_answer_matches_math_dapo",
                "test_extract_answer_reads_only_the_last_300_characters",
+               "test_extract_answer_takes_the_last_answer_of_a_response_that_corrects_itself",
                "test_extract_answer_takes_the_last_of_thousands_of_lines"),
-        idea=("test_extract_answer_reads_only_the_last_300_characters",)),
+        idea=("test_extract_answer_reads_only_the_last_300_characters",
+              "test_extract_answer_takes_the_last_answer_of_a_response_that_corrects_itself")),
     Exercise(
         "normalize", "reward.py", "math_dapo's answer normalisation", "Eq. 7 (Sec. 2.4)",
         "medium", 5, "REPLACEMENTS, REMOVED, REWRITES, in order",

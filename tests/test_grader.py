@@ -95,6 +95,37 @@ def test_a_solution_that_misses_the_idea_scores_at_most_half():
     assert assign.exercise_score(policy_loss, 20, 20, []) == 12
 
 
+# Idea-level mistakes, each in the body of its exercise: (exercise, reference line, the mistake)
+MISTAKES = [
+    # the first Answer: instead of the last (a response that corrects itself ends with its answer)
+    ("extract_answer", "return found[-1] if found else NO_ANSWER",
+     "return found[0] if found else NO_ANSWER"),
+    # the two clip bounds swapped (Eq. 10)
+    ("policy_loss", "clipped = ratio.clamp(1 - eps_low, 1 + eps_high)",
+     "clipped = ratio.clamp(1 - eps_high, 1 + eps_low)"),
+    # the population std where Eq. 9 (and verl) take the unbiased one
+    ("group_advantages", "(r.std(1, keepdim=True) + eps)",
+     "(r.std(1, keepdim=True, unbiased=False) + eps)"),
+]
+
+
+def test_an_idea_level_mistake_keeps_at_most_half_the_points(tmp_path):
+    """Each mistake planted in an otherwise complete copy (one exercise each, so one grading run
+    scores them all)."""
+    copy = tmp_path / "copy"
+    for path in assign.source_files(ROOT):
+        (copy / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(os.path.join(ROOT, path), copy / path)
+    for exercise, line, mistake in MISTAKES:
+        text = read(str(copy), BY_ID[exercise].file)
+        assert text.count(line) == 1, f"{exercise}: the reference no longer holds {line!r}"
+        (copy / BY_ID[exercise].file).write_text(text.replace(line, mistake))
+    report = assign.grade([e for e, _, _ in MISTAKES], json_path=str(tmp_path / "results.json"),
+                          root=str(copy))
+    scores = {t["name"]: t["score"] for t in report["tests"]}
+    assert all(scores[e] <= BY_ID[e].points / 2 for e, _, _ in MISTAKES), scores
+
+
 def test_extra_tests_count_for_the_exercise_they_name(tmp_path):
     (tmp_path / "private").mkdir()
     (tmp_path / "private" / "test_private_groups.py").write_text(PRIVATE)
