@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 BENCH_VENV := .venv-bench
 
-.PHONY: run test bench bench-step gpu-check ablate handout grade clean
+.PHONY: run test bench bench-step gpu-check ablate notebook handout check grade clean
 
 $(VENV)/.runtime: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -69,11 +69,16 @@ gpu-check: $(VENV)/.test
 ablate: $(VENV)/.extra
 	OMP_NUM_THREADS=1 $(PY) experiments/ablate.py
 
-# Course assignments (docs/instructors.md): the student copy, each exercise's body replaced by
-# a raise that names it (course/assign.py needs only Python and git), and the score of a copy or of this.
+# Course assignments (docs/instructors.md): the student copy, each exercise's body replaced by a
+# raise that names it, without the instructor's files or the notebook's outputs (course/assign.py
+# needs only Python and git); one exercise's tests (EX=rope; all without EX); the score of a copy
+# or of this.
 OUT ?= runs/handout
 handout:
 	$(PYTHON) course/assign.py handout $(OUT)
+
+check: $(VENV)/.test
+	$(PY) course/assign.py check $(EX)
 
 # ARGS: e.g. ARGS="--extra-tests ../private --json results.json"
 grade: $(VENV)/.test

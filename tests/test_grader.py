@@ -13,19 +13,7 @@ import pytest
 import assign
 from assign import BY_ID, EXERCISES, INTEGRATION_POINTS
 
-from test_assign import ROOT, grading_exercise, read  # the registry's helpers
-
-
-def restore(root, exercise):
-    """Put the reference's body of one exercise back into the copy at root."""
-    path = BY_ID[exercise].file
-    lines, ref = read(root, path).splitlines(True), read(ROOT, path).splitlines(True)
-    regions = [r for r in assign.find_regions("".join(lines), path) if r.id == exercise]
-    ref_regions = [r for r in assign.find_regions("".join(ref), path) if r.id == exercise]
-    for r, s in reversed(list(zip(regions, ref_regions))):
-        lines[r.start + 1:r.end] = ref[s.start + 1:s.end]
-    with open(os.path.join(root, path), "w", encoding="utf-8") as f:
-        f.write("".join(lines))
+from test_assign import ROOT, grading_exercise, read, restore  # the registry's helpers
 
 
 @pytest.fixture(scope="module")

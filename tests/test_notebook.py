@@ -26,5 +26,7 @@ def test_the_committed_notebook_is_the_builders_with_outputs():
     committed = nbformat.read(build.PATH, as_version=4)
     sources = [c.source for c in committed.cells]
     assert sources == [c.source for c in build.build().cells], "rerun notebooks/build.py"
+    if os.path.exists(os.path.join(ROOT, "EXERCISES.md")):
+        return  # a student handout: course/assign.py strips the outputs (students run it)
     assert all(c.outputs for c in committed.cells if c.cell_type == "code"
                and "import" not in c.source.split("\n")[0] and "Colab" not in c.source)
