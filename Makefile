@@ -22,6 +22,10 @@ $(VENV)/.extra: requirements-extra.txt $(VENV)/.runtime
 	$(PIP) install -q -r requirements-extra.txt
 	touch $@
 
+$(VENV)/.notebook: requirements-notebook.txt $(VENV)/.runtime
+	$(PIP) install -q -r requirements-notebook.txt
+	touch $@
+
 # The embedded demo: a tiny Qwen2 is warmed up on a toy task (once; cached in runs/demo-base), then
 # trained with DAPO; prints val/acc before -> after and writes runs/demo/metrics.jsonl
 # (`python experiments/plot.py` draws it).
@@ -68,6 +72,12 @@ gpu-check: $(VENV)/.test
 # and clip_bandit.png (matplotlib: requirements-extra.txt).
 ablate: $(VENV)/.extra
 	OMP_NUM_THREADS=1 $(PY) experiments/ablate.py
+
+# The walkthrough notebook, opened in Jupyter (installed into .venv/ the first time). RUN=1: run
+# without a browser, into runs/notebook/dapo_step.ipynb (with its outputs).
+JUPYTER = $(if $(RUN),jupyter nbconvert --to notebook --execute --output-dir runs/notebook,notebook)
+notebook: $(VENV)/.notebook
+	$(PY) -m $(JUPYTER) notebooks/dapo_step.ipynb
 
 # Course assignments (docs/instructors.md): the student copy, each exercise's body replaced by a
 # raise that names it, without the instructor's files or the notebook's outputs (course/assign.py
