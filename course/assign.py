@@ -509,9 +509,10 @@ WRITTEN = [
     "**Dynamic sampling (Eq. 11).** Run `python experiments/ablate.py --rows 1 3 --seeds 0 1` "
     "and compare the groups-with-signal curves in `runs/ablate/ablation.png`. Why is DAPO's "
     "curve flat at the batch size by construction, and what would show a benefit instead?",
-    "**Token-level loss (Eq. 12).** In the notebook's token-weight table, what weight does one "
-    "token of the long response get under Eq. 12 and under GRPO's per-sample mean? Which "
-    "responses does that dilute, and why must the count be taken before the micro-batch split?",
+    "**Token-level loss (Eq. 12).** In the notebook's token weights (its Eq. 12 cell), what "
+    "weight does one token of the long response get under Eq. 12 and under GRPO's per-sample "
+    "mean? Which responses does that dilute, and why must the count be taken before the "
+    "micro-batch split?",
     "**Overlong shaping (Eq. 13).** From the notebook's penalty curve: which lengths cost "
     "nothing, which are penalised, and why is a smooth ramp better than -1 at the limit alone?",
 ]

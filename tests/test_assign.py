@@ -12,6 +12,7 @@ import pytest
 
 import assign
 from assign import BY_ID, EXERCISES, INSTRUCTOR_ONLY, INTEGRATION_POINTS, NOT_DONE
+from config import Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The handout's own suite runs without these (marked like the others): the multi-process tests
@@ -243,6 +244,17 @@ def answer_sketches() -> list[str]:
     characters or more, whitespace collapsed."""
     text = " ".join(read(ROOT, "docs/instructors.md").split("## The written part")[1].split())
     return [c.strip() for c in re.split(r"[.;:,()*]\s|\s[(*]", text) if len(c.strip()) >= 25]
+
+
+def test_the_answer_sketches_state_the_demos_lengths():
+    cfg = Config()
+    sketch = " ".join(read(ROOT, "docs/instructors.md").split("## The written part")[1].split())
+    stated = re.search(r"`--max-response-len` (\d+), `--overlong-buffer` (\d+)\), lengths up to "
+                       r"L_max - L_cache = (\d+) cost nothing, (\d+)-(\d+) lose", sketch)
+    assert stated, "the overlong sketch no longer says which settings its lengths are"
+    short = cfg.max_response_len - cfg.overlong_buffer
+    assert [int(n) for n in stated.groups()] == \
+        [cfg.max_response_len, cfg.overlong_buffer, short, short, cfg.max_response_len]
 
 
 def test_the_handout_holds_no_answer_sketch_and_no_notebook_output(handout):
