@@ -10,6 +10,8 @@ indentation, in the reference code itself, so the handout never drifts from it:
 
     python course/assign.py list          # the exercises: id, file, points, difficulty
     python course/assign.py handout OUT   # the student copy, with EXERCISES.md
+    python course/assign.py check [ID]    # exercises' tests, pytest's output (make check EX=ID)
+    python course/assign.py todo          # one line naming the exercises that still raise
     python course/assign.py grade         # run each exercise's tests, then a short demo run
     python course/assign.py grade --extra-tests DIR --json FILE   # private tests, an autograder
 
