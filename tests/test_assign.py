@@ -175,9 +175,9 @@ def test_make_check_installs_the_test_requirements_then_runs_one_exercise(handou
 
 
 def test_check_runs_an_exercises_tests_which_fail_until_it_is_written(handout, capfd):
-    assert assign.check(["keep_groups"], root=ROOT) == 0
-    assert assign.check(["keep_groups"], root=handout) != 0
-    assert f"{NOT_DONE}: keep_groups" in capfd.readouterr().out
+    assert assign.check(["keep_groups"], root=handout) != 0  # (the reference's pass: the grader)
+    out = capfd.readouterr().out
+    assert f"{NOT_DONE}: keep_groups" in out and f"{len(BY_ID['keep_groups'].tests)} failed" in out
 
 
 def test_make_run_in_the_handout_names_what_is_not_written_in_one_line(handout, tmp_path):
