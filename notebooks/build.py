@@ -35,8 +35,9 @@ import sys
 if "google.colab" in sys.modules and not os.path.exists("dapo.py"):
     subprocess.run(["git", "clone", "--depth", "1", os.environ["DAPO_REPO"], "dapo"], check=True)
     os.chdir("dapo")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-r",
-                    "requirements-notebook.txt"], check=True)
+    # Colab has its own Jupyter: the project's requirements and matplotlib are what it lacks
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-r", "requirements.txt",
+                    "matplotlib"], check=True)
 root = os.path.abspath("..") if os.path.basename(os.getcwd()) == "notebooks" else os.getcwd()
 sys.path.insert(0, root)
 os.chdir(root)  # the demo's paths (runs/demo-base, runs/...) are relative to the project
