@@ -74,10 +74,11 @@ ablate: $(VENV)/.extra
 	OMP_NUM_THREADS=1 $(PY) experiments/ablate.py
 
 # The walkthrough notebook, opened in Jupyter (installed into .venv/ the first time). RUN=1: run
-# without a browser, into runs/notebook/dapo_step.ipynb (with its outputs).
+# without a browser, into runs/notebook/dapo_step.ipynb (with its outputs). ARGS go to Jupyter
+# (e.g. ARGS=--allow-root in a container whose user is root: Jupyter refuses root otherwise).
 JUPYTER = $(if $(RUN),jupyter nbconvert --to notebook --execute --output-dir runs/notebook,notebook)
 notebook: $(VENV)/.notebook
-	$(PY) -m $(JUPYTER) notebooks/dapo_step.ipynb
+	$(PY) -m $(JUPYTER) notebooks/dapo_step.ipynb $(ARGS)
 
 # Course assignments (docs/instructors.md): the student copy, each exercise's body replaced by a
 # raise that names it, without the instructor's files or the notebook's outputs (course/assign.py
