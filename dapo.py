@@ -258,8 +258,11 @@ def update_policy(model, opt, batch: Batch, cfg, eps_high) -> dict:
             loss = policy_loss(logp, old_logp, micro.adv, mask, cfg.eps_low, eps_high, denom,
                                cfg.dual_clip)
             (loss * world).backward()  # FSDP averages gradients over ranks; the loss is global
-            stats.add_loss(metrics.clip_stats(logp, old_logp, micro.adv, mask, cfg.eps_low,
-                                              eps_high, cfg.dual_clip), mask)
+            with torch.no_grad():  # actor/pg_loss: the same loss summed over the tokens
+                pg_loss = policy_loss(logp, old_logp, micro.adv, mask, cfg.eps_low, eps_high, 1.0,
+                                      cfg.dual_clip)
+            stats.add_loss(pg_loss, metrics.clip_stats(logp, old_logp, micro.adv, mask,
+                                                       cfg.eps_low, eps_high, cfg.dual_clip), mask)
         stats.add_step(*checkpoint.step_if_finite(model, opt, cfg.grad_clip))
     return stats.result(batch)
 

@@ -23,22 +23,20 @@ PARITY_NAMES = ("probs_diff", "logp_diff", "ratio_diff")
 
 @torch.no_grad()
 def clip_stats(logp, old_logp, adv, loss_mask, eps_low, eps_high, dual_clip=0.0) -> dict:
-    """Sums over the tokens in the loss of what the clipped surrogate (dapo.policy_loss) did:
-    its per-token loss, the tokens each clip bound and the dual clip stopped, the first-order KL,
-    and the paper's Fig. 3a (pi_old of the up-clipped tokens) and Fig. 7d (mean token
-    probability). logp, old_logp, loss_mask (B, R); adv (B,). Tensors of one element each."""
+    """Sums over the tokens in the loss of where the clipped surrogate (dapo.policy_loss) binds:
+    the tokens each clip bound and the dual clip stopped, the first-order KL, and the paper's
+    Fig. 3a (pi_old of the up-clipped tokens) and Fig. 7d (mean token probability). logp,
+    old_logp, loss_mask (B, R); adv (B,). Tensors of one element each. The loss itself is
+    policy_loss's (the caller sums it with a denominator of 1): it is not computed twice."""
     mask = loss_mask.float()
     adv = adv[:, None]  # (B, 1)
-    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))  # (B, R), as policy_loss
-    loss_tok = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps_low, 1 + eps_high))
-    dual = torch.zeros_like(mask, dtype=torch.bool)
-    if dual_clip > 1:
-        dual = (adv < 0) & (loss_tok > -adv * dual_clip)  # (B, R)
-        loss_tok = torch.where(dual, -adv * dual_clip, loss_tok)
+    # no gradient flows here, so no clamp: an overflowing ratio (inf) compares as a clamped one
+    ratio = torch.exp(logp - old_logp)  # (B, R)
     up_clipped = (adv > 0) & (ratio > 1 + eps_high)  # (B, R)
+    # the dual clip binds where A < 0 and r > c: the surrogate's loss -A r is then above -A c
+    dual = (adv < 0) & (ratio > dual_clip) if dual_clip > 1 else torch.zeros_like(up_clipped)
     old_prob = old_logp.exp() * mask
     return {
-        "pg_loss": (loss_tok * mask).sum(),
         "clip_high": (up_clipped * mask).sum(),
         "clip_low": (((adv < 0) & (ratio < 1 - eps_low)) * mask).sum(),
         "dual_clip": (dual * mask).sum(),
@@ -58,8 +56,9 @@ class UpdateStats:
         self.parity_sums = dict.fromkeys(("tokens",) + PARITY_NAMES, 0.0)
         self.parity_max = dict.fromkeys(PARITY_NAMES, 0.0)
 
-    def add_loss(self, stats: dict, loss_mask):
-        for k, v in stats.items():
+    def add_loss(self, pg_loss, stats: dict, loss_mask):
+        """A micro-batch's loss summed over its tokens, its clip_stats and its token count."""
+        for k, v in (stats | {"pg_loss": pg_loss}).items():
             self.sums[k] += v.item()
         self.sums["tokens"] += loss_mask.sum().item()
 

@@ -181,11 +181,17 @@ def unclipped_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom, dua
 
 @pytest.fixture
 def stand_ins(monkeypatch):
-    """-> the denominators that update_policy hands the loss, one per micro-batch."""
+    """-> the denominators that update_policy hands the loss it back-propagates, one per
+    micro-batch (not its no-grad call, over a denominator of 1, for the logged actor/pg_loss)."""
     denoms = []
+
+    def loss(*args):
+        if torch.is_grad_enabled():
+            denoms.append(args[6])
+        return unclipped_loss(*args)
+
     monkeypatch.setattr(dapo, "response_logprobs", table_logprobs)
-    monkeypatch.setattr(dapo, "policy_loss",
-                        lambda *args: (denoms.append(args[6]), unclipped_loss(*args))[1])
+    monkeypatch.setattr(dapo, "policy_loss", loss)
     return denoms
 
 
