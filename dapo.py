@@ -28,7 +28,7 @@ from config import Config, parse_args
 from data import PromptIterator, Tokenizer, encode_prompts
 from infra import checkpoint, distributed, health, metrics, trackers
 from model import response_logprobs
-from reward import overlong_penalty, score_response
+from reward import overlong_penalty, score_response, take_reward_fn_errors
 from sampler import generate
 
 
@@ -296,7 +296,7 @@ def train(cfg: Config):
     log = metrics.RunLog(metrics_path, start, cfg.steps,
                          trackers.open_all(cfg, start, metrics_path))
     first_val = last_val = None
-    alarms = health.Alarms(cfg.stop_when_stuck)
+    alarms = health.Alarms(cfg.stop_when_stuck, cfg.reward_fn)
     for step in log.bar:  # Algorithm 1, line 1
         if cfg.eval_every and step % cfg.eval_every == 0:
             last_val = evaluate(model, val_rows, tok, cfg)
@@ -315,7 +315,7 @@ def train(cfg: Config):
             row |= update_policy(model, opt, batch, cfg, eps_high)
         log.step(step + 1, row, opt.param_groups[0]["lr"], t_gen, time.time() - t0 - t_gen)
         # a dead run: warn, and stop with --stop-when-stuck
-        stuck = alarms.check(step + 1, row, generated, tok)
+        stuck = alarms.check(step + 1, row, generated, tok, take_reward_fn_errors())
         if stuck or (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
             checkpoint.save(cfg.out_dir, step + 1, model, tok_dir, opt, prompt_iter, generator,
                             asdict(cfg), keep_last=cfg.keep_checkpoints)

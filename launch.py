@@ -102,7 +102,7 @@ def load_data(cfg: Config, tok) -> tuple[list[dict], list[dict]]:
                          f"{cfg.generation_batch} (the prompts of one generation batch)")
     if cfg.reward_fn:  # one call on a real ground truth: a wrong signature stops the run now
         install_reward_fn(cfg.reward_fn, cfg.reward_fn_all_rows,
-                          train_rows[0]["reward_model"]["ground_truth"])
+                          train_rows[0]["reward_model"]["ground_truth"], cfg.reward_timeout)
     return train_rows, val_rows[:cfg.eval_prompts or None]
 
 

@@ -349,7 +349,8 @@ def trim_metrics(path: str, step: int) -> int:
 
 # Flags a resumed run may change: what to run for, where and how often to log (and to which
 # trackers), evaluate and save, and memory knobs that change no number beyond rounding
-# (micro_batch_size) or which random samples are drawn (rollout_batch_size). Every other field
+# (micro_batch_size) or which random samples are drawn (rollout_batch_size), and the time a
+# --reward-fn call may take (a call that hangs is what makes one stop and resume). Every other field
 # (group size, lengths, lr, eps, batch sizes, seed, data, the technique switches, and any flag
 # added later) changes the algorithm: check_resume_config refuses a change to it.
 MAY_CHANGE_ON_RESUME = {
@@ -357,7 +358,7 @@ MAY_CHANGE_ON_RESUME = {
     "keep_checkpoints", "eval_every", "eval_samples", "eval_temperature", "eval_top_p",
     "eval_prompts", "val_data",
     "rollout_batch_size", "compile", "micro_batch_size", "micro_batch_tokens", "fused_head",
-    "activation_checkpointing", "report_to",
+    "activation_checkpointing", "report_to", "reward_timeout",
 }
 
 

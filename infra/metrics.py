@@ -147,10 +147,11 @@ def rollout_metrics(seen, group_size: int) -> dict:
         "finished": (~seen.truncated).sum().item(),
         "no_answer": no_answer.sum().item(),
         "no_answer_finished": (no_answer & ~seen.truncated).sum().item(),
+        "reward_fn_error": seen.reward_error.sum().item() if seen.reward_error is not None else 0,
     }
     s = dict(zip(sums, distributed.all_reduce([float(v) for v in sums.values()])))
     n, groups = s["n"], s["n"] / group_size
-    return {
+    out = {
         "rollout/acc": s["right"] / n, "rollout/score/mean": s["score"] / n,
         "rollout/reward/mean": s["reward"] / n, "rollout/response_length/mean": s["length"] / n,
         "rollout/response_length/max": distributed.all_reduce(lengths.max().item(), "max"),
@@ -158,8 +159,12 @@ def rollout_metrics(seen, group_size: int) -> dict:
         "rollout/frac_all_correct": s["all_right"] / groups,
         "rollout/frac_all_wrong": s["all_wrong"] / groups,
         "rollout/no_answer": s["no_answer"] / n,
-    } | ({"rollout/no_answer_finished": s["no_answer_finished"] / s["finished"]}
-         if s["finished"] else {})  # of the responses that ended: the format, not the length
+    }
+    if s["finished"]:  # of the responses that ended: the format, not the length
+        out["rollout/no_answer_finished"] = s["no_answer_finished"] / s["finished"]
+    if seen.reward_error is not None:  # with --reward-fn: the responses it raised on
+        out["rollout/reward_fn_error"] = s["reward_fn_error"] / n
+    return out
 
 
 def generation_cost(generated, trained, n_take: int, extra_s: float) -> dict:
