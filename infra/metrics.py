@@ -10,7 +10,7 @@ import math
 import torch
 from tqdm import tqdm
 
-from infra import distributed
+from infra import distributed, files
 from infra.trackers import close as close_trackers
 
 # sums over the loss's tokens (clip_stats), then pi_old's entropy and the tokens in the loss
@@ -215,8 +215,7 @@ class RunLog:
 
     def write(self, row: dict):
         if distributed.rank() == 0:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            files.append_line(self.path, json_line(row))
             for tracker in self.trackers:
                 tracker.log(row, row["step"])
 
@@ -237,6 +236,14 @@ class RunLog:
         distributed.say(f"val/acc (avg@{k}): {first['val/acc']:.3f} at step {start} -> "
                         f"{last['val/acc']:.3f} at step {steps}; pass@{k}: "
                         f"{first[f'val/pass@{k}']:.3f} -> {last[f'val/pass@{k}']:.3f}")
+
+
+def json_line(row: dict) -> str:
+    """The row as one line of strict JSON: a NaN or an inf (a grad norm when every update was
+    skipped) becomes null, as json.dumps's bare NaN is refused by jq, JavaScript and other strict
+    readers. plot.py and the trackers skip a null as they skip a NaN."""
+    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
+                       for k, v in row.items()})
 
 
 def progress_summary(m: dict) -> dict:

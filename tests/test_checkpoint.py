@@ -10,7 +10,7 @@ import torch
 
 from config import Config, check_flags
 from data import PromptIterator
-from infra import checkpoint, files, hf_io
+from infra import checkpoint, files, hf_io, metrics
 from model import Qwen2
 
 
@@ -283,3 +283,23 @@ def test_a_truncated_trainer_json_is_named(tmp_path, model, tiny_model_dir):
         f.write(text[:len(text) // 2])
     with pytest.raises(ValueError, match=rf"{meta}: not valid JSON"):
         checkpoint.saved_config(final)
+
+
+# --- metrics.jsonl --------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
+def test_a_full_disk_while_logging_names_the_metrics_file():
+    # /dev/full fails every write with ENOSPC, as a full disk does
+    with pytest.raises(OSError, match=r"could not write /dev/full: the disk is full"):
+        metrics.RunLog("/dev/full", 0, 1).write({"step": 1, "rollout/acc": 0.5})
+
+
+def test_a_nan_metric_is_written_as_null(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    log = metrics.RunLog(str(path), 0, 1)
+    log.write({"step": 1, "actor/grad_norm": float("nan"), "x": float("-inf"), "acc": 0.5})
+
+    def strict(constant):  # what jq, JavaScript and other strict readers do with NaN
+        raise ValueError(f"not JSON: {constant}")
+    row = json.loads(path.read_text(), parse_constant=strict)
+    assert row == {"step": 1, "actor/grad_norm": None, "x": None, "acc": 0.5}
