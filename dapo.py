@@ -321,6 +321,7 @@ def train(cfg: Config):
                             asdict(cfg), keep_last=cfg.keep_checkpoints)
         if stuck:
             raise alarms.error()
+    alarms.finish()  # a run whose every update was skipped trained nothing: a non-zero exit
     if cfg.eval_every and start < cfg.steps:
         last_val = evaluate(model, val_rows, tok, cfg)
         log.write({"step": cfg.steps, **last_val})

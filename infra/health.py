@@ -1,8 +1,9 @@
 """Alarms for a run that has gone dead: after each rollout step, one line naming the cause and
 the flag that fixes it; with --stop-when-stuck N the run stops (checkpoint, non-zero exit) after
-N consecutive dead steps. Three more warnings, for a run that trains on something wrong: responses
-without an answer the verifier can read, sampler log-probs that disagree with the trainer's, and a
---reward-fn that raised. And a bound on dynamic sampling that finds no signal at all."""
+N consecutive dead steps, and a run whose every update was skipped never exits 0. Three more
+warnings, for a run that trains on something wrong: responses without an answer the verifier can
+read, sampler log-probs that disagree with the trainer's, and a --reward-fn that raised. And a
+bound on dynamic sampling that finds no signal at all."""
 from infra import distributed
 
 TRUNCATED_ALARM = 0.9  # almost every response truncated
@@ -48,6 +49,11 @@ def dead_step_causes(row: dict, reward_fn: str = "") -> list[str]:
             f"all wrong {row.get('rollout/frac_all_wrong', 0):.0%} of groups): nothing trained; "
             "check that the prompt asks for the answer format the verifier reads, or that "
             "the task suits the model")
+    skipped = row.get("train/skipped_updates", 0)
+    if skipped and not row.get("train/updates", 0):
+        causes.append(f"all {skipped} optimizer steps skipped (a NaN or inf gradient norm): "
+                      "nothing trained; look for a NaN in the rewards or the advantages, or "
+                      "lower --lr")
     entropy = row.get("actor/entropy")
     if entropy is not None and not (entropy >= ENTROPY_FLOOR):  # NaN fails the comparison too
         causes.append(f"actor/entropy {entropy:.3g}: the policy has collapsed or diverged; "
@@ -106,12 +112,15 @@ class Alarms:
 
     def __init__(self, stop_when_stuck: int, reward_fn: str = ""):
         self.stop_when_stuck, self.dead_run, self.reward_fn = stop_when_stuck, 0, reward_fn
+        self.updates = self.skipped = 0  # optimizer steps of the run, taken and skipped
 
     def check(self, step: int, row: dict, generated=None, tok=None,
               reward_fn_error: str = "") -> bool:
         """Say what is wrong with this step, one line a cause; True when the run should stop.
         generated, tok: the step's responses and the tokenizer, for the no-answer warning's
         example; reward_fn_error: the first error --reward-fn raised this step."""
+        self.updates += row.get("train/updates", 0)
+        self.skipped += row.get("train/skipped_updates", 0)
         causes = dead_step_causes(row, self.reward_fn)
         self.dead_run = self.dead_run + 1 if causes else 0
         example = ""
@@ -124,6 +133,14 @@ class Alarms:
         for cause in causes + warnings:
             distributed.say(f"warning: step {step}: {cause}")
         return bool(self.stop_when_stuck) and self.dead_run >= self.stop_when_stuck
+
+    def finish(self):
+        """At the end of the run: one whose every update was skipped trained nothing, and says so
+        with a non-zero exit (RunStuck) however few steps it had."""
+        if self.skipped and not self.updates:
+            raise RunStuck(f"all {self.skipped} optimizer steps of this run were skipped (a NaN "
+                           "or inf gradient norm): it trained nothing; the warnings above name "
+                           "the steps; the checkpoint saved holds the weights it started from")
 
     def error(self) -> RunStuck:
         return RunStuck(f"stopping: {self.dead_run} consecutive steps trained on nothing or on a "

@@ -22,6 +22,7 @@ def test_a_healthy_step_raises_no_alarm():
     ({"train/groups_kept": 0, "train/groups_surplus": 3}, "--max-gen-batches"),
     ({"actor/entropy": 0.0}, "collapsed"),
     ({"actor/entropy": float("nan")}, "collapsed"),
+    ({"train/updates": 0, "train/skipped_updates": 2}, "all 2 optimizer steps skipped"),
     ({"train/groups_kept": 0, "rollout/reward_fn_error": 0.9},
      "no group with signal: --reward-fn f.py:score raised on 90% of the responses"),
 ])
@@ -34,6 +35,22 @@ def test_a_few_reward_fn_errors_leave_the_prompt_format_the_suspect():
     few = health.dead_step_causes(HEALTHY | {"train/groups_kept": 0,
                                              "rollout/reward_fn_error": 0.1})
     assert len(few) == 1 and "answer format" in few[0], few
+
+
+def test_a_step_with_one_update_taken_is_not_dead():
+    assert health.dead_step_causes(HEALTHY | {"train/updates": 1, "train/skipped_updates": 1}) == []
+
+
+def test_a_run_whose_every_update_was_skipped_never_finishes_quietly():
+    alarms = health.Alarms(stop_when_stuck=0)  # never stops early
+    skipped = HEALTHY | {"train/updates": 0, "train/skipped_updates": 2}
+    for step in (1, 2):
+        alarms.check(step, skipped)
+    with pytest.raises(health.RunStuck, match="all 4 optimizer steps of this run were skipped"):
+        alarms.finish()
+    alarms.check(3, HEALTHY | {"train/updates": 1, "train/skipped_updates": 1})
+    alarms.finish()  # one update taken: it trained
+    health.Alarms(stop_when_stuck=0).finish()  # no step at all (a resume with nothing to do)
 
 
 def test_stop_after_n_consecutive_dead_steps_only():
