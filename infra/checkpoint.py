@@ -176,7 +176,12 @@ def latest(out_dir) -> str:
         raise FileNotFoundError(f"--resume: {out_dir} holds no checkpoint to continue from "
                                 f"({pointer} does not exist); start without --resume (with "
                                 "--overwrite if the directory holds a run)")
-    ckpt = os.path.join(out_dir, "checkpoints", _read(pointer))
+    name = _read(pointer)
+    # a path (absolute, or ../other-run/...) would resume another run's checkpoint, silently
+    if not re.fullmatch(r"step_\d+", name):
+        raise ValueError(f"--resume: {pointer} holds {name!r}, not the name of a checkpoint of "
+                         f"this run (a step_N directory beside it). {_way_back(out_dir)}")
+    ckpt = os.path.join(out_dir, "checkpoints", name)
     problem = incomplete(ckpt)
     if problem:
         raise FileNotFoundError(f"--resume: {pointer} names {ckpt}, which is not a complete "
@@ -211,18 +216,19 @@ def incomplete(ckpt) -> str | None:
     return None
 
 
-def _way_back(out_dir, broken) -> str:
-    """How to resume from the newest complete checkpoint before the broken one."""
+def _way_back(out_dir, broken: str | None = None) -> str:
+    """How to resume from the newest complete checkpoint (before the broken one, if given)."""
     ckpts = os.path.join(out_dir, "checkpoints")
     steps = sorted((n for n in os.listdir(ckpts) if re.fullmatch(r"step_\d+", n)),
                    key=lambda n: int(n[5:]), reverse=True)
-    earlier = [n for n in steps if int(n[5:]) < int(os.path.basename(broken)[5:])]
+    earlier = [n for n in steps if not broken or int(n[5:]) < int(os.path.basename(broken)[5:])]
     for name in earlier:
         if incomplete(os.path.join(ckpts, name)) is None:
-            return (f"{name} is complete: to resume from it, remove {broken} and write {name} "
+            remove = f"remove {broken} and " if broken else ""
+            return (f"{name} is complete: to resume from it, {remove}write {name} "
                     f"into {os.path.join(ckpts, 'latest')}")
-    return ("No earlier checkpoint is complete: start again with --overwrite (or restore the "
-            "missing files)")
+    return (f"No {'earlier ' if broken else ''}checkpoint is complete: start again with "
+            "--overwrite (or restore the missing files)")
 
 
 def load_trainer_state(ckpt, opt, prompt_iter, generator) -> int:

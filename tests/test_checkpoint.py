@@ -4,6 +4,7 @@ will log again and keeps the algorithm."""
 import errno
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -283,6 +284,24 @@ def test_a_truncated_trainer_json_is_named(tmp_path, model, tiny_model_dir):
         f.write(text[:len(text) // 2])
     with pytest.raises(ValueError, match=rf"{meta}: not valid JSON"):
         checkpoint.saved_config(final)
+
+
+# --- what a resume trusts (issue 46) --------------------------------------------------------------
+
+@pytest.mark.parametrize("pointer", ["absolute", "../../other/checkpoints/step_000001", "foo", ""])
+def test_a_latest_naming_anything_but_a_step_of_this_run_is_refused_naming_the_file(
+        tmp_path, model, tiny_model_dir, pointer):
+    # another run beside this one: following a path in `latest` would resume its checkpoint
+    other = save(tmp_path / "other", 1, model, tiny_model_dir)
+    run = tmp_path / "run"
+    save(run, 2, model, tiny_model_dir)
+    text = other if pointer == "absolute" else pointer
+    (run / "checkpoints" / "latest").write_text(text)
+    with pytest.raises(ValueError, match=rf"--resume: {run}/checkpoints/latest holds "
+                                         rf"{re.escape(repr(text))}, not the name of a checkpoint "
+                                         r"of this run .*step_000002 is complete: to resume from "
+                                         r"it, write step_000002 into"):
+        checkpoint.prepare_out_dir(str(run), resume=True, overwrite=False)
 
 
 # --- metrics.jsonl --------------------------------------------------------------------------------
