@@ -291,8 +291,8 @@ def train(cfg: Config):
     prompt_iter = PromptIterator(train_rows, cfg.generation_batch, cfg.seed)
     generator = torch.Generator(cfg.device).manual_seed(cfg.seed + distributed.rank())
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
-    start = checkpoint.resume(resume_dir, opt, prompt_iter, generator, metrics_path, cfg.steps) \
-        if resume_dir else 0
+    start = checkpoint.resume(resume_dir, model, opt, prompt_iter, generator, metrics_path,
+                              cfg.steps) if resume_dir else 0
     log = metrics.RunLog(metrics_path, start, cfg.steps,
                          trackers.open_all(cfg, start, metrics_path))
     first_val = last_val = None

@@ -231,9 +231,10 @@ def _way_back(out_dir, broken: str | None = None) -> str:
             "--overwrite (or restore the missing files)")
 
 
-def load_trainer_state(ckpt, opt, prompt_iter, generator) -> int:
+def load_trainer_state(ckpt, opt, prompt_iter, generator, model=None) -> int:
     """Restore the optimizer, the data position and the RNG states; returns the step to
-    continue from."""
+    continue from. The optimizer state is checked against the parameters of opt (named by
+    model's parameter names, when given) first."""
     meta = files.read_json(os.path.join(ckpt, "trainer.json"))
     if meta["world_size"] != distributed.world_size():
         raise ValueError(f"{ckpt} was written by {meta['world_size']} processes; resuming it "
@@ -248,11 +249,36 @@ def load_trainer_state(ckpt, opt, prompt_iter, generator) -> int:
         # "PytorchStreamReader failed reading zip archive", EINVAL...
         raise ValueError(f"{file}: not a readable checkpoint file, truncated or corrupt "
                          f"(a partial copy?): {e}") from None
+    check_optimizer_state(state["optimizer"], opt, file, model)
     distributed.load_local_optimizer_state(opt, state["optimizer"])
     generator.set_state(state["generator"])
     torch.set_rng_state(state["torch_rng"])
     prompt_iter.load_state_dict(meta["data"])
     return meta["step"]
+
+
+def check_optimizer_state(saved: dict, opt, file: str, model=None):
+    """Raise naming the file and the tensor when the optimizer state saved in `file` does not fit
+    the parameters of opt (this rank's shards under FSDP): another number of parameters, or a
+    state tensor (AdamW's exp_avg, exp_avg_sq) of another shape than its parameter. A model/
+    directory replaced by another model's would otherwise load, run a whole rollout and die in
+    opt.step() naming neither."""
+    names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+    params = [p for group in opt.param_groups for p in group["params"]]
+    saved_ids = [i for group in saved["param_groups"] for i in group["params"]]
+    if len(saved_ids) != len(params):
+        raise ValueError(f"{file}: optimizer state of {len(saved_ids)} parameters, the model has "
+                         f"{len(params)}: the checkpoint's model/ and its optimizer state are of "
+                         "different models")
+    for number, (i, p) in enumerate(zip(saved_ids, params)):
+        local = p.to_local() if hasattr(p, "to_local") else p
+        for key, t in saved["state"].get(i, {}).items():
+            if torch.is_tensor(t) and t.dim() > 0 and t.shape != local.shape:
+                name = names.get(id(p), f"number {number}")
+                raise ValueError(f"{file}: optimizer state {key!r} of parameter {name!r} has "
+                                 f"shape {tuple(t.shape)}, the parameter {tuple(local.shape)}: "
+                                 "the checkpoint's model/ and its optimizer state are of "
+                                 "different models (was model/ replaced?)")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -270,11 +296,12 @@ def open_run(cfg) -> str | None:
     return resume_dir
 
 
-def resume(ckpt, opt, prompt_iter, generator, metrics_path: str, steps: int) -> int:
-    """Restore the trainer from checkpoint ckpt and drop the rows of metrics.jsonl logged after it
-    was saved (the resumed run logs them again) -> the step to continue from. A checkpoint already
-    at --steps or past it leaves metrics.jsonl whole (its final evaluation stays) and says so."""
-    start = load_trainer_state(ckpt, opt, prompt_iter, generator)
+def resume(ckpt, model, opt, prompt_iter, generator, metrics_path: str, steps: int) -> int:
+    """Restore the trainer of `model` from checkpoint ckpt and drop the rows of metrics.jsonl
+    logged after it was saved (the resumed run logs them again) -> the step to continue from. A
+    checkpoint already at --steps or past it leaves metrics.jsonl whole (its final evaluation
+    stays) and says so."""
+    start = load_trainer_state(ckpt, opt, prompt_iter, generator, model)
     if start >= steps:
         distributed.say(f"--resume: {ckpt} is at step {start} and --steps is {steps}: nothing to "
                         f"do (pass --steps above {start} to train on)")

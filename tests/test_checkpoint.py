@@ -12,7 +12,7 @@ import torch
 from config import Config, check_flags
 from data import PromptIterator
 from infra import checkpoint, files, hf_io, metrics
-from model import Qwen2
+from model import Qwen2, preset
 
 
 def save(out_dir, step, model, tok_dir, keep_last=0):
@@ -302,6 +302,38 @@ def test_a_latest_naming_anything_but_a_step_of_this_run_is_refused_naming_the_f
                                          r"of this run .*step_000002 is complete: to resume from "
                                          r"it, write step_000002 into"):
         checkpoint.prepare_out_dir(str(run), resume=True, overwrite=False)
+
+
+def saved_after_one_step(out_dir, model, tok_dir):
+    """A checkpoint whose optimizer holds state (AdamW's exp_avg, exp_avg_sq) for every
+    parameter."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():  # a gradient without a forward (the handout lacks rope)
+        p.grad = torch.ones_like(p)
+    opt.step()
+    return checkpoint.save(str(out_dir), 1, model, tok_dir, opt,
+                           PromptIterator([{"x": 1}], 1, 0), torch.Generator(), {})
+
+
+@pytest.mark.parametrize("change,error", [
+    (dict(intermediate_size=96), r"optimizer state 'exp_avg' of parameter "
+                                 r"'model\.layers\.0\.mlp\.gate_proj\.weight' has shape "
+                                 r"\(128, 64\), the parameter \(96, 64\)"),
+    (dict(num_hidden_layers=1), r"optimizer state of 26 parameters, the model has 14"),
+], ids=["a-shape", "a-count"])
+def test_optimizer_state_that_does_not_fit_the_model_is_named_at_load(
+        tmp_path, model, tiny_model_dir, change, error):
+    # as a checkpoint whose model/ was replaced by another model's: before, it loaded, ran a whole
+    # rollout and died in opt.step() with "The size of tensor a (384) must match ... (512)"
+    final = saved_after_one_step(tmp_path, model, tiny_model_dir)
+    other = Qwen2(preset("tiny", vocab_size=model.config.vocab_size, **change))
+    opt = torch.optim.AdamW(other.parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match=rf"step_000001/trainer_rank0\.pt: {error}"):
+        checkpoint.load_trainer_state(final, opt, PromptIterator([{"x": 1}], 1, 0),
+                                      torch.Generator(), other)
+    # the model it was saved with loads it
+    checkpoint.load_trainer_state(final, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                  PromptIterator([{"x": 1}], 1, 0), torch.Generator(), model)
 
 
 # --- metrics.jsonl --------------------------------------------------------------------------------
