@@ -24,6 +24,7 @@ metrics the resumed run will log again. And the guard of every optimizer step: s
 """
 import json
 import os
+import pickle
 import re
 import shutil
 import zipfile
@@ -249,6 +250,11 @@ def load_trainer_state(ckpt, opt, prompt_iter, generator, model=None) -> int:
         # "PytorchStreamReader failed reading zip archive", EINVAL...
         raise ValueError(f"{file}: not a readable checkpoint file, truncated or corrupt "
                          f"(a partial copy?): {e}") from None
+    except pickle.UnpicklingError as e:
+        # torch's text suggests weights_only=False, which would run whatever code the file holds
+        raise ValueError(f"{file}: holds objects other than tensors and numbers, which no "
+                         "checkpoint of this project writes; not loaded (it could run code). "
+                         f"torch says: {str(e).splitlines()[0]}") from None
     check_optimizer_state(state["optimizer"], opt, file, model)
     distributed.load_local_optimizer_state(opt, state["optimizer"])
     generator.set_state(state["generator"])

@@ -336,6 +336,29 @@ def test_optimizer_state_that_does_not_fit_the_model_is_named_at_load(
                                   PromptIterator([{"x": 1}], 1, 0), torch.Generator(), model)
 
 
+RAN = []
+
+
+def _payload():
+    RAN.append("the payload ran")
+
+
+class Planted:
+    def __reduce__(self):
+        return _payload, ()
+
+
+def test_an_optimizer_file_holding_code_is_named_and_not_run(tmp_path, model, tiny_model_dir):
+    final = save(tmp_path, 1, model, tiny_model_dir)
+    file = os.path.join(final, "trainer_rank0.pt")
+    torch.save({"optimizer": Planted()}, file)
+    with pytest.raises(ValueError, match=rf"{file}: holds objects other than tensors and "
+                                         r"numbers.*torch says: Weights only load failed") as e:
+        checkpoint.load_trainer_state(final, torch.optim.AdamW(model.parameters()),
+                                      PromptIterator([{"x": 1}], 1, 0), torch.Generator())
+    assert "weights_only=False" not in str(e.value) and RAN == []
+
+
 # --- metrics.jsonl --------------------------------------------------------------------------------
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
