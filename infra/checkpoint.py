@@ -345,12 +345,29 @@ def prepare_out_dir(out_dir: str, resume: bool, overwrite: bool) -> str | None:
     distributed.barrier("prepare_out_dir")  # every rank has looked before rank 0 deletes anything
     if distributed.rank() == 0:
         if overwrite:
-            shutil.rmtree(ckpts, ignore_errors=True)
+            _empty_checkpoints(ckpts)
             if os.path.isfile(metrics):
                 os.remove(metrics)
         os.makedirs(out_dir, exist_ok=True)
     distributed.barrier("prepare_out_dir")
     return None
+
+
+def _empty_checkpoints(ckpts: str):
+    """--overwrite: delete the old run's checkpoints. A checkpoints/ that is a link (to a bigger
+    disk) stays a link and loses what it points to (rmtree refuses a link, and with
+    ignore_errors deleted nothing: the old steps stayed beside the new). A failure raises."""
+    if not os.path.isdir(ckpts):
+        return
+    if not os.path.islink(ckpts):
+        shutil.rmtree(ckpts)
+        return
+    for name in os.listdir(ckpts):
+        path = os.path.join(ckpts, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
 
 
 def trim_metrics(path: str, step: int) -> int:

@@ -359,6 +359,18 @@ def test_an_optimizer_file_holding_code_is_named_and_not_run(tmp_path, model, ti
     assert "weights_only=False" not in str(e.value) and RAN == []
 
 
+def test_overwrite_empties_a_checkpoints_directory_that_is_a_link(tmp_path):
+    # checkpoints/ on another disk: rmtree refuses a link, and with ignore_errors deleted nothing
+    elsewhere = tmp_path / "big-disk" / "run-checkpoints"
+    (elsewhere / "step_000001").mkdir(parents=True)
+    (elsewhere / "latest").write_text("step_000001")
+    run = tmp_path / "run"
+    run.mkdir()
+    os.symlink(elsewhere, run / "checkpoints")
+    assert checkpoint.prepare_out_dir(str(run), resume=False, overwrite=True) is None
+    assert os.path.islink(run / "checkpoints") and os.listdir(elsewhere) == []
+
+
 # --- metrics.jsonl --------------------------------------------------------------------------------
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
