@@ -174,12 +174,26 @@ def load_tokenizer(path: str) -> Tokenizer:
 def check_vocab(model_vocab_size: int, tokenizer: Tokenizer, model_dir: str):
     """Every id the tokenizer can produce must have a row in the model's embedding. The model's may
     be larger (Qwen2.5 pads 151665 tokens to 151936 rows); smaller would index past the embedding
-    during the first rollout."""
+    during the first rollout. The EOS ids must be tokens of the tokenizer (another id is never
+    sampled, so every response would run to --max-response-len) and the pad id a row of the
+    embedding (an IndexError after the rollout otherwise): generation_config.json gives them as
+    numbers, unchecked."""
     needed = max(tokenizer._tok.get_vocab(with_added_tokens=True).values()) + 1
     if model_vocab_size < needed:
         raise ValueError(f"the model in {model_dir} has vocab_size {model_vocab_size} "
                          f"(config.json), smaller than the {needed} token ids of the tokenizer in "
                          f"{tokenizer.name}: are they from different models?")
+    # the ids that are not a token name come from generation_config.json
+    source = os.path.join(tokenizer.name, "generation_config.json")
+    for eos in tokenizer.eos_token_ids:
+        if not (isinstance(eos, int) and 0 <= eos < needed and tokenizer._tok.id_to_token(eos)):
+            raise ValueError(f"{source}: eos_token_id {eos!r} is not a token of the tokenizer in "
+                             f"{tokenizer.name} (ids 0 to {needed - 1}): no response would end "
+                             "before --max-response-len")
+    pad = tokenizer.pad_token_id
+    if not (isinstance(pad, int) and 0 <= pad < model_vocab_size):
+        raise ValueError(f"{source}: pad_token_id {pad!r} is not a row of the model's embedding "
+                         f"(vocab_size {model_vocab_size} in {model_dir}/config.json)")
 
 
 # --------------------------------------------------------------------------------------------------
