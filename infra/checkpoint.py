@@ -259,7 +259,10 @@ def load_trainer_state(ckpt, opt, prompt_iter, generator, model=None) -> int:
     distributed.load_local_optimizer_state(opt, state["optimizer"])
     generator.set_state(state["generator"])
     torch.set_rng_state(state["torch_rng"])
-    prompt_iter.load_state_dict(meta["data"])
+    try:
+        prompt_iter.load_state_dict(meta["data"])
+    except ValueError as e:
+        raise ValueError(f"--resume: {os.path.join(ckpt, 'trainer.json')}: {e}") from None
     return meta["step"]
 
 

@@ -359,6 +359,19 @@ def test_an_optimizer_file_holding_code_is_named_and_not_run(tmp_path, model, ti
     assert "weights_only=False" not in str(e.value) and RAN == []
 
 
+def test_a_resume_on_other_rows_of_the_same_size_is_refused(tmp_path, model, tiny_model_dir):
+    rows = [{"prompt": f"{k} + 1?", "answer": str(k + 1)} for k in range(4)]
+    opt = torch.optim.AdamW(model.parameters())
+    final = checkpoint.save(str(tmp_path), 1, model, tiny_model_dir, opt,
+                            PromptIterator(rows, 2, 0), torch.Generator(), {})
+    swapped = rows[:3] + [{"prompt": "3 + 1?", "answer": "5"}]  # one answer differs
+    with pytest.raises(ValueError, match=rf"--resume: {final}/trainer\.json: prompt iterator "
+                                         r"state is for rows_sha256=\w+, this run has "
+                                         r"rows_sha256=\w+ \(a resume needs the same data"):
+        checkpoint.load_trainer_state(final, opt, PromptIterator(swapped, 2, 0), torch.Generator())
+    checkpoint.load_trainer_state(final, opt, PromptIterator(rows, 2, 0), torch.Generator())
+
+
 def test_overwrite_empties_a_checkpoints_directory_that_is_a_link(tmp_path):
     # checkpoints/ on another disk: rmtree refuses a link, and with ignore_errors deleted nothing
     elsewhere = tmp_path / "big-disk" / "run-checkpoints"
