@@ -10,6 +10,7 @@ DAPO; it is what a run needs before Algorithm 1 starts.
 import contextlib
 import logging
 import os
+import sys
 
 import torch
 
@@ -39,7 +40,7 @@ def run(train, cfg: Config):
         raise SystemExit(1) from None
     finally:
         trackers.close_all()  # a crash still flushes what the trackers were given
-        distributed.shutdown()
+        distributed.shutdown(after_error=sys.exc_info()[0] is not None)  # an exception in flight
 
 
 def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:
