@@ -37,6 +37,8 @@ class Config:
     reward_fn: str = _flag("", "FILE.py:NAME, (response, ground_truth) -> float or {score, acc}: "
                                "the verifier of rows no built-in one knows (plain JSONL rows)")
     reward_fn_all_rows: bool = _flag(False, "--reward-fn scores every row, built-in ones too")
+    reward_timeout: float = _flag(0.0, "seconds one --reward-fn call may run before it is "
+                                       "scored as a wrong answer; 0 = no limit")
     out_dir: str = _flag("runs/demo", "metrics.jsonl and checkpoints go here")
     resume: bool = _flag(False, "continue from out_dir's latest checkpoint")
     eval_only: bool = _flag(False, "evaluate --model on --val-data and exit")
@@ -124,7 +126,7 @@ def check_flags(cfg: Config, world: int = 1):
                 "micro_batch_tokens": 0, "lr": 0, "warmup_steps": 0, "eps_low": 0,
                 "eps_high": 0, "eval_every": 0, "eval_samples": 1, "eval_temperature": 0,
                 "eval_prompts": 0, "save_every": 0, "keep_checkpoints": 0, "stop_when_stuck": 0,
-                "weight_decay": 0}
+                "weight_decay": 0, "reward_timeout": 0}
     problems = [f"--{k.replace('_', '-')} must be >= {low}, got {getattr(cfg, k)}"
                 for k, low in at_least.items() if getattr(cfg, k) < low]
     if cfg.rollout_batch_size != "auto" and not (isinstance(cfg.rollout_batch_size, int)

@@ -28,7 +28,7 @@ from config import Config, parse_args
 from data import PromptIterator, Tokenizer, encode_prompts
 from infra import checkpoint, distributed, health, metrics, precision, trackers
 from model import response_logprobs
-from reward import overlong_penalty, score_response
+from reward import overlong_penalty, score_response, take_reward_fn_errors
 from sampler import generate
 
 
@@ -303,12 +303,12 @@ def train(cfg: Config):
     prompt_iter = PromptIterator(train_rows, cfg.generation_batch, cfg.seed)
     generator = torch.Generator(cfg.device).manual_seed(cfg.seed + distributed.rank())
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
-    start = checkpoint.resume(resume_dir, opt, prompt_iter, generator, metrics_path, cfg.steps) \
-        if resume_dir else 0
+    start = checkpoint.resume(resume_dir, model, opt, prompt_iter, generator, metrics_path,
+                              cfg.steps) if resume_dir else 0
     log = metrics.RunLog(metrics_path, start, cfg.steps,
                          trackers.open_all(cfg, start, metrics_path))
     first_val = last_val = None
-    alarms = health.Alarms(cfg.stop_when_stuck)
+    alarms = health.Alarms(cfg.stop_when_stuck, cfg.reward_fn)
     for step in log.bar:  # Algorithm 1, line 1
         if cfg.eval_every and step % cfg.eval_every == 0:
             last_val = evaluate(model, val_rows, tok, cfg)
@@ -325,12 +325,13 @@ def train(cfg: Config):
             row |= update_policy(model, opt, batch, cfg, eps_high)
         log.step(step + 1, row, opt.param_groups[0]["lr"], t_gen, time.time() - t0 - t_gen)
         # a dead run: warn, and stop with --stop-when-stuck
-        stuck = alarms.check(step + 1, row, generated, tok)
+        stuck = alarms.check(step + 1, row, generated, tok, take_reward_fn_errors())
         if stuck or (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
             checkpoint.save(cfg.out_dir, step + 1, model, tok_dir, opt, prompt_iter, generator,
                             asdict(cfg), keep_last=cfg.keep_checkpoints)
         if stuck:
             raise alarms.error()
+    alarms.finish()  # a run whose every update was skipped trained nothing: a non-zero exit
     if cfg.eval_every and start < cfg.steps:
         last_val = evaluate(model, val_rows, tok, cfg)
         log.write({"step": cfg.steps, **last_val})

@@ -9,6 +9,7 @@ DAPO; it is what a run needs before Algorithm 1 starts.
 """
 import logging
 import os
+import sys
 
 import torch
 
@@ -40,7 +41,7 @@ def run(train, cfg: Config):
         raise SystemExit(1) from None
     finally:
         trackers.close_all()  # a crash still flushes what the trackers were given
-        distributed.shutdown()
+        distributed.shutdown(after_error=sys.exc_info()[0] is not None)  # an exception in flight
 
 
 def plan_memory(cfg: Config, world: int) -> memory.Plan:
@@ -152,7 +153,7 @@ def load_data(cfg: Config, tok) -> tuple[list[dict], list[dict]]:
                          f"{cfg.generation_batch} (the prompts of one generation batch)")
     if cfg.reward_fn:  # one call on a real ground truth: a wrong signature stops the run now
         install_reward_fn(cfg.reward_fn, cfg.reward_fn_all_rows,
-                          train_rows[0]["reward_model"]["ground_truth"])
+                          train_rows[0]["reward_model"]["ground_truth"], cfg.reward_timeout)
     return train_rows, val_rows[:cfg.eval_prompts or None]
 
 

@@ -280,7 +280,11 @@ def warmed_up_model(tok, key: dict, make_pairs, device="cpu", cache_root="runs/d
     key = dict(key, kernels=kernel_set(device))
     cache = os.path.join(cache_root, "_".join(f"{k}{v}" for k, v in key.items()))
     if os.path.isfile(os.path.join(cache, "warmup.json")):
-        return Qwen2.from_pretrained(cache, dtype=torch.float32, device=device)
+        try:
+            return Qwen2.from_pretrained(cache, dtype=torch.float32, device=device)
+        except (OSError, ValueError) as e:  # a cut copy, a full disk when it was written
+            raise ValueError(f"{e}. This is the demo's cached base model, not a download: delete "
+                             f"{cache} and the next run warms it up again") from None
     torch.manual_seed(key["seed"])
     config = preset(key["preset"], vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_ids)
     model = Qwen2(config).to(device)

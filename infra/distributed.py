@@ -51,10 +51,19 @@ def init(device: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int, s
     return dist.get_rank(), world, device
 
 
-def shutdown():
-    if dist.is_initialized():
-        barrier("shutdown")
-        dist.destroy_process_group()
+def shutdown(after_error: bool = False):
+    """Leave the process group: a barrier first, so that no rank tears it down while another
+    still needs it. after_error (an exception is on its way out of this rank): no barrier, and
+    nothing raised here. Another rank may never arrive (it died, or waits in another collective),
+    and the barrier's own failure would be the last error printed, hiding the first."""
+    if not dist.is_initialized():
+        return
+    if after_error:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        return
+    barrier("shutdown")
+    dist.destroy_process_group()
 
 
 def exit_after_shutdown():

@@ -170,6 +170,23 @@ def test_a_stopped_rank_makes_the_others_fail_naming_the_collective(store_env):
     assert waited < 60  # the 3 s timeout plus two interpreter start-ups, not the 30 min default
 
 
+def test_a_dead_rank_leaves_the_first_error_last(store_env):
+    # before: launch.run's shutdown barrier failed too, and its error, raised last, hid the
+    # first ("barrier 'shutdown' failed: another rank has probably exited")
+    waiting, dead = start_pair("dead", timeout_s=60, store_env=store_env)
+    try:
+        out, _ = waiting.communicate(timeout=120)
+    finally:
+        for p in (waiting, dead):
+            p.kill()
+            p.wait()
+    assert waiting.returncode != 0 and dead.returncode == 3
+    assert "barrier 'shutdown'" not in out, out[-3000:]
+    last = out.strip().splitlines()[-1]  # torch prefixes "[rank0]: " to a rank's traceback
+    assert ("RuntimeError: rank 0: all_reduce 'dynamic-sampling count' failed: another rank has "
+            "probably exited" in last), out[-3000:]
+
+
 def test_a_nan_in_one_ranks_shard_stops_every_rank_naming_the_parameter(store_env):
     procs = start_pair("nan", timeout_s=60, store_env=store_env)
     outs = [p.communicate(timeout=120)[0] for p in procs]
