@@ -229,15 +229,22 @@ def resume_checks(a_row, b_row, before_dir, a_dir, b_dir) -> list[tuple]:
     """The resumed step (B) against the straight run's (A), and the weights after it."""
     checks = []
     for name in SAME_ROLLOUT:
-        rel = abs(b_row[name] - a_row[name]) / max(abs(a_row[name]), 1e-12)
+        rel = relative(abs(b_row[name] - a_row[name]), abs(a_row[name]))
         checks.append((f"resume: {name}, |B - A| / |A|", rel, f"{ROLLOUT_TOL:g}",
                        rel <= ROLLOUT_TOL))
-    rel = abs(b_row["actor/grad_norm"] / a_row["actor/grad_norm"] - 1)
-    checks.append(("resume: gradient norm, |B / A - 1|", rel, f"{GRAD_TOL:g}", rel <= GRAD_TOL))
+    rel = relative(abs(b_row["actor/grad_norm"] - a_row["actor/grad_norm"]),
+                   a_row["actor/grad_norm"])
+    checks.append(("resume: gradient norm, |B - A| / A", rel, f"{GRAD_TOL:g}", rel <= GRAD_TOL))
     apart, update = weight_distances(before_dir, a_dir, b_dir)
-    checks.append(("resume: weights after, |B - A| / |A - before|", apart / update,
-                   f"{UPDATE_TOL:g}", apart <= UPDATE_TOL * update and update > 0))
+    rel = relative(apart, update)
+    checks.append(("resume: weights after, |B - A| / |A - before|", rel, f"{UPDATE_TOL:g}",
+                   rel <= UPDATE_TOL and update > 0))
     return checks
+
+
+def relative(gap: float, scale: float) -> float:
+    """gap / scale; a gap from nothing is infinitely large, none is 0."""
+    return gap / scale if scale else 0.0 if gap == 0 else math.inf
 
 
 def weight_distances(before_dir, a_dir, b_dir) -> tuple[float, float]:
