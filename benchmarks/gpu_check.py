@@ -64,6 +64,14 @@ DAPO_SMOKE = (*TINY, "--precision", "bf16", "--prompts", "4", "--group-size", "4
 # responses of the canary's random model, and it compares none (measured on CPU)
 CANARY_GPU = ("--device", "cuda", "--precision", "bf16", "--preset", "demo")
 CANARY_SMOKE = ("--device", "cpu", "--precision", "bf16", "--preset", "tiny")
+# Estimates for one H100, not measurements (no GPU here), from: ~10 s to start a process (torch, a
+# CUDA context); canary: a demo-sized model, 2 greedy rollouts of 12 tokens, one update; dapo: a
+# 0.5B model written (2 GB), 2 + 1 steps of 64 responses <= 256 tokens (~256 eager decode steps at
+# ~20 ms: 24 layers of kernels launched from Python) and 3 checkpoints of 6 GB each (fp32 weights,
+# AdamW's moments); parity: transformers' random 0.5B init on CPU, 4 loads, 4 forwards; sampler:
+# the 24-layer decode step's compile (~60 s, the least known), then ~600 eager and ~600 graphed
+# decode steps, 512 lockstep ones and 512 of transformers' generate; fsdp: its own ~1 minute;
+# kernels: Triton JIT, 2 torch.compile and do_bench over 5 GB of logits
 CHECKS = [
     Check("canary", "learning canary, bf16, one process", "canary.py",
           (*CANARY_GPU, "--dir", "{tmp}/canary"), (*CANARY_SMOKE, "--dir", "{tmp}/canary"),
