@@ -18,8 +18,10 @@ CHEAP = ("canary", "dapo", "parity", "fsdp")
 def smoke(tmp_path, *only) -> tuple[subprocess.CompletedProcess, str]:
     report = tmp_path / "gpu_check.md"
     # as a user runs it: conftest's TRITON_INTERPRET=1 would put the fused head's log-probs through
-    # the Triton interpreter (~4x the time; the kernels have tests of their own)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # the Triton interpreter (~4x the time; the kernels have tests of their own); one thread, as
+    # every test (pytest-xdist runs another file on the other core)
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+           "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--smoke",
                            "--only", *only, "--out", str(report)],
                           capture_output=True, text=True, timeout=600, env=env)
