@@ -61,8 +61,10 @@ $(BENCH_VENV)/.bench: requirements-bench.txt requirements-test.txt requirements-
 bench-step: $(BENCH_VENV)/.bench
 	$(BENCH_VENV)/bin/python benchmarks/bench_step.py
 
-# On one GPU (~8 minutes): the fused kernels, the rollout and 3 DAPO steps; one report,
-# runs/gpu_check.md. SMOKE=1: the same on CPU with tiny shapes.
+# On one GPU (~7 minutes, timeouts 9.5): the learning canary, dapo.py's steps with real advantages
+# and a resume, a transformers-made bf16 checkpoint, the rollout engine (eager vs CUDA graphs),
+# FSDP2, the fused kernels; with 2 GPUs the canary and dapo.py on 2 processes too. One report,
+# runs/gpu_check.md. SMOKE=1: the same on CPU with tiny shapes, bf16 by autocast.
 gpu-check: $(VENV)/.test
 	$(PY) benchmarks/gpu_check.py $(if $(SMOKE),--smoke)
 
