@@ -19,6 +19,10 @@ What it checks (exit 1 if one fails), over the real tokens' logits z:
   ours and transformers' bit for bit the same in bf16 and in fp32, and bf16's own error (either
   against fp32) 0.9 u sqrt(layers) rms(z). A wrong layout, a missing bias, a norm or a RoPE
   table read wrong is O(rms(z)). Each bf16 path against fp32 is printed beside it.
+- the training forward (response_logprobs and its backward, on left-padded prompts and
+  right-padded responses) runs with SDPA restricted to FlashAttention: no explicit mask, so no
+  fall back to the math kernel, which holds (rows, heads, T, T) scores. (On CPU, SDPA's flash
+  kernel takes masks too: the smoke run cannot tell.)
 """
 import argparse
 import os
@@ -80,6 +84,31 @@ def logits_of(path, dtype, device, inputs) -> dict:
     return out
 
 
+def flash_trains(path, device) -> str:
+    """'' if a training forward and backward of our bf16 model run on FlashAttention alone, else
+    the error SDPA raised."""
+    from types import SimpleNamespace
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from model import response_logprobs
+    model = Qwen2.from_pretrained(path, device=device)
+    g = torch.Generator().manual_seed(1)
+    prompt_len, response_len = torch.randint(8, 33, (4,), generator=g), \
+        torch.randint(4, 65, (4,), generator=g)
+    prompt_mask = torch.arange(32) >= (32 - prompt_len)[:, None]  # left-padded
+    response_mask = torch.arange(64) < response_len[:, None]  # right-padded
+    batch = SimpleNamespace(
+        prompt_ids=(torch.randint(0, 500, (4, 32), generator=g) * prompt_mask).to(device),
+        prompt_mask=prompt_mask.to(device), response_mask=response_mask.to(device),
+        response_ids=(torch.randint(0, 500, (4, 64), generator=g) * response_mask).to(device))
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            logp, _ = response_logprobs(model, batch, 1.0)
+            logp.sum().backward()
+    except RuntimeError as e:
+        return str(e).splitlines()[0]
+    return ""
+
+
 def rms(x):
     return float(x.double().square().mean().sqrt())
 
@@ -105,6 +134,7 @@ def main():
         inputs = batch(cfg.vocab_size, args.rows, args.length, args.device)
         bf16 = logits_of(d, None, args.device, inputs)
         fp32 = logits_of(d, torch.float32, args.device, inputs)
+        flash_error = flash_trains(d, args.device)
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"{args.preset} saved by transformers {transformers.__version__} in bf16; "
           f"{len(fp32['ours'])} tokens on {where}")
@@ -117,6 +147,8 @@ def main():
          bf16["dtype"] == torch.bfloat16),
         ("fp32: max |ours - transformers|", fp32_gap, fp32_bound, fp32_gap <= fp32_bound),
         ("bf16: rms(ours - transformers)", bf16_gap, bf16_bound, bf16_gap <= bf16_bound),
+        ("training forward on FlashAttention alone", flash_error or "ran", "ran",
+         not flash_error),
         ("  (information) bf16: max |ours - transformers|",
          float((bf16["ours"] - z16).abs().max()), None, True),
         ("  (information) rms(ours bf16 - fp32)", rms(bf16["ours"] - z32), None, True),
