@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from infra import trackers
+from infra import distributed, trackers
 
 
 REPORT_TO = ("jsonl", "tensorboard", "wandb", "trackio")  # --report-to, TRL's flag name
@@ -142,8 +142,8 @@ def check_flags(cfg: Config, world: int = 1):
     problems += trackers.missing(cfg.report_to)  # not installed: refused before the model loads
     if cfg.resume and cfg.overwrite:
         problems.append("--resume continues the run in --out-dir, --overwrite deletes it: pick one")
-    if problems:
-        raise ValueError("bad flags:\n  " + "\n  ".join(problems))
+    if problems:  # one line: the command line shows it as `error: bad flags: ...`
+        raise ValueError("bad flags: " + "; ".join(problems))
 
 
 def _device_problems(device: str) -> list[str]:
@@ -159,9 +159,16 @@ def _device_problems(device: str) -> list[str]:
     return []
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        """A bad flag value is one line `error: ...` (argparse's own would print the usage of
+        every flag first), from rank 0 only under torchrun, exit status 2."""
+        distributed.fail(f"{message} ({self.prog} --help lists the flags)")
+
+
 def parse_args(argv=None, description: str = "") -> Config:
-    parser = argparse.ArgumentParser(description=description,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(description=description,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in fields(Config):
         help_text = f.metadata["help"].replace("%", "%%") + " (default: %(default)r)"
         if isinstance(f.default, bool):  # --flag / --no-flag

@@ -341,5 +341,6 @@ def main(cfg: Config):
 
 
 if __name__ == "__main__":
-    main(parse_args(description=__doc__))
+    with launch.user_errors_in_one_line():  # `error: ...` for a user's mistake, no traceback
+        main(parse_args(description=__doc__))
     distributed.exit_after_shutdown()

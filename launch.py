@@ -6,8 +6,10 @@ DAPO; it is what a run needs before Algorithm 1 starts.
                            compute dtype, calls train(cfg) and shuts down
     load_policy(cfg)       the policy from --model, from a checkpoint (--resume) or the demo's
     load_data(cfg, tok)    training and held-out rows, from files or the toy task's
+    user_errors_in_one_line()  the command line's way to report a user's mistake
 """
 import contextlib
+import linecache
 import logging
 import os
 
@@ -113,3 +115,34 @@ def install_custom_reward(cfg: Config):
     uninstall_reward_fn()
     if cfg.reward_fn:
         install_reward_fn(cfg.reward_fn, cfg.reward_fn_all_rows)
+
+
+# A user's mistake (a flag, a path, a file's content, a directory another run holds) is found by
+# the checks of config.py, data.py, reward.py and infra/, which raise these with a message that
+# names the flag or the file and what to do
+USER_ERRORS = (ValueError, OSError, ImportError, RuntimeError)
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+@contextlib.contextmanager
+def user_errors_in_one_line():
+    """Around the command line's run: a user's mistake is one line `error: ...`, from rank 0 only,
+    exit status 2 (infra/distributed.fail); a traceback is for a bug. A mistake is an error of
+    USER_ERRORS that one of this project's `raise` statements made; the same types raised by
+    Python or a library (a ValueError of tuple unpacking, torch's RuntimeError of a shape
+    mismatch) are bugs."""
+    try:
+        yield
+    except USER_ERRORS as e:
+        if not _raised_by_a_check(e):
+            raise
+        distributed.fail(str(e))
+
+
+def _raised_by_a_check(e: BaseException) -> bool:
+    tb = e.__traceback__
+    while tb.tb_next:  # the innermost frame: where it was raised
+        tb = tb.tb_next
+    file = os.path.abspath(tb.tb_frame.f_code.co_filename)
+    ours = file.startswith(ROOT + os.sep) and "site-packages" not in file
+    return ours and linecache.getline(file, tb.tb_lineno).lstrip().startswith("raise ")

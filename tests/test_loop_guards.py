@@ -1,15 +1,22 @@
 """dapo.py refuses what would waste or destroy a run, before loading anything: bad flags, a
-directory that holds another run, a resume that changes the algorithm; and it stops at
-NaN weights."""
+directory that holds another run, missing files, a resume that changes the algorithm; and it stops
+at NaN weights. On the command line such a mistake is one line `error: ...`, exit status 2."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import dapo
+import launch
 from batches import random_batch
+from config import parse_args
 from model import Qwen2, preset
 from test_dapo import _cfg, torch_kernel_path  # noqa: F401 (an autouse fixture)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -146,3 +153,86 @@ def test_a_resume_with_nothing_to_do_says_so_and_changes_nothing(tiny_model_dir,
         assert f"at step 2 and --steps is {steps}: nothing to do" in "".join(capsys.readouterr())
         assert (tmp_path / "metrics.jsonl").read_text() == before
         assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000002"
+
+
+# --- a user's mistake on the command line: one line, exit status 2; a bug: a traceback ----------
+
+def command_line(argv):
+    """What `python dapo.py ARGV` runs, in this process."""
+    with launch.user_errors_in_one_line():
+        dapo.main(parse_args(argv, description=dapo.__doc__))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--lr", "abc"], "error: argument --lr: invalid float value: 'abc' (dapo.py --help lists "
+                      "the flags)"),
+    (["--group-size", "0", "--lr", "-1"], "error: bad flags: --group-size must be >= 1, got 0; "
+                                          "--lr must be >= 0, got -1.0"),
+], ids=["argparse", "check_flags"])
+def test_a_users_mistake_is_one_line_and_exit_status_2(tmp_path, capsys, monkeypatch, argv,
+                                                       message):
+    monkeypatch.setattr(sys, "argv", ["dapo.py"])  # argparse names the program after argv[0]
+    with pytest.raises(SystemExit) as stopped:
+        command_line(["--out-dir", str(tmp_path / "run"), *argv])
+    assert stopped.value.code == 2
+    out, err = capsys.readouterr()
+    assert err == message + "\n" and out == ""
+    assert not (tmp_path / "run").exists()
+
+
+def unpack_three_into_two():
+    first, second = [1, 2, 3]  # noqa: F841
+
+
+def multiply_mismatched_shapes():
+    return torch.zeros(2, 3) @ torch.zeros(2, 3)
+
+
+@pytest.mark.parametrize("bug,error", [(unpack_three_into_two, ValueError),
+                                       (multiply_mismatched_shapes, RuntimeError)])
+def test_a_bug_keeps_its_traceback(bug, error):
+    # the types of a user's mistake, raised by Python or torch instead of a check of ours
+    with pytest.raises(error):
+        with launch.user_errors_in_one_line():
+            bug()
+
+
+def test_the_command_line_refuses_a_directory_that_holds_a_run_in_one_line(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    out = subprocess.run([sys.executable, "dapo.py", "--out-dir", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == (f"error: {tmp_path} already holds a run (metrics.jsonl): pass --resume "
+                          "to continue it, or --overwrite to delete its metrics and checkpoints "
+                          "and start again (or choose another --out-dir)\n")
+
+
+# dapo.py with rank 0 late, so that the other rank reaches the mistake first (the order in which a
+# rank that reports without waiting would go unheard, or be heard instead of rank 0)
+RANK_0_LATE = """import os, runpy, sys, time
+if os.environ["RANK"] == "0":
+    time.sleep(3)
+sys.path.insert(0, {root!r})
+sys.argv[0] = "dapo.py"
+runpy.run_path(os.path.join({root!r}, "dapo.py"), run_name="__main__")
+"""
+
+
+def test_under_torchrun_rank_0_alone_reports_a_mistake(tmp_path):
+    # before: each rank printed its traceback, then torchrun its ChildFailedError block
+    script = tmp_path / "late_rank_0.py"
+    script.write_text(RANK_0_LATE.format(root=ROOT))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0"}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc_per_node=2", str(script), "--compile", "--out-dir",
+                          str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    errors = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert errors == ["error: bad flags: --compile runs in one process only, got 2: the compiled "
+                      "decode step is one graph, and FSDP2's hooks in each block cannot be traced"]
+    assert "dapo.py\", line" not in out.stderr  # no traceback of ours (torchrun adds its own)
+    # torchrun's summary: rank 0 stopped with status 2, then torchrun ended rank 1 (SIGTERM)
+    # while it waited
+    assert "rank      : 0 (local_rank: 0)\n  exitcode  : 2 " in out.stderr
+    assert "rank      : 1 (local_rank: 1)\n  exitcode  : -15 " in out.stderr
+    assert out.returncode != 0 and not (tmp_path / "run").exists()
