@@ -2,8 +2,8 @@
 Set-up for dapo.py's loop: the processes, the policy, the tokenizer and the data. Nothing here is
 DAPO; it is what a run needs before Algorithm 1 starts.
 
-    run(train, cfg)        checks the flags, starts torch.distributed under torchrun, picks the
-                           compute dtype, calls train(cfg) and shuts down
+    run(train, cfg)        checks the flags and the files they name, starts torch.distributed
+                           under torchrun, picks the compute dtype, calls train(cfg), shuts down
     load_policy(cfg)       the policy from --model, from a checkpoint (--resume) or the demo's
     load_data(cfg, tok)    training and held-out rows, from files or the toy task's
     user_errors_in_one_line()  the command line's way to report a user's mistake
@@ -16,16 +16,17 @@ import os
 import torch
 
 from config import Config, check_flags
-from data import Tokenizer, check_vocab, load_rows, load_tokenizer
+from data import Tokenizer, check_data_file, check_vocab, load_rows, load_tokenizer
 from infra import checkpoint, distributed, health, trackers
 from infra.files import need_file
 from model import PRESETS, ModelConfig, Qwen2
-from reward import install_reward_fn, uninstall_reward_fn
+from reward import check_reward_fn, install_reward_fn, uninstall_reward_fn
 from toy import WARMUP, demo_policy, toy_rows
 
 
 def run(train, cfg: Config):
     check_flags(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
+    check_files(cfg)  # before the processes meet and the weights load (minutes for 32B)
     rank, world, cfg.device = distributed.init(cfg.device, timeout_s=cfg.dist_timeout)
     # data.py reports through logging: rank 0 shows it, the others only warnings
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
@@ -42,6 +43,16 @@ def run(train, cfg: Config):
     finally:
         trackers.close_all()  # a crash still flushes what the trackers were given
         distributed.shutdown()
+
+
+def check_files(cfg: Config):
+    """The files the flags name, checked before anything loads: each data file is there and has a
+    reader (pyarrow for parquet), and --reward-fn is imported, once, and becomes the verifier of
+    the rows it scores (the rows are checked against it as they load)."""
+    for flag, path in (("--train-data", cfg.train_data), ("--val-data", cfg.val_data)):
+        if path:
+            check_data_file(path, flag)
+    install_custom_reward(cfg)
 
 
 def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:
@@ -88,8 +99,7 @@ def check_lengths(cfg: Config, model_dir: str | None):
 def load_data(cfg: Config, tok) -> tuple[list[dict], list[dict]]:
     """Training and held-out rows: DAPO-Math-17k / AIME-2024 files, or the toy task's splits.
     Every row of a file is checked now (a reward function for it, a prompt that renders and
-    encodes), not when a step first draws it."""
-    install_custom_reward(cfg)
+    encodes), not when a step first draws it. --reward-fn was installed by check_files."""
     if cfg.train_data:
         train_rows = load_rows(cfg.train_data, tok)
     else:
@@ -103,8 +113,7 @@ def load_data(cfg: Config, tok) -> tuple[list[dict], list[dict]]:
         raise ValueError(f"{cfg.train_data}: {len(train_rows)} usable rows, fewer than {flag} "
                          f"{cfg.generation_batch} (the prompts of one generation batch)")
     if cfg.reward_fn:  # one call on a real ground truth: a wrong signature stops the run now
-        install_reward_fn(cfg.reward_fn, cfg.reward_fn_all_rows,
-                          train_rows[0]["reward_model"]["ground_truth"])
+        check_reward_fn(train_rows[0]["reward_model"]["ground_truth"])
     return train_rows, val_rows[:cfg.eval_prompts or None]
 
 

@@ -231,17 +231,27 @@ def _as_score(result, spec: str) -> dict:
 
 def install_reward_fn(spec: str, every_row: bool, example_ground_truth: str | None = None):
     """Load --reward-fn and make it the verifier of rows whose data_source has none built in (or
-    of every row). One call on example_ground_truth (the first row's, given as the response too)
-    must return a float or {"score", "acc"}: a wrong signature or type stops the run now."""
+    of every row); with example_ground_truth, check_reward_fn() first."""
     fn = load_reward_fn(spec)
     if example_ground_truth is not None:
-        try:
-            _as_score(fn(example_ground_truth, example_ground_truth), spec)
-        except Exception as e:
-            raise ValueError(f"--reward-fn {spec}: the check call {spec.rpartition(':')[2]}"
-                             f"({example_ground_truth!r}, {example_ground_truth!r}) failed: "
-                             f"{type(e).__name__}: {e}") from e
+        _check_call(fn, spec, example_ground_truth)
     _custom.update(fn=fn, spec=spec, every_row=every_row)
+
+
+def check_reward_fn(example_ground_truth: str):
+    """One call of the installed --reward-fn on a real ground truth (the first row's, given as the
+    response too) must return a float or {"score", "acc"}: a wrong signature or type stops the run
+    before it starts, not at the first rollout."""
+    _check_call(_custom["fn"], _custom["spec"], example_ground_truth)
+
+
+def _check_call(fn, spec: str, ground_truth: str):
+    try:
+        _as_score(fn(ground_truth, ground_truth), spec)
+    except Exception as e:
+        raise ValueError(f"--reward-fn {spec}: the check call {spec.rpartition(':')[2]}"
+                         f"({ground_truth!r}, {ground_truth!r}) failed: "
+                         f"{type(e).__name__}: {e}") from e
 
 
 def uninstall_reward_fn():

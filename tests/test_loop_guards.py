@@ -11,6 +11,7 @@ import torch
 
 import dapo
 import launch
+import reward
 from batches import random_batch
 from config import parse_args
 from model import Qwen2, preset
@@ -168,7 +169,10 @@ def command_line(argv):
                       "the flags)"),
     (["--group-size", "0", "--lr", "-1"], "error: bad flags: --group-size must be >= 1, got 0; "
                                           "--lr must be >= 0, got -1.0"),
-], ids=["argparse", "check_flags"])
+    (["--train-data", "no/such.jsonl"], "error: --train-data no/such.jsonl: no such file"),
+    (["--reward-fn", "no/such.py:score"], "error: --reward-fn 'no/such.py:score': no file "
+                                           "no/such.py"),
+], ids=["argparse", "check_flags", "train-data", "reward-fn"])
 def test_a_users_mistake_is_one_line_and_exit_status_2(tmp_path, capsys, monkeypatch, argv,
                                                        message):
     monkeypatch.setattr(sys, "argv", ["dapo.py"])  # argparse names the program after argv[0]
@@ -236,3 +240,68 @@ def test_under_torchrun_rank_0_alone_reports_a_mistake(tmp_path):
     assert "rank      : 0 (local_rank: 0)\n  exitcode  : 2 " in out.stderr
     assert "rank      : 1 (local_rank: 1)\n  exitcode  : -15 " in out.stderr
     assert out.returncode != 0 and not (tmp_path / "run").exists()
+
+
+# --- the files the flags name: checked before the model loads ------------------------------------
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """The run fails the test if it gets as far as loading a model."""
+    monkeypatch.setattr(dapo.launch, "load_policy", lambda cfg: pytest.fail("loaded the model"))
+    yield
+    reward.uninstall_reward_fn()
+
+
+@pytest.mark.parametrize("flags,error,message", [
+    (dict(train_data="no/such.jsonl"), FileNotFoundError, "--train-data no/such.jsonl: no such "
+                                                          "file"),
+    (dict(val_data="no/such.parquet"), FileNotFoundError, "--val-data no/such.parquet: no such "
+                                                          "file"),
+    (dict(train_data="{tmp}/rows.csv"), ValueError, "--train-data .*/rows.csv: unknown data "
+                                                    "format"),
+    (dict(reward_fn="no/such.py:score"), ValueError, "--reward-fn 'no/such.py:score': no file"),
+], ids=["train-data", "val-data", "format", "reward-fn"])
+def test_a_missing_file_is_named_before_the_model_loads(tmp_path, no_model, flags, error,
+                                                        message):
+    (tmp_path / "rows.csv").write_text("prompt,answer\n")
+    flags = {k: v.format(tmp=tmp_path) for k, v in flags.items()}
+    with pytest.raises(error, match=message):
+        dapo.main(dapo.Config(out_dir=str(tmp_path / "run"), **flags))
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_parquet_without_pyarrow_is_refused_before_the_model_loads(tmp_path, no_model,
+                                                                     monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # `import pyarrow` raises ImportError
+    (tmp_path / "dapo-math-17k.parquet").write_bytes(b"PAR1")
+    with pytest.raises(ImportError, match=r"dapo-math-17k.parquet needs pyarrow.*pip install -r "
+                                          r"requirements-extra.txt"):
+        dapo.main(dapo.Config(out_dir=str(tmp_path / "run"),
+                              train_data=str(tmp_path / "dapo-math-17k.parquet")))
+
+
+@pytest.mark.needs("filter_logits", "sample", "rope", "attention", "kv_cache")  # the evaluation
+def test_the_reward_file_is_imported_once_before_the_model_loads(tiny_model_dir, tmp_path,
+                                                                 monkeypatch):
+    events = tmp_path / "events"
+    verifier = tmp_path / "verifier.py"
+    verifier.write_text(f"open({str(events)!r}, 'a').write('import\\n')\n"
+                        "def score(response, truth):\n    return float(response == truth)\n")
+    load_policy = launch.load_policy
+
+    def logged_load_policy(cfg):
+        with open(events, "a") as f:
+            f.write("model\n")
+        return load_policy(cfg)
+
+    monkeypatch.setattr(dapo.launch, "load_policy", logged_load_policy)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{k} + 1?", "answer": str(k + 1)}) + "\n"
+                            for k in range(4)))
+    try:
+        dapo.main(_cfg(tiny_model_dir, tmp_path / "run", eval_only=True, train_data=str(rows),
+                       val_data=str(rows), reward_fn=f"{verifier}:score", eval_samples=1,
+                       max_response_len=4))
+    finally:
+        reward.uninstall_reward_fn()
+    assert events.read_text().split() == ["import", "model"]
