@@ -266,9 +266,11 @@ def _check_row(row, where: str) -> str | None:
     if not isinstance(row.get("data_source"), str):
         raise ValueError(f"{where}: 'data_source' is missing or not a string")
     if not has_scorer(row["data_source"]):
-        raise ValueError(f"{where}: no reward function for data_source {row['data_source']!r} "
-                         f"(reward.py knows {sorted(SCORERS)} and 'aime*'; give yours with "
-                         "--reward-fn FILE.py:NAME)")
+        raise ValueError(f"{where}: no reward function for data_source {row['data_source']!r}: "
+                         f"give the row \"data_source\": \"math_dapo\" for the built-in verifier "
+                         "of DAPO-Math-17k (+1 when the response's last \"Answer: ...\" line "
+                         "matches the ground truth, else -1), or give yours with --reward-fn "
+                         f"FILE.py:NAME (reward.py knows {sorted(SCORERS)} and 'aime*')")
     prompt = row.get("prompt")
     if not isinstance(prompt, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str)
