@@ -191,8 +191,8 @@ def collect_batch(model, prompt_iter, tok, cfg, generator) -> tuple[Batch | None
 
 def groups_to_train(n_kept: int, cfg) -> int:
     """All of --train-prompts, or, when dynamic sampling stopped at --max-gen-batches short of
-    them, the whole mini-batches kept (a partial one would take a full optimizer step), or with
-    --on-gen-cap error verl's error."""
+    them, the whole mini-batches kept (a partial one would take a full optimizer step; the progress
+    bar says so), or with --on-gen-cap error verl's error."""
     if n_kept >= cfg.train_prompts:
         return cfg.train_prompts
     if cfg.on_gen_cap == "error":
@@ -200,10 +200,7 @@ def groups_to_train(n_kept: int, cfg) -> int:
             f"dynamic sampling found {n_kept} of {cfg.train_prompts} groups with signal in "
             f"--max-gen-batches {cfg.max_gen_batches} generation batches; raise the cap (0 = "
             "none), or --on-gen-cap train to train on the whole mini-batches kept")
-    n_take = n_kept - n_kept % cfg.mini_batch_prompts
-    distributed.say(f"dynamic sampling stopped at --max-gen-batches {cfg.max_gen_batches} with "
-                    f"{n_kept} of {cfg.train_prompts} groups with signal; training on {n_take}")
-    return n_take
+    return n_kept - n_kept % cfg.mini_batch_prompts
 
 
 # ------------------------------------------------------------------------------------------------

@@ -205,6 +205,7 @@ class RunLog:
 
     def __init__(self, path: str, start: int, steps: int, trackers: list = ()):
         self.path, self.trackers = path, list(trackers)
+        self.capped = 0  # steps at which dynamic sampling stopped at --max-gen-batches
         self.bar = tqdm(range(start, steps), initial=start, total=steps, desc="dapo",
                         dynamic_ncols=True, disable=distributed.rank() != 0)
 
@@ -225,13 +226,28 @@ class RunLog:
         row |= {"step": step, "actor/lr": lr, "timing/gen_s": t_gen, "timing/train_s": t_train,
                 "perf/tokens_per_s": tokens / max(t_gen + t_train, 1e-9)}
         self.write(row)
-        self.bar.set_postfix(progress_summary(row))
+        if row.get("train/gen_cap_hit"):
+            self.capped += 1
+            if self.capped == 1:  # said once, then counted in the bar
+                distributed.say(cap_note(row))
+        self.bar.set_postfix(progress_summary(row) | ({"capped": self.capped} if self.capped
+                                                      else {}))
+
 
     @staticmethod
     def say_eval_change(first: dict, last: dict, start: int, steps: int, k: int):
         distributed.say(f"val/acc (avg@{k}): {first['val/acc']:.3f} at step {start} -> "
                         f"{last['val/acc']:.3f} at step {steps}; pass@{k}: "
                         f"{first[f'val/pass@{k}']:.3f} -> {last[f'val/pass@{k}']:.3f}")
+
+
+def cap_note(row: dict) -> str:
+    kept = row["train/groups_kept"] + row["train/groups_surplus"]
+    return (f"step {row['step']}: dynamic sampling stopped at --max-gen-batches "
+            f"({row['train/num_gen_batches']} generation batches) with {kept} groups with "
+            f"signal, fewer than --train-prompts; trained on the {row['train/groups_kept']} of "
+            "whole mini-batches. Said once: 'capped' in the bar counts such steps "
+            "(train/gen_cap_hit in metrics.jsonl)")
 
 
 def progress_summary(m: dict) -> dict:
