@@ -13,7 +13,10 @@ No KL term and no reference model. Entropy is measured and logged, never added t
 
     python dapo.py                  # the embedded demo: a tiny model learns the toy task on CPU
     python dapo.py --help           # every flag; the README has the paper's full command line
-    python dapo.py --eval-only --model PATH --val-data aime-2024.parquet --eval-samples 32
+    # AIME-2024 avg@32 as the paper measures it; the result also goes to runs/eval/eval.json
+    python dapo.py --eval-only --model PATH --val-data aime-2024.parquet --out-dir runs/eval \
+        --max-prompt-len 2048 --max-response-len 20480 --eval-samples 32 --eval-top-p 0.7 \
+        --eval-prompts 0
 """
 import json
 import os
@@ -279,6 +282,7 @@ def train(cfg: Config):
     eps_high = cfg.eps_high if cfg.clip_higher else cfg.eps_low  # technique 1 off: PPO's clip
     if cfg.eval_only:
         result = evaluate(model, val_rows, tok, cfg)
+        distributed.say(f"written to {metrics.save_eval(cfg.out_dir, result, asdict(cfg))}:")
         distributed.say(json.dumps(result))
         for tracker in trackers.open_all(cfg):  # runs of their own, apart from the training run
             tracker.log(result, 0)

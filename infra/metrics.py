@@ -6,11 +6,12 @@ verl's names keep verl's meanings (where this project's differ, it says so there
 """
 import json
 import math
+import os
 
 import torch
 from tqdm import tqdm
 
-from infra import distributed
+from infra import distributed, files
 from infra.trackers import close as close_trackers
 
 # sums over the loss's tokens (clip_stats), then pi_old's entropy and the tokens in the loss
@@ -233,7 +234,6 @@ class RunLog:
         self.bar.set_postfix(progress_summary(row) | ({"capped": self.capped} if self.capped
                                                       else {}))
 
-
     @staticmethod
     def say_eval_change(first: dict, last: dict, start: int, steps: int, k: int):
         distributed.say(f"val/acc (avg@{k}): {first['val/acc']:.3f} at step {start} -> "
@@ -248,6 +248,16 @@ def cap_note(row: dict) -> str:
             f"signal, fewer than --train-prompts; trained on the {row['train/groups_kept']} of "
             "whole mini-batches. Said once: 'capped' in the bar counts such steps "
             "(train/gen_cap_hit in metrics.jsonl)")
+
+
+def save_eval(out_dir: str, result: dict, config: dict) -> str:
+    """--eval-only's result beside the flags that produced it, as out_dir/eval.json (written by
+    rank 0; the next --eval-only there replaces it) -> its path."""
+    path = os.path.join(out_dir, "eval.json")
+    if distributed.rank() == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        files.write_atomic(path, json.dumps({**result, "config": config}, indent=2) + "\n")
+    return path
 
 
 def progress_summary(m: dict) -> dict:
