@@ -50,9 +50,11 @@ def test_a_line_that_is_not_json_names_the_file_and_line(tmp_path):
 
 def test_make_run_ends_by_drawing_the_curves_and_saying_where(tmp_path):
     pytest.importorskip("matplotlib")
-    # the recipe as make runs it (-n: printed, not run; the venv rule may print its pip lines)
-    recipe = subprocess.run(["make", "-n", "run"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=60).stdout.splitlines()
+    # the recipe as a user's make runs it (-n: printed, not run; the venv rule may print its pip
+    # lines), not as a sub-make of `make test` (which would print its directory, and pass VENV)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    recipe = subprocess.run(["make", "-n", "run"], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=60).stdout.splitlines()
     assert recipe[-2].endswith("dapo.py --out-dir runs/demo --overwrite")
     assert recipe[-1].endswith(
         "experiments/plot.py runs/demo/metrics.jsonl -o runs/demo/curves.png")
