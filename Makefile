@@ -18,19 +18,16 @@ $(VENV)/.test: requirements-test.txt requirements-extra.txt $(VENV)/.runtime
 	$(PIP) install -q -r requirements-test.txt
 	touch $@
 
-$(VENV)/.extra: requirements-extra.txt $(VENV)/.runtime
-	$(PIP) install -q -r requirements-extra.txt
-	touch $@
-
 $(VENV)/.notebook: requirements-notebook.txt $(VENV)/.runtime
 	$(PIP) install -q -r requirements-notebook.txt
 	touch $@
 
 # The embedded demo: a tiny Qwen2 is warmed up on a toy task (once; cached in runs/demo-base), then
-# trained with DAPO; prints val/acc before -> after and writes runs/demo/metrics.jsonl
-# (`python experiments/plot.py` draws it).
+# trained with DAPO; prints val/acc before -> after, writes runs/demo/metrics.jsonl and draws its
+# curves into runs/demo/curves.png.
 run: $(VENV)/.runtime
 	$(PY) dapo.py --out-dir runs/demo --overwrite
+	$(PY) experiments/plot.py runs/demo/metrics.jsonl -o runs/demo/curves.png
 
 # pytest exits 5 when it collects no test: that is a failure of the suite here, not a pass, so it is
 # left as is. The parity tests (two computations of the same numbers) then run again under another
@@ -71,8 +68,8 @@ gpu-check: $(VENV)/.test
 # Each DAPO technique judged on what it acts on: DAPO against DAPO with one technique off, on the
 # ablation's own toy task (ablate_toy.py), 6 seeds each, two runs at a time on one thread each;
 # plus clip-higher in isolation (ablate_isolated.py). Writes runs/ablate/table.md, ablation.png
-# and clip_bandit.png (matplotlib: requirements-extra.txt).
-ablate: $(VENV)/.extra
+# and clip_bandit.png.
+ablate: $(VENV)/.runtime
 	OMP_NUM_THREADS=1 $(PY) experiments/ablate.py
 
 # The walkthrough notebook, opened in Jupyter (installed into .venv/ the first time). RUN=1: run

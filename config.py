@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from infra import trackers
+from infra import distributed, trackers
 from infra.precision import PRECISIONS
 
 
@@ -31,9 +31,11 @@ def slots_value(text: str) -> int | str:
 @dataclass
 class Config:
     # what to train (the defaults are the embedded CPU demo; the README gives the paper's settings)
-    model: str = _flag("", "Hugging Face Qwen2 directory; empty: the demo's tiny model")
-    train_data: str = _flag("", "DAPO-Math-17k .parquet/.jsonl; empty: the toy task")
-    val_data: str = _flag("", "AIME-2024 .parquet/.jsonl; empty: the toy task's test split")
+    model: str = _flag("", "Hugging Face Qwen2 directory; empty: the demo's tiny model (paper: "
+                           "Qwen2.5-32B base)")
+    train_data: str = _flag("", ".parquet/.jsonl rows; empty: the toy task (paper: DAPO-Math-17k)")
+    val_data: str = _flag("", ".parquet/.jsonl rows; empty: the toy task's test split (paper: "
+                              "AIME-2024)")
     reward_fn: str = _flag("", "FILE.py:NAME, (response, ground_truth) -> float or {score, acc}: "
                                "the verifier of rows no built-in one knows (plain JSONL rows)")
     reward_fn_all_rows: bool = _flag(False, "--reward-fn scores every row, built-in ones too")
@@ -46,26 +48,27 @@ class Config:
                          "for N processes (default: this launch's) and exit", nargs="?", const=-1,
                       metavar="N")
     seed: int = _flag(0, "seeds the model init, the data order and the sampling")
-    device: str = _flag("cuda" if torch.cuda.is_available() else "cpu", "cpu or cuda")
+    device: str = _flag("cuda" if torch.cuda.is_available() else "cpu",
+                        "cpu, cuda or cuda:N; the default is cuda where torch sees a GPU, else cpu")
     precision: str = _flag("auto", "compute precision: fp32, or bf16 with fp32 master weights, "
                                    "optimizer and gradient reduction (autocast in one process, "
                                    "FSDP2's mixed precision in several); auto: bf16 on CUDA, "
-                                   "fp32 on CPU", choices=PRECISIONS)
+                                   "fp32 on CPU (paper: bf16)", choices=PRECISIONS)
     # rollout
-    steps: int = _flag(40, "rollout steps")
+    steps: int = _flag(40, "rollout steps (paper: thousands, Fig. 1; verl's script: 1 epoch)")
     train_prompts: int = _flag(32, "prompts per rollout step (paper: 512)")
     gen_prompts: int = _flag(48, "prompts per generation batch (paper: 1536 = 3x)")
     group_size: int = _flag(8, "responses per prompt, G (paper: 16)")
-    max_gen_batches: int = _flag(4, "dynamic-sampling cap per step; 0 = no cap")
+    max_gen_batches: int = _flag(4, "dynamic-sampling cap per step; 0 = no cap (paper: 10)")
     on_gen_cap: str = _flag("train", "at the cap: train on the whole mini-batches kept, or stop "
-                                     "with an error (verl)", choices=("train", "error"))
-    max_prompt_len: int = _flag(64, "prompt tokens; longer prompts lose their start")
+                                     "with an error (paper: error)", choices=("train", "error"))
+    max_prompt_len: int = _flag(64, "prompt tokens; longer prompts lose their start (paper: 2048)")
     max_response_len: int = _flag(40, "response tokens, L_max (paper: 20480)")
-    overlong_buffer: int = _flag(16, "soft-penalty zone before L_max, L_cache (4096)")
-    overlong_factor: float = _flag(1.0, "scale of the overlong penalty")
-    temperature: float = _flag(1.0, "rollout sampling temperature")
-    top_p: float = _flag(1.0, "rollout nucleus sampling (1 = off)")
-    top_k: int = _flag(0, "rollout top-k (0 = off)")
+    overlong_buffer: int = _flag(16, "soft-penalty zone before L_max, L_cache (paper: 4096)")
+    overlong_factor: float = _flag(1.0, "scale of the overlong penalty (paper: 1.0)")
+    temperature: float = _flag(1.0, "rollout sampling temperature (paper: 1.0)")
+    top_p: float = _flag(1.0, "rollout nucleus sampling, 1 = off (paper: 1.0)")
+    top_k: int = _flag(0, "rollout top-k, 0 = off (paper: off)")
     rollout_batch_size: int | str = _flag(64, "sequences decoding at once per process, the KV "
                                               "cache's rows: bounds its memory (0 = all; auto: "
                                               "as many as the memory plan fits)", type=slots_value)
@@ -78,27 +81,32 @@ class Config:
     fused_head: bool = _flag(True, "the output layer inside the log-prob kernel, a chunk of tokens "
                                    "at a time; off: the (B, R, V) logits, for comparison")
     micro_batch_tokens: int = _flag(1024, "micro-batches of length-sorted sequences up to this "
-                                          "many padded tokens (0: --micro-batch-size rows)")
+                                          "many padded tokens (0: --micro-batch-size rows) "
+                                          "(paper: 22528 = 2048 + 20480)")
     lr: float = _flag(3e-4, "AdamW learning rate (paper: 1e-6)")
     weight_decay: float = _flag(0.0, "AdamW weight decay (paper: 0.1)")
-    grad_clip: float = _flag(1.0, "max grad norm")
-    warmup_steps: int = _flag(3, "linear lr warm-up from 0, in rollout steps (paper: 20)")
-    eps_low: float = _flag(0.2, "lower clip range: ratio >= 1 - eps_low")
-    eps_high: float = _flag(0.28, "upper clip range with clip-higher")
-    dual_clip: float = _flag(0.0, "dual-clip bound c for A < 0 (verl's DAPO: 10); 0 = off")
+    grad_clip: float = _flag(1.0, "max grad norm (paper: 1.0)")
+    warmup_steps: int = _flag(3, "linear lr warm-up from 0, in rollout steps (paper: 20; verl's "
+                                 "script: 10)")
+    eps_low: float = _flag(0.2, "lower clip range: ratio >= 1 - eps_low (paper: 0.2)")
+    eps_high: float = _flag(0.28, "upper clip range with clip-higher (paper: 0.28)")
+    dual_clip: float = _flag(0.0, "dual-clip bound c for A < 0; 0 = off (paper: 10, in verl's "
+                                  "DAPO)")
     # the four techniques, each switchable for the paper's ablation (all off = naive GRPO)
-    clip_higher: bool = _flag(True, "technique 1: eps_high; off: symmetric eps_low")
-    dynamic_sampling: bool = _flag(True, "technique 2: keep groups with mixed accuracy")
-    token_level_loss: bool = _flag(True, "technique 3; off: mean per sequence first")
-    overlong_shaping: bool = _flag(True, "technique 4: soft overlong punishment")
-    overlong_filtering: bool = _flag(False, "mask truncated responses out of the loss")
+    clip_higher: bool = _flag(True, "technique 1: eps_high; off: symmetric eps_low (paper: on)")
+    dynamic_sampling: bool = _flag(True, "technique 2: keep groups with mixed accuracy (paper: on)")
+    token_level_loss: bool = _flag(True, "technique 3; off: mean per sequence first (paper: on)")
+    overlong_shaping: bool = _flag(True, "technique 4: soft overlong punishment (paper: on)")
+    overlong_filtering: bool = _flag(False, "mask truncated responses out of the loss (paper: "
+                                            "off, an ablation row)")
     # evaluation and checkpoints
-    eval_every: int = _flag(10, "evaluate every N steps (and at step 0); 0 = never")
-    eval_samples: int = _flag(4, "k of avg@k and pass@k (AIME: 32)")
-    eval_temperature: float = _flag(1.0, "evaluation temperature (AIME: 1.0)")
-    eval_top_p: float = _flag(1.0, "evaluation top-p (AIME: 0.7)")
-    eval_prompts: int = _flag(128, "held-out problems to evaluate (0 = all)")
-    save_every: int = _flag(0, "checkpoint every N steps (and at the end); 0 = end only")
+    eval_every: int = _flag(10, "evaluate every N steps (and at step 0); 0 = never (paper: 5)")
+    eval_samples: int = _flag(4, "k of avg@k and pass@k (paper: 32, AIME's avg@32)")
+    eval_temperature: float = _flag(1.0, "evaluation temperature (paper: 1.0)")
+    eval_top_p: float = _flag(1.0, "evaluation top-p (paper: 0.7)")
+    eval_prompts: int = _flag(128, "held-out problems to evaluate, 0 = all (paper: 0, AIME's 30)")
+    save_every: int = _flag(0, "checkpoint every N steps (and at the end); 0 = end only (paper: "
+                               "5)")
     keep_checkpoints: int = _flag(0, "keep only the last N checkpoints; 0 = all")
     overwrite: bool = _flag(False, "start again in an --out-dir that holds a run (deletes its "
                                    "metrics and checkpoints)")
@@ -106,7 +114,7 @@ class Config:
                                      "trained on nothing or on a dead policy; 0 = never")
     dist_timeout: float = _flag(1800.0, "seconds a rank waits for the others before failing")
     activation_checkpointing: bool = _flag(False, "recompute block activations in the backward: "
-                                                  "less memory, ~30% more time")
+                                                  "less memory, ~30% more time (paper: on)")
     report_to: tuple[str, ...] = _flag(("jsonl",), "where the metrics go, one or more of "
                                        "jsonl tensorboard wandb trackio (metrics.jsonl is always "
                                        "written, listed or not)", choices=REPORT_TO)
@@ -167,8 +175,8 @@ def check_flags(cfg: Config, world: int = 1):
     problems += trackers.missing(cfg.report_to)  # not installed: refused before the model loads
     if cfg.resume and cfg.overwrite:
         problems.append("--resume continues the run in --out-dir, --overwrite deletes it: pick one")
-    if problems:
-        raise ValueError("bad flags:\n  " + "\n  ".join(problems))
+    if problems:  # one line: the command line shows it as `error: bad flags: ...`
+        raise ValueError("bad flags: " + "; ".join(problems))
 
 
 def _device_problems(device: str) -> list[str]:
@@ -184,9 +192,24 @@ def _device_problems(device: str) -> list[str]:
     return []
 
 
+# --help's header, between the entry point's own text and the flags
+DEFAULTS = """\
+Every default below runs the embedded CPU demo (a tiny Qwen2 on a toy task: `make run`).
+(paper: X) is the setting of the paper's run, or of its verl script where the paper gives none;
+the README has that run's whole command line. --device is cuda where torch sees a GPU, else cpu."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        """A bad flag value is one line `error: ...` (argparse's own would print the usage of
+        every flag first), from rank 0 only under torchrun, exit status 2."""
+        distributed.fail(f"{message} ({self.prog} --help lists the flags)")
+
+
 def parse_args(argv=None, description: str = "") -> Config:
-    parser = argparse.ArgumentParser(description=description,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(usage="%(prog)s [--FLAG VALUE ...]",
+                     description=f"{description.strip()}\n\n{DEFAULTS}".strip(),
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in fields(Config):
         help_text = f.metadata["help"].replace("%", "%%") + " (default: %(default)r)"
         if isinstance(f.default, bool):  # --flag / --no-flag

@@ -13,7 +13,10 @@ No KL term and no reference model. Entropy is measured and logged, never added t
 
     python dapo.py                  # the embedded demo: a tiny model learns the toy task on CPU
     python dapo.py --help           # every flag; the README has the paper's full command line
-    python dapo.py --eval-only --model PATH --val-data aime-2024.parquet --eval-samples 32
+    # AIME-2024 avg@32 as the paper measures it; the result also goes to runs/eval/eval.json
+    python dapo.py --eval-only --model PATH --val-data aime-2024.parquet --out-dir runs/eval \\
+        --max-prompt-len 2048 --max-response-len 20480 --eval-samples 32 --eval-top-p 0.7 \\
+        --eval-prompts 0
 """
 import json
 import os
@@ -198,8 +201,8 @@ def collect_batch(model, prompt_iter, tok, cfg, generator) -> tuple[Batch | None
 
 def groups_to_train(n_kept: int, cfg) -> int:
     """All of --train-prompts, or, when dynamic sampling stopped at --max-gen-batches short of
-    them, the whole mini-batches kept (a partial one would take a full optimizer step), or with
-    --on-gen-cap error verl's error."""
+    them, the whole mini-batches kept (a partial one would take a full optimizer step; the progress
+    bar says so), or with --on-gen-cap error verl's error."""
     if n_kept >= cfg.train_prompts:
         return cfg.train_prompts
     if cfg.on_gen_cap == "error":
@@ -207,10 +210,7 @@ def groups_to_train(n_kept: int, cfg) -> int:
             f"dynamic sampling found {n_kept} of {cfg.train_prompts} groups with signal in "
             f"--max-gen-batches {cfg.max_gen_batches} generation batches; raise the cap (0 = "
             "none), or --on-gen-cap train to train on the whole mini-batches kept")
-    n_take = n_kept - n_kept % cfg.mini_batch_prompts
-    distributed.say(f"dynamic sampling stopped at --max-gen-batches {cfg.max_gen_batches} with "
-                    f"{n_kept} of {cfg.train_prompts} groups with signal; training on {n_take}")
-    return n_take
+    return n_kept - n_kept % cfg.mini_batch_prompts
 
 
 # ------------------------------------------------------------------------------------------------
@@ -294,6 +294,7 @@ def train(cfg: Config):
     eps_high = cfg.eps_high if cfg.clip_higher else cfg.eps_low  # technique 1 off: PPO's clip
     if cfg.eval_only:
         result = evaluate(model, val_rows, tok, cfg)
+        distributed.say(f"written to {metrics.save_eval(cfg.out_dir, result, asdict(cfg))}:")
         distributed.say(json.dumps(result))
         for tracker in trackers.open_all(cfg):  # runs of their own, apart from the training run
             tracker.log(result, 0)
@@ -352,5 +353,6 @@ def main(cfg: Config):
 
 
 if __name__ == "__main__":
-    main(parse_args(description=__doc__))
+    with launch.user_errors_in_one_line():  # `error: ...` for a user's mistake, no traceback
+        main(parse_args(description=__doc__))
     distributed.exit_after_shutdown()

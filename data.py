@@ -202,7 +202,18 @@ def check_vocab(model_vocab_size: int, tokenizer: Tokenizer, model_dir: str):
 #   {"data_source": "math_dapo", "prompt": [{"role": "user", "content": ...}], "ability": "MATH",
 #    "reward_model": {"ground_truth": "34", "style": "rule"}, "extra_info": {"index": ...}}
 
-def _parquet_rows(path: str):
+def check_data_file(path: str, flag: str):
+    """Before anything loads: the file a flag names is there and has a reader (.jsonl, or .parquet
+    with pyarrow installed). Raises naming the flag and the file."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{flag} {path}: no such file")
+    if path.endswith(".parquet"):
+        _import_pyarrow(path)
+    elif not path.endswith(".jsonl"):
+        raise ValueError(f"{flag} {path}: unknown data format (expected .parquet or .jsonl)")
+
+
+def _import_pyarrow(path: str):
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -210,6 +221,11 @@ def _parquet_rows(path: str):
         raise ImportError(f"reading {path} needs pyarrow, an optional extra: pip install -r "
                           "requirements-extra.txt (or convert the file to JSONL with the same "
                           "columns)") from None
+    return pa, pq
+
+
+def _parquet_rows(path: str):
+    pa, pq = _import_pyarrow(path)
     index = 0
     try:
         # Python objects for one batch at a time
@@ -265,9 +281,11 @@ def _check_row(row, where: str) -> str | None:
     if not isinstance(row.get("data_source"), str):
         raise ValueError(f"{where}: 'data_source' is missing or not a string")
     if not has_scorer(row["data_source"]):
-        raise ValueError(f"{where}: no reward function for data_source {row['data_source']!r} "
-                         f"(reward.py knows {sorted(SCORERS)} and 'aime*'; give yours with "
-                         "--reward-fn FILE.py:NAME)")
+        raise ValueError(f"{where}: no reward function for data_source {row['data_source']!r}: "
+                         f"give the row \"data_source\": \"math_dapo\" for the built-in verifier "
+                         "of DAPO-Math-17k (+1 when the response's last \"Answer: ...\" line "
+                         "matches the ground truth, else -1), or give yours with --reward-fn "
+                         f"FILE.py:NAME (reward.py knows {sorted(SCORERS)} and 'aime*')")
     prompt = row.get("prompt")
     if not isinstance(prompt, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str)

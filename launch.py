@@ -2,11 +2,14 @@
 Set-up for dapo.py's loop: the processes, the policy, the tokenizer and the data. Nothing here is
 DAPO; it is what a run needs before Algorithm 1 starts.
 
-    run(train, cfg)        checks the flags, starts torch.distributed under torchrun, picks the
-                           compute dtype, calls train(cfg) and shuts down
+    run(train, cfg)        checks the flags and the files they name, starts torch.distributed
+                           under torchrun, picks the compute dtype, calls train(cfg), shuts down
     load_policy(cfg)       the policy from --model, from a checkpoint (--resume) or the demo's
     load_data(cfg, tok)    training and held-out rows, from files or the toy task's
+    user_errors_in_one_line()  the command line's way to report a user's mistake
 """
+import contextlib
+import linecache
 import logging
 import os
 import sys
@@ -14,17 +17,19 @@ import sys
 import torch
 
 from config import Config, check_flags
-from data import Tokenizer, check_vocab, load_rows, load_tokenizer
+from data import Tokenizer, check_data_file, check_vocab, load_rows, load_tokenizer
 from infra import checkpoint, distributed, health, hf_io, memory, precision, trackers
 from infra.files import need_file
 from model import PRESETS, ModelConfig, Qwen2
-from reward import install_reward_fn, uninstall_reward_fn
+from reward import check_reward_fn, install_reward_fn, uninstall_reward_fn
 from toy import WARMUP, demo_model_config, demo_policy, toy_rows
 
 
 def run(train, cfg: Config):
     # --plan N: the flags are checked for the N processes the plan is for
     check_flags(cfg, world=cfg.plan if cfg.plan > 0 else int(os.environ.get("WORLD_SIZE", "1")))
+    if not cfg.plan:  # --plan reads config.json alone
+        check_files(cfg)  # before the processes meet and the weights load (minutes for 32B)
     rank, world, cfg.device = distributed.init(cfg.device, timeout_s=cfg.dist_timeout)
     # bf16 compute with fp32 master weights: dapo.py enters autocast per forward phase, never
     # around the whole run (infra/precision.py says why)
@@ -68,6 +73,16 @@ def model_config(cfg: Config) -> ModelConfig:
     if cfg.model:
         return ModelConfig.from_json(need_file(cfg.model, "config.json"))
     return demo_model_config()
+
+
+def check_files(cfg: Config):
+    """The files the flags name, checked before anything loads: each data file is there and has a
+    reader (pyarrow for parquet), and --reward-fn is imported, once, and becomes the verifier of
+    the rows it scores (the rows are checked against it as they load)."""
+    for flag, path in (("--train-data", cfg.train_data), ("--val-data", cfg.val_data)):
+        if path:
+            check_data_file(path, flag)
+    install_custom_reward(cfg)
 
 
 def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:
@@ -134,8 +149,7 @@ def check_lengths(cfg: Config, model_dir: str | None):
 def load_data(cfg: Config, tok) -> tuple[list[dict], list[dict]]:
     """Training and held-out rows: DAPO-Math-17k / AIME-2024 files, or the toy task's splits.
     Every row of a file is checked now (a reward function for it, a prompt that renders and
-    encodes), not when a step first draws it."""
-    install_custom_reward(cfg)
+    encodes), not when a step first draws it. --reward-fn was installed by check_files."""
     if cfg.model and not cfg.train_data and not cfg.eval_only:
         distributed.say(f"warning: --model {cfg.model} without --train-data trains on the demo's "
                         "toy sums (pass --train-data, e.g. DAPO-Math-17k's parquet file)")
@@ -152,8 +166,7 @@ def load_data(cfg: Config, tok) -> tuple[list[dict], list[dict]]:
         raise ValueError(f"{cfg.train_data}: {len(train_rows)} usable rows, fewer than {flag} "
                          f"{cfg.generation_batch} (the prompts of one generation batch)")
     if cfg.reward_fn:  # one call on a real ground truth: a wrong signature stops the run now
-        install_reward_fn(cfg.reward_fn, cfg.reward_fn_all_rows,
-                          train_rows[0]["reward_model"]["ground_truth"], cfg.reward_timeout)
+        check_reward_fn(train_rows[0]["reward_model"]["ground_truth"])
     return train_rows, val_rows[:cfg.eval_prompts or None]
 
 
@@ -163,4 +176,35 @@ def install_custom_reward(cfg: Config):
         raise ValueError("--reward-fn-all-rows needs --reward-fn FILE.py:NAME")
     uninstall_reward_fn()
     if cfg.reward_fn:
-        install_reward_fn(cfg.reward_fn, cfg.reward_fn_all_rows)
+        install_reward_fn(cfg.reward_fn, cfg.reward_fn_all_rows, timeout_s=cfg.reward_timeout)
+
+
+# A user's mistake (a flag, a path, a file's content, a directory another run holds) is found by
+# the checks of config.py, data.py, reward.py and infra/, which raise these with a message that
+# names the flag or the file and what to do
+USER_ERRORS = (ValueError, OSError, ImportError, RuntimeError)
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+@contextlib.contextmanager
+def user_errors_in_one_line():
+    """Around the command line's run: a user's mistake is one line `error: ...`, from rank 0 only,
+    exit status 2 (infra/distributed.fail); a traceback is for a bug. A mistake is an error of
+    USER_ERRORS that one of this project's `raise` statements made; the same types raised by
+    Python or a library (a ValueError of tuple unpacking, torch's RuntimeError of a shape
+    mismatch) are bugs."""
+    try:
+        yield
+    except USER_ERRORS as e:
+        if not _raised_by_a_check(e):
+            raise
+        distributed.fail(str(e))
+
+
+def _raised_by_a_check(e: BaseException) -> bool:
+    tb = e.__traceback__
+    while tb.tb_next:  # the innermost frame: where it was raised
+        tb = tb.tb_next
+    file = os.path.abspath(tb.tb_frame.f_code.co_filename)
+    ours = file.startswith(ROOT + os.sep) and "site-packages" not in file
+    return ours and linecache.getline(file, tb.tb_lineno).lstrip().startswith("raise ")

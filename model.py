@@ -273,6 +273,7 @@ class Qwen2(nn.Module):
         ))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.compiled_blocks = None  # compile_blocks(): the blocks of the forwards without a cache
+        self.loaded_from = None  # from_pretrained's directory: save_pretrained's tokenizer files
         self.tie_weights()
         self.register_buffer("inv_freq", self._rope_inv_freq(), persistent=False)
         if self.inv_freq.device.type != "meta":
@@ -380,10 +381,16 @@ class Qwen2(nn.Module):
         model.load_state_dict(state, strict=True, assign=True)
         model.tie_weights()  # assign=True replaced the Parameter objects: tie them again
         model.inv_freq = model._rope_inv_freq(device)
+        model.loaded_from = path
         return model
 
-    def save_pretrained(self, path: str, max_shard_bytes: int = 5 * 2**30):
-        hf_io.save_hf_checkpoint(self.state_dict(), self.config, path, max_shard_bytes)
+    def save_pretrained(self, path: str, max_shard_bytes: int = 5 * 2**30,
+                        tokenizer_dir: str | None = None):
+        """config.json and safetensors, with the tokenizer files of tokenizer_dir (by default the
+        directory from_pretrained read) beside them: a complete Hugging Face directory, which
+        transformers and vLLM load whole. A model built from a config alone has no tokenizer."""
+        hf_io.save_hf_checkpoint(self.state_dict(), self.config, path, max_shard_bytes,
+                                 tokenizer_dir=tokenizer_dir or self.loaded_from)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -296,19 +296,29 @@ def _say_slow(ran: float, timeout_s: float):
 def install_reward_fn(spec: str, every_row: bool, example_ground_truth: str | None = None,
                       timeout_s: float = 0.0):
     """Load --reward-fn and make it the verifier of rows whose data_source has none built in (or
-    of every row); a call longer than timeout_s seconds (0: no limit) is a wrong answer. One call
-    on example_ground_truth (the first row's, given as the response too) must return a finite
-    float or {"score", "acc"}: a wrong signature or type stops the run now."""
+    of every row); a call longer than timeout_s seconds (0: no limit) is a wrong answer. With
+    example_ground_truth, check_reward_fn() first."""
     fn = load_reward_fn(spec)
     if example_ground_truth is not None:
-        try:
-            out = _as_score(_call(fn, example_ground_truth, example_ground_truth, timeout_s), spec)
-            _check_finite(out["score"], spec, example_ground_truth, example_ground_truth)
-        except Exception as e:
-            raise ValueError(f"--reward-fn {spec}: the check call {spec.rpartition(':')[2]}"
-                             f"({example_ground_truth!r}, {example_ground_truth!r}) failed: "
-                             f"{type(e).__name__}: {e}") from e
+        _check_call(fn, spec, example_ground_truth, timeout_s)
     _custom.update(fn=fn, spec=spec, every_row=every_row, timeout_s=timeout_s)
+
+
+def check_reward_fn(example_ground_truth: str):
+    """One call of the installed --reward-fn on a real ground truth (the first row's, given as the
+    response too) must return a finite float or {"score", "acc"}: a wrong signature or type stops
+    the run before it starts, not at the first rollout."""
+    _check_call(_custom["fn"], _custom["spec"], example_ground_truth, _custom["timeout_s"])
+
+
+def _check_call(fn, spec: str, ground_truth: str, timeout_s: float = 0.0):
+    try:
+        out = _as_score(_call(fn, ground_truth, ground_truth, timeout_s), spec)
+        _check_finite(out["score"], spec, ground_truth, ground_truth)
+    except Exception as e:
+        raise ValueError(f"--reward-fn {spec}: the check call {spec.rpartition(':')[2]}"
+                         f"({ground_truth!r}, {ground_truth!r}) failed: "
+                         f"{type(e).__name__}: {e}") from e
 
 
 def uninstall_reward_fn():

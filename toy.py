@@ -307,7 +307,7 @@ def warmed_up_model(tok, key: dict, make_pairs, device="cpu", cache_root="runs/d
         if step % log_every == 0 or step == steps - 1:
             print(f"{label} {step:4d}/{steps}  loss {loss.item():.3f}  "
                   f"({time.time() - t0:.0f}s)", flush=True)
-    model.save_pretrained(cache)
+    model.save_pretrained(cache, tokenizer_dir=tok.name or None)  # a complete model directory
     # written last: its presence marks a complete cache
     with open(os.path.join(cache, "warmup.json"), "w") as f:
         json.dump(key, f)

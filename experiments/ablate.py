@@ -492,7 +492,7 @@ def plot_ablation(runs, summaries, acfg, out):
         import matplotlib.pyplot as plt
     except ImportError:
         raise SystemExit("ablate.py draws its figure with matplotlib: "
-                         "pip install -r requirements-extra.txt") from None
+                         "pip install -r requirements.txt") from None
     fig, axes = plt.subplots(2, 4, figsize=(20, 8.5))
     for ax, (row, key, title) in zip(axes.flat, PANELS):
         for r, color in ((1, "black"), (row, f"C{row - 1}")):

@@ -4,7 +4,7 @@ Turn a run's metrics.jsonl into one PNG of the curves a person watches during DA
     python experiments/plot.py runs/demo/metrics.jsonl   # writes runs/demo/metrics.png
     python experiments/plot.py a/metrics.jsonl b/metrics.jsonl -o compare.png --labels naive dapo
 
-Needs matplotlib (pip install -r requirements-extra.txt).
+`make run` ends with the first, into runs/demo/curves.png. Needs matplotlib (requirements.txt).
 """
 import argparse
 import json
@@ -49,8 +49,7 @@ def plot(paths, out, labels=None, panels=PANELS):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("plot.py needs matplotlib: pip install -r "
-                         "requirements-extra.txt") from None
+        raise SystemExit("plot.py needs matplotlib: pip install -r requirements.txt") from None
     runs = [read_metrics(p) for p in paths]
     labels = labels or [os.path.basename(os.path.dirname(os.path.abspath(p))) for p in paths]
     cols = 3
@@ -87,7 +86,7 @@ def main():
                    help="one label per run (default: the run directory's name)")
     args = p.parse_args()
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.metrics[0])), "metrics.png")
-    print(plot(args.metrics, out, args.labels))
+    print(f"curves: {plot(args.metrics, out, args.labels)}")
 
 
 if __name__ == "__main__":

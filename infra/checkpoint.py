@@ -36,9 +36,6 @@ from safetensors import SafetensorError, safe_open
 from infra import distributed, files, precision
 from infra.hf_io import checkpoint_files, first_nonfinite, save_hf_checkpoint
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
-                   "vocab.json", "merges.txt", "special_tokens_map.json", "chat_template.jinja")
-
 
 def check_finite(model, where: str):
     """Raise on every rank, naming the first parameter that holds a NaN or an inf: such weights
@@ -94,15 +91,10 @@ def save(out_dir, step, model, tok_dir, opt, prompt_iter, generator, config: dic
     if rank == 0:
         try:
             shutil.rmtree(tmp, ignore_errors=True)  # the remains of a save that crashed
-            # refuses NaN/inf as well
-            save_hf_checkpoint(weights, model.config, os.path.join(tmp, "model"))
-            # a self-contained model directory: --eval-only --model can point at it
-            for name in TOKENIZER_FILES:
-                if os.path.isfile(os.path.join(tok_dir, name)):
-                    dst = os.path.join(tmp, "model", name)
-                    with files.writing(dst):
-                        shutil.copyfile(os.path.join(tok_dir, name), dst)
-                        files.fsync(dst)
+            # refuses NaN/inf as well; with the tokenizer, a self-contained model directory:
+            # --eval-only --model, transformers and vLLM can point at it
+            save_hf_checkpoint(weights, model.config, os.path.join(tmp, "model"),
+                               tokenizer_dir=tok_dir)
             files.write_json(os.path.join(tmp, "trainer.json"),
                        {"step": step, "world_size": world, "data": prompt_iter.state_dict(),
                         "config": config})

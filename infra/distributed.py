@@ -14,6 +14,7 @@ import datetime
 import faulthandler
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,8 @@ from tqdm import tqdm
 DEFAULT_TIMEOUT_S = 1800
 _timeout_s = DEFAULT_TIMEOUT_S
 _device = "cpu"  # this process's device, set by init(): where the collectives' tensors live
+# How long a rank other than 0 waits, on a user's mistake, for rank 0 to report it (fail())
+FAIL_WAIT_S = 30
 
 
 def init(device: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int, str]:
@@ -106,6 +109,23 @@ def say(text: str):
     """Print a line on rank 0 only, above the progress bar."""
     if rank() == 0:
         tqdm.write(text)
+
+
+def fail(message: str, status: int = 2):
+    """Stop on a user's mistake (a flag, a path, a file): one line `error: ...` on stderr and exit
+    status 2, as argparse's own errors. Under torchrun every rank finds the same mistake, and rank
+    0 alone says it: the others wait, and torchrun ends them once rank 0 has exited. A rank still
+    there after the wait found a mistake rank 0 did not, and says it itself. (The rank is read from
+    RANK: this may run before the process group exists.)"""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank > 0:
+        time.sleep(FAIL_WAIT_S)
+    print(f"error: {message}" if rank == 0 else f"error: rank {rank}: {message}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        os._exit(status)  # as exit_after_shutdown: gloo's teardown can abort after the work
+    raise SystemExit(status)
 
 
 def all_reduce(values, op="sum", name: str | None = None):

@@ -133,16 +133,21 @@ def count_nonfinite(t) -> str:
 # every other file
 OWN_FILES = re.compile(r"config\.json|model\.safetensors(\.index\.json)?"
                        r"|model-\d{5}-of-\d{5}\.safetensors")
+# The tokenizer's files (those present are copied): transformers and vLLM load the tokenizer from
+# beside the weights
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                   "vocab.json", "merges.txt", "special_tokens_map.json", "chat_template.jinja")
 
 
 
-def save_hf_checkpoint(state_dict: dict, cfg, path: str,
-                       max_shard_bytes: int = 5 * 2**30):
+def save_hf_checkpoint(state_dict: dict, cfg, path: str, max_shard_bytes: int = 5 * 2**30,
+                       tokenizer_dir: str | None = None):
     """Write config.json + safetensors (sharded with an index above max_shard_bytes), the layout
-    transformers writes. Everything goes to a temporary directory first, is flushed to disk and
-    renamed into place, so a crash (or a full disk) never leaves half a checkpoint under `path`.
-    Saving into an existing model directory replaces its weights and config and keeps everything
-    else there (tokenizer files, generation_config.json, a README...).
+    transformers writes, and the TOKENIZER_FILES of tokenizer_dir: a complete model directory.
+    Everything goes to a temporary directory first, is flushed to disk and renamed into place, so
+    a crash (or a full disk) never leaves half a checkpoint under `path`. Saving into an existing
+    model directory replaces its weights and config (and tokenizer, from tokenizer_dir) and keeps
+    everything else there (tokenizer files, generation_config.json, a README...).
     Refuses weights that hold a NaN or an inf, naming the tensor."""
     tied = tied_keys(cfg)
     state = {k: v.detach().contiguous().cpu() for k, v in state_dict.items() if k not in tied}
@@ -178,6 +183,8 @@ def save_hf_checkpoint(state_dict: dict, cfg, path: str,
             total = sum(v.numel() * v.element_size() for v in state.values())
             files.write_json(os.path.join(tmp, "model.safetensors.index.json"),
                        {"metadata": {"total_size": total}, "weight_map": weight_map})
+        if tokenizer_dir:
+            _copy_tokenizer(tokenizer_dir, tmp)
         if os.path.isdir(path):
             _link_others(path, tmp)
         # the files (each synced as written) and their names, before the rename makes them visible
@@ -195,6 +202,15 @@ def _save_safetensors(tensors: dict, file: str):
         # safetensors creates its files private (0600), unlike every other file here
         os.chmod(file, 0o644)
         files.fsync(file)
+
+
+def _copy_tokenizer(tokenizer_dir: str, dst_dir: str):
+    for name in TOKENIZER_FILES:
+        src, dst = os.path.join(tokenizer_dir, name), os.path.join(dst_dir, name)
+        if os.path.isfile(src):
+            with files.writing(dst):
+                shutil.copyfile(src, dst)
+                files.fsync(dst)
 
 
 def _link_others(old: str, new: str):

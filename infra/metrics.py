@@ -6,6 +6,7 @@ verl's names keep verl's meanings (where this project's differ, it says so there
 """
 import json
 import math
+import os
 
 import torch
 from tqdm import tqdm
@@ -209,6 +210,7 @@ class RunLog:
 
     def __init__(self, path: str, start: int, steps: int, trackers: list = ()):
         self.path, self.trackers = path, list(trackers)
+        self.capped = 0  # steps at which dynamic sampling stopped at --max-gen-batches
         self.bar = tqdm(range(start, steps), initial=start, total=steps, desc="dapo",
                         dynamic_ncols=True, disable=distributed.rank() != 0)
 
@@ -228,7 +230,12 @@ class RunLog:
         row |= {"step": step, "actor/lr": lr, "timing/gen_s": t_gen, "timing/train_s": t_train,
                 "perf/tokens_per_s": tokens / max(t_gen + t_train, 1e-9)}
         self.write(row)
-        self.bar.set_postfix(progress_summary(row))
+        if row.get("train/gen_cap_hit"):
+            self.capped += 1
+            if self.capped == 1:  # said once, then counted in the bar
+                distributed.say(cap_note(row))
+        self.bar.set_postfix(progress_summary(row) | ({"capped": self.capped} if self.capped
+                                                      else {}))
 
     @staticmethod
     def say_eval_change(first: dict, last: dict, start: int, steps: int, k: int):
@@ -243,6 +250,23 @@ def json_line(row: dict) -> str:
     readers. plot.py and the trackers skip a null as they skip a NaN."""
     return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
                        for k, v in row.items()})
+def cap_note(row: dict) -> str:
+    kept = row["train/groups_kept"] + row["train/groups_surplus"]
+    return (f"step {row['step']}: dynamic sampling stopped at --max-gen-batches "
+            f"({row['train/num_gen_batches']} generation batches) with {kept} groups with "
+            f"signal, fewer than --train-prompts; trained on the {row['train/groups_kept']} of "
+            "whole mini-batches. Said once: 'capped' in the bar counts such steps "
+            "(train/gen_cap_hit in metrics.jsonl)")
+
+
+def save_eval(out_dir: str, result: dict, config: dict) -> str:
+    """--eval-only's result beside the flags that produced it, as out_dir/eval.json (written by
+    rank 0; the next --eval-only there replaces it) -> its path."""
+    path = os.path.join(out_dir, "eval.json")
+    if distributed.rank() == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        files.write_atomic(path, json.dumps({**result, "config": config}, indent=2) + "\n")
+    return path
 
 
 def progress_summary(m: dict) -> dict:

@@ -139,6 +139,24 @@ def test_plain_jsonl_rows_become_chat_rows_scored_by_the_reward_fn(tmp_path):
          "reward_model": {"ground_truth": "2", "style": "rule"}}]
 
 
+def test_a_row_without_a_verifier_says_how_to_use_the_built_in_one(tmp_path):
+    # before: the error pointed at --reward-fn only; "math_dapo" was in data.py alone
+    data = plain_jsonl(tmp_path / "plain.jsonl", [{"prompt": "2+3?", "answer": "5"}])
+    with pytest.raises(ValueError) as e:
+        load_rows(data)
+    assert 'give the row "data_source": "math_dapo" for the built-in verifier' in str(e.value)
+    assert "--reward-fn FILE.py:NAME" in str(e.value)
+    row = {"prompt": "2+3?", "answer": "5", "data_source": "math_dapo"}
+    assert load_rows(plain_jsonl(tmp_path / "math.jsonl", [row]))[0]["data_source"] == "math_dapo"
+
+
+def test_the_readme_says_which_rows_the_built_in_verifier_scores_and_where_the_data_is():
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    assert '"data_source": "math_dapo"' in readme_section()
+    for dataset in ("BytedTsinghua-SIA/DAPO-Math-17k", "BytedTsinghua-SIA/AIME-2024"):
+        assert dataset in text
+
+
 @pytest.mark.parametrize("row,error", [
     ({"prompt": "2+3?"}, r"bad.jsonl:2: a plain row is .*got keys \['prompt'\]"),
     ({"prompt": "2+3?", "answer": "5", "extra": 1}, r"bad.jsonl:2: a plain row"),

@@ -338,7 +338,8 @@ def test_dynamic_sampling_cap_trains_whole_mini_batches_and_says_so(tiny_model_d
     kept = 6 - m["train/groups_filtered"]  # groups with signal among the 3 x 2 generated
     assert m["train/groups_kept"] == kept - kept % 2 and m["train/groups_surplus"] == kept % 2
     assert m["train/updates"] == m["train/groups_kept"] // 2  # whole mini-batches only
-    assert f"with {kept} of 4 groups with signal; training on" in "".join(capsys.readouterr())
+    assert (f"with {kept} groups with signal, fewer than --train-prompts; trained on the "
+            f"{kept - kept % 2} of whole mini-batches") in "".join(capsys.readouterr())
 
 
 @pytest.mark.needs("keep_groups", "overlong_penalty", "group_advantages")
@@ -454,10 +455,15 @@ def test_learning_rate_warms_up_from_zero(warmup, expected):
 
 @pytest.mark.needs("extract_answer", "normalize", "filter_logits", "sample", "rope", "attention",
                    "kv_cache")
-def test_eval_only_prints_avg_and_pass_at_k(tiny_model_dir, tmp_path, capsys):
+def test_eval_only_prints_avg_and_pass_at_k_and_writes_them_to_eval_json(tiny_model_dir,
+                                                                        tmp_path, capsys):
     dapo.main(_cfg(tiny_model_dir, tmp_path, eval_only=True))
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    lines = capsys.readouterr().out.strip().splitlines()
+    out = json.loads(lines[-1])
     assert set(out) == {"val/acc", "val/pass@2"} and 0 <= out["val/acc"] <= out["val/pass@2"] <= 1
+    assert lines[-2] == f"written to {tmp_path / 'eval.json'}:"
+    saved = json.loads((tmp_path / "eval.json").read_text())
+    assert saved.pop("config")["model"] == tiny_model_dir and saved == out
 
 
 def test_help_lists_the_flags():
@@ -467,6 +473,42 @@ def test_help_lists_the_flags():
     for flag in ("--eps-high", "--no-dynamic-sampling", "--token-level-loss", "--overlong-buffer",
                  "--resume", "--micro-batch-tokens", "--on-gen-cap", "--overwrite"):
         assert flag in out.stdout
+    # a header before the flags: whose defaults they are, and how the paper's values are marked
+    header = out.stdout.split("options:")[0]
+    assert "Every default below runs the embedded CPU demo" in header
+    assert "(paper: X) is the setting of the paper's run" in header
+    assert "--device is cuda where torch sees a GPU, else cpu" in header
+
+
+# Every flag that the paper's run sets (paper Sec. 4.1, or verl's recipe/dapo script)
+PAPER_FLAGS = ["model", "train_data", "val_data", "steps", "train_prompts", "gen_prompts",
+               "group_size", "max_gen_batches", "on_gen_cap", "max_prompt_len",
+               "max_response_len", "overlong_buffer", "overlong_factor", "temperature", "top_p",
+               "top_k", "mini_batch_prompts", "micro_batch_tokens", "lr", "weight_decay",
+               "grad_clip", "warmup_steps", "eps_low", "eps_high", "dual_clip", "clip_higher",
+               "dynamic_sampling", "token_level_loss", "overlong_shaping", "overlong_filtering",
+               "eval_every", "eval_samples", "eval_temperature", "eval_top_p", "eval_prompts",
+               "save_every", "activation_checkpointing"]
+
+
+@pytest.mark.parametrize("name", PAPER_FLAGS)
+def test_help_gives_the_papers_value(name):
+    from dataclasses import fields
+    help_text = {f.name: f.metadata["help"] for f in fields(Config)}[name]
+    assert "(paper: " in help_text, help_text
+
+
+def test_the_eval_only_example_of_the_help_is_the_papers_aime_evaluation():
+    # before: `--eval-only --model PATH --val-data aime-2024.parquet --eval-samples 32` evaluated
+    # with the demo's 64-token prompts and 40-token responses
+    from config import parse_args
+    text = dapo.__doc__.replace("\\\n", " ")
+    line = next(line for line in text.splitlines() if "--eval-only" in line)
+    cfg = parse_args(line.split("python dapo.py")[1].split("#")[0].split())
+    assert cfg.eval_only and cfg.val_data == "aime-2024.parquet"
+    assert (cfg.max_prompt_len, cfg.max_response_len) == (2048, 20480)
+    assert (cfg.eval_samples, cfg.eval_temperature, cfg.eval_top_p, cfg.eval_prompts) == \
+        (32, 1.0, 0.7, 0)
 
 
 @pytest.mark.parity

@@ -1,7 +1,8 @@
 """The project shares a process with the ecosystem a user runs beside it: transformers, and the
 Hugging Face `kernels` package that transformers imports (when a model module loads, and inside
 from_pretrained). A top-level folder of ours named like a PyPI package would shadow it for every
-script started from the checkout; ours is dapo_kernels/ (no PyPI project has that name)."""
+script started from the checkout; ours is dapo_kernels/ (no PyPI project has that name). And it
+installs where triton does not (macOS, Windows)."""
 import os
 import subprocess
 import sys
@@ -48,3 +49,15 @@ def test_transformers_and_the_kernels_package_import_beside_the_project(order):
     out = subprocess.run([sys.executable, "-c", ROUND_TRIP.format(first=first, second=second)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_triton_is_a_linux_requirement_only():
+    # triton ships Linux wheels only: on macOS or Windows `pip install -r requirements.txt` (and
+    # so `make run`) failed. .ci/no_triton runs `make run` and `make test` in a venv without it.
+    from packaging.requirements import Requirement
+    with open(os.path.join(ROOT, "requirements.txt")) as f:
+        lines = [line.split("#")[0].strip() for line in f]
+    triton = next(Requirement(line) for line in lines if line.startswith("triton"))
+    assert triton.marker is not None
+    for platform, wanted in (("linux", True), ("darwin", False), ("win32", False)):
+        assert triton.marker.evaluate({"sys_platform": platform}) is wanted, platform

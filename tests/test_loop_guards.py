@@ -1,15 +1,24 @@
 """dapo.py refuses what would waste or destroy a run, before loading anything: bad flags, a
-directory that holds another run, a resume that changes the algorithm; and it stops at
-NaN weights, and with a non-zero exit when every update was skipped."""
+directory that holds another run, missing files, a resume that changes the algorithm; and it stops
+at NaN weights, and with a non-zero exit when every update was skipped. On the command line such
+a mistake is one line `error: ...`, exit status 2."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import dapo
+import launch
+import reward
 from batches import random_batch
+from config import parse_args
 from model import Qwen2, preset
 from test_dapo import _cfg, torch_kernel_path  # noqa: F401 (an autouse fixture)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -164,3 +173,152 @@ def test_a_run_whose_every_update_is_skipped_exits_non_zero(tiny_model_dir, tmp_
     assert "warning: step 2: all 2 optimizer steps skipped (a NaN or inf gradient norm)" in out
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [(r["train/updates"], r["actor/grad_norm"]) for r in rows] == [(0, None), (0, None)]
+# --- a user's mistake on the command line: one line, exit status 2; a bug: a traceback ----------
+
+def command_line(argv):
+    """What `python dapo.py ARGV` runs, in this process."""
+    with launch.user_errors_in_one_line():
+        dapo.main(parse_args(argv, description=dapo.__doc__))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--lr", "abc"], "error: argument --lr: invalid float value: 'abc' (dapo.py --help lists "
+                      "the flags)"),
+    (["--group-size", "0", "--lr", "-1"], "error: bad flags: --group-size must be >= 1, got 0; "
+                                          "--lr must be >= 0, got -1.0"),
+    (["--train-data", "no/such.jsonl"], "error: --train-data no/such.jsonl: no such file"),
+    (["--reward-fn", "no/such.py:score"], "error: --reward-fn 'no/such.py:score': no file "
+                                           "no/such.py"),
+], ids=["argparse", "check_flags", "train-data", "reward-fn"])
+def test_a_users_mistake_is_one_line_and_exit_status_2(tmp_path, capsys, monkeypatch, argv,
+                                                       message):
+    monkeypatch.setattr(sys, "argv", ["dapo.py"])  # argparse names the program after argv[0]
+    with pytest.raises(SystemExit) as stopped:
+        command_line(["--out-dir", str(tmp_path / "run"), *argv])
+    assert stopped.value.code == 2
+    out, err = capsys.readouterr()
+    assert err == message + "\n" and out == ""
+    assert not (tmp_path / "run").exists()
+
+
+def unpack_three_into_two():
+    first, second = [1, 2, 3]  # noqa: F841
+
+
+def multiply_mismatched_shapes():
+    return torch.zeros(2, 3) @ torch.zeros(2, 3)
+
+
+@pytest.mark.parametrize("bug,error", [(unpack_three_into_two, ValueError),
+                                       (multiply_mismatched_shapes, RuntimeError)])
+def test_a_bug_keeps_its_traceback(bug, error):
+    # the types of a user's mistake, raised by Python or torch instead of a check of ours
+    with pytest.raises(error):
+        with launch.user_errors_in_one_line():
+            bug()
+
+
+def test_the_command_line_refuses_a_directory_that_holds_a_run_in_one_line(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    out = subprocess.run([sys.executable, "dapo.py", "--out-dir", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == (f"error: {tmp_path} already holds a run (metrics.jsonl): pass --resume "
+                          "to continue it, or --overwrite to delete its metrics and checkpoints "
+                          "and start again (or choose another --out-dir)\n")
+
+
+# dapo.py with rank 0 late, so that the other rank reaches the mistake first (the order in which a
+# rank that reports without waiting would go unheard, or be heard instead of rank 0)
+RANK_0_LATE = """import os, runpy, sys, time
+if os.environ["RANK"] == "0":
+    time.sleep(3)
+sys.path.insert(0, {root!r})
+sys.argv[0] = "dapo.py"
+runpy.run_path(os.path.join({root!r}, "dapo.py"), run_name="__main__")
+"""
+
+
+def test_under_torchrun_rank_0_alone_reports_a_mistake(tmp_path):
+    # before: each rank printed its traceback, then torchrun its ChildFailedError block
+    script = tmp_path / "late_rank_0.py"
+    script.write_text(RANK_0_LATE.format(root=ROOT))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0"}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc_per_node=2", str(script), "--compile", "--out-dir",
+                          str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    errors = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert errors == ["error: bad flags: --compile runs in one process only, got 2: the compiled "
+                      "decode step is one graph, and FSDP2's hooks in each block cannot be traced"]
+    assert "dapo.py\", line" not in out.stderr  # no traceback of ours (torchrun adds its own)
+    # torchrun's summary: rank 0 stopped with status 2, then torchrun ended rank 1 (SIGTERM)
+    # while it waited
+    assert "rank      : 0 (local_rank: 0)\n  exitcode  : 2 " in out.stderr
+    assert "rank      : 1 (local_rank: 1)\n  exitcode  : -15 " in out.stderr
+    assert out.returncode != 0 and not (tmp_path / "run").exists()
+
+
+# --- the files the flags name: checked before the model loads ------------------------------------
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """The run fails the test if it gets as far as loading a model."""
+    monkeypatch.setattr(dapo.launch, "load_policy", lambda cfg: pytest.fail("loaded the model"))
+    yield
+    reward.uninstall_reward_fn()
+
+
+@pytest.mark.parametrize("flags,error,message", [
+    (dict(train_data="no/such.jsonl"), FileNotFoundError, "--train-data no/such.jsonl: no such "
+                                                          "file"),
+    (dict(val_data="no/such.parquet"), FileNotFoundError, "--val-data no/such.parquet: no such "
+                                                          "file"),
+    (dict(train_data="{tmp}/rows.csv"), ValueError, "--train-data .*/rows.csv: unknown data "
+                                                    "format"),
+    (dict(reward_fn="no/such.py:score"), ValueError, "--reward-fn 'no/such.py:score': no file"),
+], ids=["train-data", "val-data", "format", "reward-fn"])
+def test_a_missing_file_is_named_before_the_model_loads(tmp_path, no_model, flags, error,
+                                                        message):
+    (tmp_path / "rows.csv").write_text("prompt,answer\n")
+    flags = {k: v.format(tmp=tmp_path) for k, v in flags.items()}
+    with pytest.raises(error, match=message):
+        dapo.main(dapo.Config(out_dir=str(tmp_path / "run"), **flags))
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_parquet_without_pyarrow_is_refused_before_the_model_loads(tmp_path, no_model,
+                                                                     monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # `import pyarrow` raises ImportError
+    (tmp_path / "dapo-math-17k.parquet").write_bytes(b"PAR1")
+    with pytest.raises(ImportError, match=r"dapo-math-17k.parquet needs pyarrow.*pip install -r "
+                                          r"requirements-extra.txt"):
+        dapo.main(dapo.Config(out_dir=str(tmp_path / "run"),
+                              train_data=str(tmp_path / "dapo-math-17k.parquet")))
+
+
+@pytest.mark.needs("filter_logits", "sample", "rope", "attention", "kv_cache")  # the evaluation
+def test_the_reward_file_is_imported_once_before_the_model_loads(tiny_model_dir, tmp_path,
+                                                                 monkeypatch):
+    events = tmp_path / "events"
+    verifier = tmp_path / "verifier.py"
+    verifier.write_text(f"open({str(events)!r}, 'a').write('import\\n')\n"
+                        "def score(response, truth):\n    return float(response == truth)\n")
+    load_policy = launch.load_policy
+
+    def logged_load_policy(cfg):
+        with open(events, "a") as f:
+            f.write("model\n")
+        return load_policy(cfg)
+
+    monkeypatch.setattr(dapo.launch, "load_policy", logged_load_policy)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{k} + 1?", "answer": str(k + 1)}) + "\n"
+                            for k in range(4)))
+    try:
+        dapo.main(_cfg(tiny_model_dir, tmp_path / "run", eval_only=True, train_data=str(rows),
+                       val_data=str(rows), reward_fn=f"{verifier}:score", eval_samples=1,
+                       max_response_len=4))
+    finally:
+        reward.uninstall_reward_fn()
+    assert events.read_text().split() == ["import", "model"]

@@ -425,6 +425,26 @@ def test_a_truncated_safetensors_file_is_named(saved, keep):
         Qwen2.from_pretrained(str(saved))
 
 
+def test_a_saved_model_is_a_whole_hugging_face_directory(tiny_model_dir, tmp_path, monkeypatch):
+    # before: config.json and safetensors only; transformers and vLLM load the tokenizer from
+    # beside the weights
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from data import load_tokenizer
+    loaded, built = tmp_path / "loaded", tmp_path / "built"
+    Qwen2.from_pretrained(tiny_model_dir).save_pretrained(str(loaded))  # its source's tokenizer
+    Qwen2(preset("tiny", vocab_size=50)).save_pretrained(str(built), tokenizer_dir=tiny_model_dir)
+    ours = load_tokenizer(tiny_model_dir)
+    for d in (loaded, built):
+        assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= set(
+            os.listdir(d))
+        theirs = transformers.AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+        assert transformers.AutoConfig.from_pretrained(str(d)).model_type == "qwen2"
+        messages = [{"role": "user", "content": "1+2+3"}]
+        assert theirs.apply_chat_template(messages, add_generation_prompt=True,
+                                          tokenize=True, return_dict=False) == \
+            ours.apply_chat_template(messages)
+
+
 @pytest.mark.needs("rope", "attention")
 def test_saving_into_a_model_directory_keeps_the_files_it_does_not_own(tmp_path):
     d = tmp_path / "m"

@@ -1,10 +1,17 @@
 """experiments/plot.py: every panel's curves come from metrics.jsonl, the cost of dynamic
-sampling on two y axes (the fraction of tokens thrown away, the tokens per kept group)."""
+sampling on two y axes (the fraction of tokens thrown away, the tokens per kept group); `make run`
+ends by drawing its run's curves. And the progress bar's account of dynamic sampling's cap."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 import plot
+from infra.metrics import RunLog
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _rows():
@@ -39,3 +46,44 @@ def test_a_line_that_is_not_json_names_the_file_and_line(tmp_path):
     path.write_text('{"step": 1}\n\n{"step": 2}\n{"step": 3,\n{"step": 4}\n')
     with pytest.raises(SystemExit, match=r"metrics.jsonl: line 4 is not JSON"):
         plot.read_metrics(str(path))
+
+
+def test_make_run_ends_by_drawing_the_curves_and_saying_where(tmp_path):
+    pytest.importorskip("matplotlib")
+    # the recipe as a user's make runs it (-n: printed, not run; the venv rule may print its pip
+    # lines), not as a sub-make of `make test` (which would print its directory, and pass VENV)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    recipe = subprocess.run(["make", "-n", "run"], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=60).stdout.splitlines()
+    assert recipe[-2].endswith("dapo.py --out-dir runs/demo --overwrite")
+    assert recipe[-1].endswith(
+        "experiments/plot.py runs/demo/metrics.jsonl -o runs/demo/curves.png")
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows()))
+    out = subprocess.run([sys.executable, "experiments/plot.py", str(tmp_path / "metrics.jsonl"),
+                          "-o", str(tmp_path / "curves.png")], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"curves: {tmp_path / 'curves.png'}\n"
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
+
+
+def _step_row(capped: bool) -> dict:
+    return {"rollout/acc": 0.9, "rollout/reward/mean": 0.8, "rollout/response_length/mean": 15.0,
+            "train/num_gen_batches": 4 if capped else 2, "train/gen_cap_hit": int(capped),
+            "train/groups_kept": 8 if capped else 32, "train/groups_surplus": 3 if capped else 0}
+
+
+def test_the_gen_cap_is_said_once_then_counted_in_the_bar(tmp_path, capsys):
+    # before: "dynamic sampling stopped at --max-gen-batches 4 ..." on every such step (22 of the
+    # demo's 40)
+    log = RunLog(str(tmp_path / "metrics.jsonl"), 0, 4)
+    for step, capped in enumerate([False, True, True, False], 1):
+        log.step(step, _step_row(capped), 1e-3, 1.0, 1.0)
+    out = capsys.readouterr()
+    said = [line for line in (out.out + out.err).splitlines() if "dynamic sampling" in line]
+    assert said == ["step 2: dynamic sampling stopped at --max-gen-batches (4 generation "
+                    "batches) with 11 groups with signal, fewer than --train-prompts; trained on "
+                    "the 8 of whole mini-batches. Said once: 'capped' in the bar counts such "
+                    "steps (train/gen_cap_hit in metrics.jsonl)"]
+    assert log.bar.postfix.endswith("capped=2")
+    log.bar.close()
