@@ -18,7 +18,7 @@ No KL term and no reference model. Entropy is measured and logged, never added t
 import json
 import os
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -61,7 +61,15 @@ def keep_groups(acc, group_size):
     # end exercise
 
 
-def policy_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom, dual_clip=0.0):
+@dataclass
+class PolicyLoss:  # policy_loss's result; the loop reads its clip statistics from the tensors
+    loss: torch.Tensor  # (): sum_it l_it mask_it / denom, to back-propagate
+    loss_tok: torch.Tensor  # (B, R): l_it, before the mask and the denominator
+    ratio: torch.Tensor  # (B, R): r_it, of the clamped log-ratio
+
+
+def policy_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom,
+                dual_clip=0.0) -> PolicyLoss:
     """The clipped surrogate with decoupled bounds (Eq. 10), r_it = pi_theta / pi_old:
 
         l_it = max(-A_i r_it, -A_i clip(r_it, 1 - eps_low, 1 + eps_high))
@@ -83,7 +91,7 @@ def policy_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom, dual_c
     if dual_clip > 1:
         dual = (adv < 0) & (loss_tok > -adv * dual_clip)  # (B, R)
         loss_tok = torch.where(dual, -adv * dual_clip, loss_tok)
-    return (loss_tok * mask / denom).sum()
+    return PolicyLoss((loss_tok * mask / denom).sum(), loss_tok, ratio)
     # end exercise
 
 
@@ -249,11 +257,10 @@ def update_policy(model, opt, batch: Batch, cfg, eps_high) -> dict:
             denom = n_tokens if cfg.token_level_loss else \
                 mask.sum(-1, keepdim=True).clamp(min=1) * n_seqs
             # --- DAPO technique 1: clip-higher, in the clipped surrogate (Sec. 3.1, Eq. 10) ---
-            loss = policy_loss(logp, old_logp, micro.adv, mask, cfg.eps_low, eps_high, denom,
-                               cfg.dual_clip)
-            (loss * world).backward()  # FSDP averages gradients over ranks; the loss is global
-            stats.add_loss(metrics.clip_stats(logp, old_logp, micro.adv, mask, cfg.eps_low,
-                                              eps_high, cfg.dual_clip), mask)
+            out = policy_loss(logp, old_logp, micro.adv, mask, cfg.eps_low, eps_high, denom,
+                              cfg.dual_clip)
+            (out.loss * world).backward()  # FSDP averages gradients over ranks; the loss is global
+            stats.add_loss(out, logp, old_logp, micro.adv, mask)
         stats.add_step(*checkpoint.step_if_finite(model, opt, cfg.grad_clip))
     return stats.result(batch)
 

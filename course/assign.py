@@ -89,7 +89,8 @@ EXERCISES = [
         "the clipped surrogate (Eq. 10) over denom (Eq. 12)",
         ("r = exp(logp - old_logp); clamp the log-ratio to [-20, 20] first (exp(90) is inf).",
          "Take the max of the two per-token losses (the pessimistic one), then the dual clip.",
-         "Return sum(l * mask) / denom, a number: the loop logs the clip statistics itself."),
+         "Return PolicyLoss(sum(l * mask) / denom, l, r): the loop reads its clip statistics "
+         "from your l and r."),
         _tests("test_dapo.py", "test_clip_higher_surrogate_on_hand_cases",
                "test_dual_clip_caps_negative_advantage_loss", "test_clipped_tokens_get_no_gradient",
                "test_token_level_loss_weighs_every_token_equally",

@@ -22,25 +22,24 @@ PARITY_NAMES = ("probs_diff", "logp_diff", "ratio_diff")
 
 
 @torch.no_grad()
-def clip_stats(logp, old_logp, adv, loss_mask, eps_low, eps_high, dual_clip=0.0) -> dict:
-    """Sums over the tokens in the loss of what the clipped surrogate (dapo.policy_loss) did:
-    its per-token loss, the tokens each clip bound and the dual clip stopped, the first-order KL,
-    and the paper's Fig. 3a (pi_old of the up-clipped tokens) and Fig. 7d (mean token
-    probability). logp, old_logp, loss_mask (B, R); adv (B,). Tensors of one element each."""
+def clip_stats(out, logp, old_logp, adv, loss_mask) -> dict:
+    """Sums over the tokens in the loss of what the clipped surrogate did, read from its own
+    per-token loss and ratio (`out`, a dapo.PolicyLoss), so that an edited loss logs its own clip:
+    a clip bound binds where it raised the token's loss above the unclipped -A r (verl's
+    pg_clipfrac: the clipped loss > the unclipped one), and the dual clip where it lowered the
+    loss below -A r (nothing else can). Also the first-order KL, and the paper's Fig. 3a (pi_old
+    of the up-clipped tokens) and Fig. 7d (mean token probability). logp, old_logp, loss_mask
+    (B, R); adv (B,). Tensors of one element each."""
     mask = loss_mask.float()
     adv = adv[:, None]  # (B, 1)
-    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))  # (B, R), as policy_loss
-    loss_tok = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps_low, 1 + eps_high))
-    dual = torch.zeros_like(mask, dtype=torch.bool)
-    if dual_clip > 1:
-        dual = (adv < 0) & (loss_tok > -adv * dual_clip)  # (B, R)
-        loss_tok = torch.where(dual, -adv * dual_clip, loss_tok)
-    up_clipped = (adv > 0) & (ratio > 1 + eps_high)  # (B, R)
+    unclipped = -adv * out.ratio  # (B, R)
+    clipped, dual = out.loss_tok > unclipped, out.loss_tok < unclipped  # (B, R)
+    up_clipped = clipped & (adv > 0)  # (B, R)
     old_prob = old_logp.exp() * mask
     return {
-        "pg_loss": (loss_tok * mask).sum(),
+        "pg_loss": (out.loss_tok * mask).sum(),
         "clip_high": (up_clipped * mask).sum(),
-        "clip_low": (((adv < 0) & (ratio < 1 - eps_low)) * mask).sum(),
+        "clip_low": ((clipped & (adv < 0)) * mask).sum(),
         "dual_clip": (dual * mask).sum(),
         "kl": ((old_logp - logp) * mask).sum(),  # first-order KL(pi_old || pi)
         "up_clipped_prob": (old_prob * up_clipped).sum(),  # rare tokens the clip stops
@@ -58,8 +57,10 @@ class UpdateStats:
         self.parity_sums = dict.fromkeys(("tokens",) + PARITY_NAMES, 0.0)
         self.parity_max = dict.fromkeys(PARITY_NAMES, 0.0)
 
-    def add_loss(self, stats: dict, loss_mask):
-        for k, v in stats.items():
+    def add_loss(self, out, logp, old_logp, adv, loss_mask):
+        """A micro-batch's loss: `out` (dapo.PolicyLoss) from logp, old_logp (B, R) and adv (B,)
+        over loss_mask (B, R)."""
+        for k, v in clip_stats(out, logp, old_logp, adv, loss_mask).items():
             self.sums[k] += v.item()
         self.sums["tokens"] += loss_mask.sum().item()
 

@@ -136,9 +136,10 @@ with A > 0 a rare token may rise up to 1.28 times its old probability instead of
     logp = torch.log(ratio).clone().requires_grad_(True)  # (K,)
     k = len(ratio)
     args = (torch.zeros(k, 1), torch.full((k,), a), torch.ones(k, 1), 0.2, eps_high)
-    policy_loss(logp[:, None], *args, denom=1.0).backward()  # a sum: each token's own gradient
+    policy_loss(logp[:, None], *args, denom=1.0).loss.backward()  # a sum: each token's gradient
     objective = [-policy_loss(logp[i:i + 1, None].detach(), args[0][:1], args[1][:1],
-                              args[2][:1], 0.2, eps_high, denom=1.0).item() for i in range(k)]
+                              args[2][:1], 0.2, eps_high, denom=1.0).loss.item()
+                 for i in range(k)]
     return objective, logp.grad
 
 ratio = torch.linspace(0.5, 1.6, 221)
@@ -171,7 +172,7 @@ for i, n in enumerate(lengths):
     mask[i, :n] = 1
 def token_weights(denom):
     logp = torch.zeros(2, 16, requires_grad=True)
-    policy_loss(logp, torch.zeros(2, 16), torch.ones(2), mask, 0.2, 0.28, denom).backward()
+    policy_loss(logp, torch.zeros(2, 16), torch.ones(2), mask, 0.2, 0.28, denom).loss.backward()
     return -logp.grad  # (2, 16)
 dapo_w = token_weights(mask.sum())                                      # Eq. 12
 grpo_w = token_weights(mask.sum(1, keepdim=True) * len(lengths))        # per-sample mean
