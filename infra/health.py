@@ -60,7 +60,9 @@ def wrong_signal_causes(row: dict, example: str = "") -> list[str]:
     if not parity <= PARITY_ALARM:  # NaN too
         causes.append(f"training/rollout_logp_diff_mean {parity:.3g}: the sampler's log-probs "
                       "are not the trainer's (a temperature or top-p applied on one side only, "
-                      "or another dtype); the importance ratio is off by as much")
+                      "or another dtype); the importance ratio is off by as much. A real "
+                      "sampler/trainer gap (bf16, other kernels): --rollout-correction "
+                      "token_truncate or sequence_mask weighs each token by pi_old / pi_sampler")
     return causes
 
 

@@ -110,6 +110,17 @@ def test_token_level_loss_weighs_every_token_equally():
     assert per_sequence.item() == pytest.approx(-(2 / 1 + 3 / 3) / 2)
 
 
+def test_a_token_weight_scales_its_loss_but_not_the_token_count():
+    # the rollout correction's weight w (infra/rollout_correction.py): sum_t w_t l_t / denom, and
+    # a token masked by the correction (w = 0) stays in Eq. 12's count, as in TRL and verl
+    logp = torch.zeros(1, 3)  # r = 1 on every token: l = -A = -1
+    weight = torch.tensor([[2.0, 0.0, 0.5]])
+    out = policy_loss(logp, logp, torch.tensor([1.0]), torch.ones(1, 3, dtype=torch.bool), 0.2,
+                      0.28, denom=3.0, weight=weight)
+    assert out.loss.item() == pytest.approx(-(2.0 + 0.0 + 0.5) / 3)
+    assert out.loss_tok.tolist() == [[-1.0, -1.0, -1.0]] and out.ratio.tolist() == [[1, 1, 1]]
+
+
 # --- the update: gradient independent of the micro-batch split ---
 
 @pytest.mark.parity
@@ -169,11 +180,12 @@ def table_logprobs(model, batch, temperature, fused_head=True):  # as dapo.respo
     return logp, entropy.expand(logp.shape)
 
 
-def unclipped_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom, dual_clip=0.0):
+def unclipped_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom, dual_clip=0.0,
+                   weight=1.0):
     """policy_loss's contract, without the clip."""
     ratio = torch.exp(logp - old_logp)
     loss_tok = -adv[:, None] * ratio
-    return dapo.PolicyLoss((loss_tok * loss_mask / denom).sum(), loss_tok, ratio)
+    return dapo.PolicyLoss((loss_tok * weight * loss_mask / denom).sum(), loss_tok, ratio)
 
 
 @pytest.fixture

@@ -5,13 +5,14 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
 from dapo import update_policy
 from data import load_tokenizer
-from dist_worker import CFG, PROBE, load_model, make_batch, make_optimizer
+from dist_worker import CFG, CORRECTED, PROBE, load_model, make_batch, make_optimizer
 from model import Qwen2
 from rendezvous import held_store_env
 
@@ -36,8 +37,9 @@ def torchrun(*args, timeout=300):
 def one_process_update(model_dir, opt_name):
     model = load_model(model_dir)
     tok = load_tokenizer(model_dir)
+    cfg = replace(CFG, **CORRECTED) if opt_name.endswith("-tokens") else CFG
     metrics = update_policy(model, make_optimizer(opt_name, model.parameters()),
-                            make_batch(tok.vocab_size), CFG, 0.28)
+                            make_batch(tok.vocab_size), cfg, 0.28)
     return model, metrics
 
 
@@ -81,6 +83,10 @@ def test_two_ranks_take_the_same_step_as_one(tiny_model_dir, two_rank_step, opt_
     parity = [k for k in metrics if k.startswith("training/rollout_")]  # summed over ranks too
     assert len(parity) == 6 and all(two["metrics"][k] == pytest.approx(metrics[k], rel=1e-12)
                                     for k in parity), (parity, two["metrics"])
+    corr = [k for k in metrics if k.startswith("rollout_corr/")]  # and the rollout correction's
+    assert len(corr) == (13 if opt_name.endswith("-tokens") else 6)
+    assert all(two["metrics"][k] == pytest.approx(metrics[k], rel=1e-12) for k in corr), \
+        [(k, two["metrics"][k], metrics[k]) for k in corr]
 
 
 @pytest.mark.parity
