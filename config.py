@@ -83,9 +83,9 @@ class Config:
         "product over the response (TRL's default: sequence_mask); none: the paper's",
         choices=CORRECTION_MODES)
     rollout_is_min: float = _flag(0.0, "C_min of --rollout-correction, 0 = none (TRL's default; "
-                                       "IcePop: 0.5)")
+                                       "verl's IcePop example: 0.5)")
     rollout_is_max: float = _flag(2.0, "C_max of --rollout-correction (verl's default; TRL's 3.0; "
-                                       "IcePop: 5.0)")
+                                       "verl's IcePop example: 5.0)")
     rollout_precision: str = _flag("same", "the sampler's precision, when not --precision's: bf16 "
                                            "with an fp32 trainer (vLLM's bf16 against FSDP's fp32) "
                                            "is a real sampler/trainer mismatch; one process only",
