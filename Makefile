@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 BENCH_VENV := .venv-bench
 
-.PHONY: run test bench bench-step gpu-check ablate handout grade clean
+.PHONY: run test bench bench-step gpu-check ablate notebook handout check grade clean
 
 $(VENV)/.runtime: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ $(VENV)/.test: requirements-test.txt requirements-extra.txt $(VENV)/.runtime
 
 $(VENV)/.extra: requirements-extra.txt $(VENV)/.runtime
 	$(PIP) install -q -r requirements-extra.txt
+	touch $@
+
+$(VENV)/.notebook: requirements-notebook.txt $(VENV)/.runtime
+	$(PIP) install -q -r requirements-notebook.txt
 	touch $@
 
 # The embedded demo: a tiny Qwen2 is warmed up on a toy task (once; cached in runs/demo-base), then
@@ -57,8 +61,10 @@ $(BENCH_VENV)/.bench: requirements-bench.txt requirements-test.txt requirements-
 bench-step: $(BENCH_VENV)/.bench
 	$(BENCH_VENV)/bin/python benchmarks/bench_step.py
 
-# On one GPU (~8 minutes): the fused kernels, the rollout and 3 DAPO steps; one report,
-# runs/gpu_check.md. SMOKE=1: the same on CPU with tiny shapes.
+# On one GPU (~7 minutes, timeouts 9.5): the learning canary, dapo.py's steps with real advantages
+# and a resume, a transformers-made bf16 checkpoint, the rollout engine (eager vs CUDA graphs),
+# FSDP2, the fused kernels; with 2 GPUs the canary and dapo.py on 2 processes too. One report,
+# runs/gpu_check.md. SMOKE=1: the same on CPU with tiny shapes, bf16 by autocast.
 gpu-check: $(VENV)/.test
 	$(PY) benchmarks/gpu_check.py $(if $(SMOKE),--smoke)
 
@@ -69,11 +75,23 @@ gpu-check: $(VENV)/.test
 ablate: $(VENV)/.extra
 	OMP_NUM_THREADS=1 $(PY) experiments/ablate.py
 
-# Course assignments (docs/instructors.md): the student copy, each exercise's body replaced by
-# a raise that names it (course/assign.py needs only Python and git), and the score of a copy or of this.
+# The walkthrough notebook, opened in Jupyter (installed into .venv/ the first time). RUN=1: run
+# without a browser, into runs/notebook/dapo_step.ipynb (with its outputs). ARGS go to Jupyter
+# (e.g. ARGS=--allow-root in a container whose user is root: Jupyter refuses root otherwise).
+JUPYTER = $(if $(RUN),jupyter nbconvert --to notebook --execute --output-dir runs/notebook,notebook)
+notebook: $(VENV)/.notebook
+	$(PY) -m $(JUPYTER) notebooks/dapo_step.ipynb $(ARGS)
+
+# Course assignments (docs/instructors.md): the student copy, each exercise's body replaced by a
+# raise that names it, without the instructor's files or the notebook's outputs (course/assign.py
+# needs only Python and git); one exercise's tests (EX=rope; all without EX); the score of a copy
+# or of this.
 OUT ?= runs/handout
 handout:
 	$(PYTHON) course/assign.py handout $(OUT)
+
+check: $(VENV)/.test
+	$(PY) course/assign.py check $(EX)
 
 # ARGS: e.g. ARGS="--extra-tests ../private --json results.json"
 grade: $(VENV)/.test

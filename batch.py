@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 import torch.nn.functional as F
 
-from reward import found_answer
+from reward import found_answer, reward_fn_spec
 
 
 def _longest(mask) -> int:
@@ -48,6 +48,8 @@ class Batch:
     # (N, R) fp32: the sampler's log-prob of each response token (tempered, before top-k/top-p)
     rollout_logp: torch.Tensor | None = None
     no_answer: torch.Tensor | None = None  # (N,) bool: the verifier found no answer to read
+    # (N,) bool: --reward-fn raised on it (scored as wrong); None without --reward-fn
+    reward_error: torch.Tensor | None = None
     reward: torch.Tensor | None = None  # (N,) fp32: score + overlong penalty (technique 4)
     adv: torch.Tensor | None = None  # (N,) fp32: the group advantage (Eq. 9)
     old_logp: torch.Tensor | None = None  # (N, R) fp32: log pi_old of each response token
@@ -62,7 +64,9 @@ class Batch:
                    score=torch.tensor([s["score"] for s in scores], device=device),
                    acc=torch.tensor([bool(s["acc"]) for s in scores], device=device),
                    truncated=out.truncated, group_size=group_size, rollout_logp=out.logprobs,
-                   no_answer=torch.tensor([not found_answer(s) for s in scores], device=device))
+                   no_answer=torch.tensor([not found_answer(s) for s in scores], device=device),
+                   reward_error=torch.tensor([bool(s.get("reward_fn_error")) for s in scores],
+                                             device=device) if reward_fn_spec() else None)
 
     def __len__(self):
         return self.prompt_ids.shape[0]

@@ -19,8 +19,14 @@ from infra.rollout_correction import MODES as CORRECTION_MODES
 REPORT_TO = ("jsonl", "tensorboard", "wandb", "trackio")  # --report-to, TRL's flag name
 
 
-def _flag(default, help_text, choices=None):
-    return field(default=default, metadata={"help": help_text, "choices": choices})
+def _flag(default, help_text, choices=None, **argparse_extra):
+    return field(default=default, metadata={"help": help_text, "choices": choices,
+                                            "extra": argparse_extra})
+
+
+def slots_value(text: str) -> int | str:
+    """--rollout-batch-size: a number, or auto."""
+    return text if text == "auto" else int(text)
 
 
 @dataclass
@@ -32,9 +38,14 @@ class Config:
     reward_fn: str = _flag("", "FILE.py:NAME, (response, ground_truth) -> float or {score, acc}: "
                                "the verifier of rows no built-in one knows (plain JSONL rows)")
     reward_fn_all_rows: bool = _flag(False, "--reward-fn scores every row, built-in ones too")
+    reward_timeout: float = _flag(0.0, "seconds one --reward-fn call may run before it is "
+                                       "scored as a wrong answer; 0 = no limit")
     out_dir: str = _flag("runs/demo", "metrics.jsonl and checkpoints go here")
     resume: bool = _flag(False, "continue from out_dir's latest checkpoint")
     eval_only: bool = _flag(False, "evaluate --model on --val-data and exit")
+    plan: int = _flag(0, "print the memory plan per process (weights, KV cache, activations...) "
+                         "for N processes (default: this launch's) and exit", nargs="?", const=-1,
+                      metavar="N")
     seed: int = _flag(0, "seeds the model init, the data order and the sampling")
     device: str = _flag("cuda" if torch.cuda.is_available() else "cpu", "cpu or cuda")
     precision: str = _flag("auto", "compute precision: fp32, or bf16 with fp32 master weights, "
@@ -56,8 +67,9 @@ class Config:
     temperature: float = _flag(1.0, "rollout sampling temperature")
     top_p: float = _flag(1.0, "rollout nucleus sampling (1 = off)")
     top_k: int = _flag(0, "rollout top-k (0 = off)")
-    rollout_batch_size: int = _flag(64, "sequences decoding at once per process, the KV cache's "
-                                        "rows: bounds its memory (0 = all)")
+    rollout_batch_size: int | str = _flag(64, "sequences decoding at once per process, the KV "
+                                              "cache's rows: bounds its memory (0 = all; auto: "
+                                              "as many as the memory plan fits)", type=slots_value)
     compile: bool = _flag(False, "decode with a torch.compile'd step (CUDA graphs on a GPU), and "
                                  "train with torch.compile'd decoder blocks")
     # update
@@ -126,13 +138,17 @@ def check_flags(cfg: Config, world: int = 1):
     """Refuse flags that make no sense before anything is loaded, naming the flag."""
     at_least = {"steps": 0, "train_prompts": 1, "gen_prompts": 1, "group_size": 1,
                 "max_gen_batches": 0, "max_prompt_len": 1, "max_response_len": 1, "top_k": 0,
-                "rollout_batch_size": 0, "mini_batch_prompts": 1, "micro_batch_size": 1,
+                "mini_batch_prompts": 1, "micro_batch_size": 1,
                 "micro_batch_tokens": 0, "lr": 0, "warmup_steps": 0, "eps_low": 0,
                 "eps_high": 0, "eval_every": 0, "eval_samples": 1, "eval_temperature": 0,
                 "eval_prompts": 0, "save_every": 0, "keep_checkpoints": 0, "stop_when_stuck": 0,
-                "weight_decay": 0}
+                "weight_decay": 0, "reward_timeout": 0}
     problems = [f"--{k.replace('_', '-')} must be >= {low}, got {getattr(cfg, k)}"
                 for k, low in at_least.items() if getattr(cfg, k) < low]
+    if cfg.rollout_batch_size != "auto" and not (isinstance(cfg.rollout_batch_size, int)
+                                                 and cfg.rollout_batch_size >= 0):
+        problems.append(f"--rollout-batch-size must be >= 0 or auto, got "
+                        f"{cfg.rollout_batch_size!r}")
     for name, value, ok, need in [
         ("temperature", cfg.temperature, cfg.temperature > 0,
          "> 0 (the policy's log-probs are those of softmax(logits / T))"),
@@ -159,10 +175,14 @@ def check_flags(cfg: Config, world: int = 1):
     if cfg.compile and world > 1:  # FSDP2's hooks on every block are not traceable into it
         problems.append(f"--compile runs in one process only, got {world}: the compiled decode "
                         "step is one graph, and FSDP2's hooks in each block cannot be traced")
-    for name in ("train_prompts", "mini_batch_prompts", "gen_prompts"):
-        if getattr(cfg, name) % world:
-            problems.append(f"--{name.replace('_', '-')} must be a multiple of the {world} "
-                            f"processes (each rank trains whole groups), got {getattr(cfg, name)}")
+    if cfg.generation_batch % world:  # each rank samples its share of every generation batch
+        flag = "--gen-prompts" if cfg.dynamic_sampling else "--train-prompts"
+        problems.append(f"{flag} must be a multiple of the {world} processes, got "
+                        f"{cfg.generation_batch}")
+    if cfg.mini_batch_prompts * cfg.group_size % world:  # each rank trains its share of a step
+        problems.append(f"--mini-batch-prompts x --group-size must be a multiple of the {world} "
+                        f"processes (each trains its share of every optimizer step's responses), "
+                        f"got {cfg.mini_batch_prompts} x {cfg.group_size}")
     problems += _device_problems(cfg.device)
     problems += [f"--report-to must be among {' '.join(REPORT_TO)}, got {name!r}"
                  for name in cfg.report_to if name not in REPORT_TO]
@@ -198,6 +218,7 @@ def parse_args(argv=None, description: str = "") -> Config:
                         metavar="NAME")  # the help lists the choices
         else:
             kind = dict(type=type(f.default), choices=f.metadata["choices"])
+        kind.update(f.metadata["extra"])  # e.g. a parser of its own, an optional value
         parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=help_text,
                             **kind)
     args = vars(parser.parse_args(argv))

@@ -28,7 +28,7 @@ from config import Config, parse_args
 from data import PromptIterator, Tokenizer, encode_prompts
 from infra import checkpoint, distributed, health, metrics, precision, rollout_correction, trackers
 from model import response_logprobs
-from reward import overlong_penalty, score_response
+from reward import overlong_penalty, score_response, take_reward_fn_errors
 from sampler import generate
 
 
@@ -178,6 +178,9 @@ def collect_batch(model, prompt_iter, tok, cfg, generator) -> tuple[Batch | None
                             generator=generator)
         # --- DAPO technique 4: overlong reward shaping (paper Sec. 3.4, Eq. 13) ---
         batch = replace(batch, reward=shape_rewards(batch.response_lengths, batch.score, cfg))
+        # --- Algorithm 1, line 9: group advantages (paper Eq. 9), one per response: here, where
+        # each group is whole (its responses may then train on several ranks) ---
+        batch = replace(batch, adv=group_advantages(batch.reward, cfg.group_size))
         seen.append(batch)
         # --- DAPO technique 2: dynamic sampling (paper Sec. 3.2): keep the groups with signal ---
         keep = keep_groups(batch.acc, cfg.group_size) if cfg.dynamic_sampling else \
@@ -188,8 +191,11 @@ def collect_batch(model, prompt_iter, tok, cfg, generator) -> tuple[Batch | None
         t_first = t_first or time.time() - t_start
     n_kept = distributed.all_reduce(len(kept))
     n_take = groups_to_train(n_kept, cfg)
-    # this rank's share of the first n_take, as one process would have kept them
-    shared = distributed.share_in_order(kept, n_take, cfg.mini_batch_prompts)
+    # this rank's share of the responses of the first n_take, as one process would have kept them:
+    # each mini-batch's split evenly between the ranks
+    G = cfg.group_size
+    responses = {g * G + i: r for g, group in kept.items() for i, r in enumerate(group.split(1))}
+    shared = distributed.share_in_order(responses, n_take * G, cfg.mini_batch_prompts * G)
     trained, generated = Batch.cat(shared) if n_take else None, Batch.cat(seen)
     return (trained,
             metrics.rollout_metrics(generated, cfg.group_size)
@@ -225,7 +231,7 @@ def update_policy(model, opt, batch: Batch, cfg, eps_high) -> dict:
     mini-batch. Returns the step's training metrics, summed over ranks."""
     model.train()
     world = distributed.world_size()
-    mini_rows = cfg.mini_batch_prompts // world * cfg.group_size  # this rank's rows per step
+    mini_rows = cfg.mini_batch_prompts * cfg.group_size // world  # this rank's rows per step
     stats = metrics.UpdateStats()
     # pi_old (Algorithm 1, line 4): with several optimizer steps per rollout the policy moves
     # between them, so the log-probs of the policy that sampled the batch are recomputed now by
@@ -302,12 +308,12 @@ def train(cfg: Config):
     prompt_iter = PromptIterator(train_rows, cfg.generation_batch, cfg.seed)
     generator = torch.Generator(cfg.device).manual_seed(cfg.seed + distributed.rank())
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
-    start = checkpoint.resume(resume_dir, opt, prompt_iter, generator, metrics_path, cfg.steps) \
-        if resume_dir else 0
+    start = checkpoint.resume(resume_dir, model, opt, prompt_iter, generator, metrics_path,
+                              cfg.steps) if resume_dir else 0
     log = metrics.RunLog(metrics_path, start, cfg.steps,
                          trackers.open_all(cfg, start, metrics_path))
     first_val = last_val = None
-    alarms = health.Alarms(cfg.stop_when_stuck)
+    alarms = health.Alarms(cfg.stop_when_stuck, cfg.reward_fn)
     for step in log.bar:  # Algorithm 1, line 1
         if cfg.eval_every and step % cfg.eval_every == 0:
             last_val = evaluate(model, val_rows, tok, cfg)
@@ -320,18 +326,17 @@ def train(cfg: Config):
         t_gen = time.time() - t0
         if batch is not None:
             row |= metrics.training_batch_metrics(batch)
-            # --- Algorithm 1, line 9: group advantages (paper Eq. 9), one per response ---
-            batch = replace(batch, adv=group_advantages(batch.reward, cfg.group_size))
             # --- Algorithm 1, lines 10-11: optimizer steps on the batch (Eq. 8) ---
             row |= update_policy(model, opt, batch, cfg, eps_high)
         log.step(step + 1, row, opt.param_groups[0]["lr"], t_gen, time.time() - t0 - t_gen)
         # a dead run: warn, and stop with --stop-when-stuck
-        stuck = alarms.check(step + 1, row, generated, tok)
+        stuck = alarms.check(step + 1, row, generated, tok, take_reward_fn_errors())
         if stuck or (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
             checkpoint.save(cfg.out_dir, step + 1, model, tok_dir, opt, prompt_iter, generator,
                             asdict(cfg), keep_last=cfg.keep_checkpoints)
         if stuck:
             raise alarms.error()
+    alarms.finish()  # a run whose every update was skipped trained nothing: a non-zero exit
     if cfg.eval_every and start < cfg.steps:
         last_val = evaluate(model, val_rows, tok, cfg)
         log.write({"step": cfg.steps, **last_val})

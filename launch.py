@@ -9,20 +9,22 @@ DAPO; it is what a run needs before Algorithm 1 starts.
 """
 import logging
 import os
+import sys
 
 import torch
 
 from config import Config, check_flags
 from data import Tokenizer, check_vocab, load_rows, load_tokenizer
-from infra import checkpoint, distributed, health, precision, trackers
+from infra import checkpoint, distributed, health, hf_io, memory, precision, trackers
 from infra.files import need_file
 from model import PRESETS, ModelConfig, Qwen2
 from reward import install_reward_fn, uninstall_reward_fn
-from toy import WARMUP, demo_policy, toy_rows
+from toy import WARMUP, demo_model_config, demo_policy, toy_rows
 
 
 def run(train, cfg: Config):
-    check_flags(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
+    # --plan N: the flags are checked for the N processes the plan is for
+    check_flags(cfg, world=cfg.plan if cfg.plan > 0 else int(os.environ.get("WORLD_SIZE", "1")))
     rank, world, cfg.device = distributed.init(cfg.device, timeout_s=cfg.dist_timeout)
     # bf16 compute with fp32 master weights: dapo.py enters autocast per forward phase, never
     # around the whole run (infra/precision.py says why)
@@ -30,13 +32,42 @@ def run(train, cfg: Config):
     # data.py reports through logging: rank 0 shows it, the others only warnings
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     try:
+        plan_memory(cfg, world)  # before anything loads: a run that cannot fit stops here
+        if cfg.plan:
+            return None
         return train(cfg)
     except health.RunStuck as stuck:  # the warnings above name the cause: one line, no traceback
         distributed.say(f"error: {stuck}")
         raise SystemExit(1) from None
     finally:
         trackers.close_all()  # a crash still flushes what the trackers were given
-        distributed.shutdown()
+        distributed.shutdown(after_error=sys.exc_info()[0] is not None)  # an exception in flight
+
+
+def plan_memory(cfg: Config, world: int) -> memory.Plan:
+    """The memory plan per process (infra/memory.py) from the model's config.json and the flags,
+    printed by rank 0. A run that cannot fit the device stops with the numbers; --rollout-batch-size
+    auto becomes the slots that fit. --plan N: the plan for N processes, against no device."""
+    planned = cfg.plan if cfg.plan > 0 else world
+    capacity = memory.device_capacity(cfg.device) if planned == world else 0
+    plan = memory.plan(model_config(cfg), cfg, planned, capacity)
+    distributed.say(plan.describe(cfg.device if capacity else "a device of any size"))
+    if not cfg.plan:
+        memory.refuse_if_too_big(plan, cfg.device)
+        cfg.rollout_batch_size = plan.slots if cfg.rollout_batch_size == "auto" else \
+            cfg.rollout_batch_size
+    return plan
+
+
+def model_config(cfg: Config) -> ModelConfig:
+    """The shape of the policy a run will load: --model's, the checkpoint's (--resume) or the
+    demo's; from config.json alone."""
+    if cfg.resume:
+        return ModelConfig.from_json(need_file(os.path.join(checkpoint.latest(cfg.out_dir),
+                                                            "model"), "config.json"))
+    if cfg.model:
+        return ModelConfig.from_json(need_file(cfg.model, "config.json"))
+    return demo_model_config()
 
 
 def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:
@@ -49,19 +80,39 @@ def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:
     resume_dir = checkpoint.open_run(cfg)
     if resume_dir:
         check_lengths(cfg, os.path.join(resume_dir, "model"))
+    sharded = distributed.world_size() > 1
     if resume_dir or cfg.model:
         tok_dir = os.path.join(resume_dir, "model") if resume_dir else cfg.model
-        model = Qwen2.from_pretrained(tok_dir, dtype=torch.float32, device=cfg.device)
+        model = load_sharded(tok_dir, cfg) if sharded else \
+            Qwen2.from_pretrained(tok_dir, dtype=torch.float32, device=cfg.device)
     else:
         tok_dir, model = demo_policy(cfg.out_dir, cfg.device, cfg.seed)
+        if sharded:
+            distributed.shard(model, mixed_precision=cfg.precision == "bf16")
     tok = load_tokenizer(tok_dir)
     check_vocab(model.config.vocab_size, tok, tok_dir)
     model.activation_checkpointing = cfg.activation_checkpointing
-    if distributed.world_size() > 1:  # bf16: bf16 compute, fp32 master weights and reductions
-        distributed.shard(model, mixed_precision=cfg.precision == "bf16")
     if cfg.compile:
         model.compile_blocks()
     return model, tok, tok_dir, resume_dir
+
+
+def load_sharded(model_dir: str, cfg: Config) -> Qwen2:
+    """The policy in fp32, sharded with FSDP2 (bf16 compute with --precision bf16), without any
+    rank ever holding the whole model (a 32B's fp32 weights are 131 GB): built on the meta
+    device, sharded, then each rank reads its own rows of every weight from the safetensors
+    files."""
+    m = ModelConfig.from_json(need_file(model_dir, "config.json"))
+    with torch.device("meta"):
+        model = Qwen2(m)
+    distributed.shard(model, mixed_precision=cfg.precision == "bf16")
+    model.to_empty(device=cfg.device)
+    with torch.no_grad():  # name -> (rows, the full shape, this rank's tensor)
+        hf_io.load_rows_into(model_dir, distributed.local_rows(model), cfg.device,
+                             skip=hf_io.tied_keys(m))
+    model.inv_freq = model._rope_inv_freq(cfg.device)
+    checkpoint.check_finite(model, f"loading {model_dir}")  # every rank stops, naming the weight
+    return model
 
 
 def check_lengths(cfg: Config, model_dir: str | None):
@@ -85,6 +136,9 @@ def load_data(cfg: Config, tok) -> tuple[list[dict], list[dict]]:
     Every row of a file is checked now (a reward function for it, a prompt that renders and
     encodes), not when a step first draws it."""
     install_custom_reward(cfg)
+    if cfg.model and not cfg.train_data and not cfg.eval_only:
+        distributed.say(f"warning: --model {cfg.model} without --train-data trains on the demo's "
+                        "toy sums (pass --train-data, e.g. DAPO-Math-17k's parquet file)")
     if cfg.train_data:
         train_rows = load_rows(cfg.train_data, tok)
     else:
@@ -99,7 +153,7 @@ def load_data(cfg: Config, tok) -> tuple[list[dict], list[dict]]:
                          f"{cfg.generation_batch} (the prompts of one generation batch)")
     if cfg.reward_fn:  # one call on a real ground truth: a wrong signature stops the run now
         install_reward_fn(cfg.reward_fn, cfg.reward_fn_all_rows,
-                          train_rows[0]["reward_model"]["ground_truth"])
+                          train_rows[0]["reward_model"]["ground_truth"], cfg.reward_timeout)
     return train_rows, val_rows[:cfg.eval_prompts or None]
 
 

@@ -69,9 +69,15 @@ PRESETS = {
     "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
                          num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                          tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         tie_word_embeddings=True),
     "qwen2.5-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
                        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                        tie_word_embeddings=False),
+    "qwen2.5-32b": dict(vocab_size=152064, hidden_size=5120, intermediate_size=27648,
+                        num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
+                        tie_word_embeddings=False),
 }
 
 
@@ -386,18 +392,32 @@ class Qwen2(nn.Module):
 def response_logprobs(model: Qwen2, batch, temperature: float, fused_head: bool = True):
     """log pi(o_t | q, o_<t) and the entropy of that distribution, for every response token of a
     batch.Batch (its prompt_ids/mask, left-padded, and response_ids/mask, right-padded): (B, R)
-    each, fp32 (0 on padding with the fused head): the policy loss's pi_theta and pi_old. The
-    output layer runs inside the model's forward (so that FSDP has it gathered) on response
-    positions only. Fused (the default), it runs chunk by chunk inside the log-prob kernel and the
-    (B, R, V) logits never exist; unfused, they do (6 GB for one 20k-token response at Qwen2.5's
-    vocabulary)."""
-    ids = torch.cat([batch.prompt_ids, batch.response_ids], 1)  # (B, P + R)
-    mask = torch.cat([batch.prompt_mask, batch.response_mask], 1)  # (B, P + R)
-    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # RoPE counts real tokens only
-    P = batch.prompt_ids.shape[1]
+    each, fp32 (0 on padding with the fused head): the policy loss's pi_theta and pi_old.
+    Each row goes through the model from column 0, its prompt then its response, the padding
+    after both:
 
-    def head(hidden, weight):  # hidden (B, P + R, C); column P - 1 + t predicts response token t
-        hidden = hidden[:, P - 1:-1]  # (B, R, C)
+        batch:     pad pad p0 p1 p2 | r0 r1 r2 pad        row i of the model's input:
+                                                          p0 p1 p2 r0 r1 r2 pad pad pad
+    so a real token never has padding before it, plain causal attention is the whole mask, and
+    SDPA may take a flash kernel (no flash kernel takes an explicit mask; the math kernel holds
+    (B, H, T, T) scores). The output layer runs inside the model's forward (so that FSDP has it
+    gathered) on response positions only. Fused (the default), it runs chunk by chunk inside the
+    log-prob kernel and the (B, R, V) logits never exist; unfused, they do (6 GB for one
+    20k-token response at Qwen2.5's vocabulary)."""
+    P, (B, R) = batch.prompt_ids.shape[1], batch.response_ids.shape
+    prompt_len = batch.prompt_mask.sum(-1)  # (B,)
+    T = int((prompt_len + batch.response_mask.sum(-1)).max())  # the longest row's real tokens
+    # column j of row i is column j + (P - prompt_len_i) of [prompt | response], which starts at
+    # the prompt's first real token; past the row's end it is padding (clamped, then ignored)
+    source = (torch.arange(T, device=prompt_len.device) + (P - prompt_len)[:, None]).clamp(
+        max=P + R - 1)  # (B, T)
+    ids = torch.cat([batch.prompt_ids, batch.response_ids], 1).gather(1, source)  # (B, T)
+    # response token t of row i sits at column prompt_len_i + t: the column before predicts it
+    predicting = (prompt_len[:, None] - 1 + torch.arange(R, device=ids.device)).clamp(
+        max=T - 1)  # (B, R)
+
+    def head(hidden, weight):  # hidden (B, T, C)
+        hidden = hidden.gather(1, predicting[..., None].expand(B, R, hidden.shape[-1]))  # (B, R, C)
         if fused_head:
             return linear_logprobs_and_entropy(hidden, weight, batch.response_ids, temperature,
                                                mask=batch.response_mask)
@@ -405,7 +425,7 @@ def response_logprobs(model: Qwen2, batch, temperature: float, fused_head: bool 
         logp, entropy = logprobs_and_entropy(logits, batch.response_ids, temperature)
         return logp.clone(), entropy.clone()  # not views: FSDP2 loses the hooks of in-place views
 
-    return model(ids, positions=positions, attention_mask=mask, head=head)  # logp, entropy
+    return model(ids, head=head)  # logp, entropy; positions 0.. and causal attention, no mask
 
 
 def num_params(model: nn.Module) -> int:

@@ -18,7 +18,12 @@ so every call is fast whatever the response (megabytes, thousands of "Answer:" l
 braces).
 """
 import functools
+import logging
+import math
 import re
+import signal
+import threading
+import time
 
 WINDOW = 300  # characters read from the end of a response (the longest MATH-500 answer has 159)
 # the rest of the line after "Answer:", any case
@@ -186,7 +191,11 @@ def score_response(data_source: str, response_text: str, ground_truth: str) -> d
 # Your own verifier: --reward-fn FILE.py:NAME (verl's custom_reward_function.path/name, TRL's
 # reward_funcs): NAME(response_text, ground_truth) -> float or {"score": float, "acc": bool}
 CUSTOM_DATA_SOURCE = "custom"  # the data_source of plain {"prompt", "answer"} rows (data.py)
-_custom = {"fn": None, "spec": "", "every_row": False}
+_custom = {"fn": None, "spec": "", "every_row": False, "timeout_s": 0.0}
+SLOW_SCORE_S = 10.0  # one call of the custom verifier this long: say so (once a run)
+# the first exception of the custom verifier since take_reward_fn_errors() (the step's warning
+# shows it); whether it was said to be slow
+_state = {"first_error": "", "said_slow": False}
 
 
 def load_reward_fn(spec: str):
@@ -229,35 +238,110 @@ def _as_score(result, spec: str) -> dict:
             "pred": ""}
 
 
-def install_reward_fn(spec: str, every_row: bool, example_ground_truth: str | None = None):
+def _check_finite(score: float, spec: str, response_text: str, ground_truth: str):
+    """A NaN or an inf reward is a bug of the verifier, not a wrong answer: it makes its group's
+    advantages NaN, then the gradient, and every update is skipped. Raise naming both."""
+    if not math.isfinite(score):
+        raise ValueError(f"--reward-fn {spec} returned {score} for the response "
+                         f"{_excerpt(response_text)} (ground truth {_excerpt(ground_truth)}): a "
+                         "score must be a finite number (a NaN or inf reward makes the "
+                         "advantages and the gradient of its group NaN)")
+
+
+def _excerpt(text: str, chars: int = 200) -> str:
+    """The end of a response, where the answer is, as repr shows it."""
+    return repr(text) if len(text) <= chars else "..." + repr(text[-chars:])
+
+
+def _call(fn, response_text: str, ground_truth: str, timeout_s: float):
+    """fn(response_text, ground_truth), said to be slow after SLOW_SCORE_S and stopped with a
+    TimeoutError after timeout_s (0: never). A SIGALRM timer: it interrupts Python code (a sympy
+    simplification that runs away), not a call stuck inside C code (a regex, an extension), and
+    exists only in the main thread of a Unix process: elsewhere fn runs unwatched. A function
+    that sets its own SIGALRM (a timeout decorator) takes the timer over for its call."""
+    if not hasattr(signal, "setitimer") or threading.current_thread() != threading.main_thread():
+        return fn(response_text, ground_truth)
+    start = time.monotonic()
+
+    def on_alarm(signum, frame):
+        ran = time.monotonic() - start
+        if timeout_s and ran >= timeout_s * 0.999:  # the timer may ring a hair early
+            raise TimeoutError(f"still running after --reward-timeout {timeout_s:g} s")
+        _say_slow(ran, timeout_s)
+        if timeout_s:
+            signal.setitimer(signal.ITIMER_REAL, timeout_s - ran)
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, min(SLOW_SCORE_S, timeout_s or SLOW_SCORE_S))
+    try:
+        return fn(response_text, ground_truth)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _say_slow(ran: float, timeout_s: float):
+    if _state["said_slow"]:
+        return
+    _state["said_slow"] = True
+    limit = (f"--reward-timeout {timeout_s:g} s scores a longer call as a wrong answer"
+             if timeout_s else "--reward-timeout S would score a call longer than S s as a wrong "
+                               "answer")
+    logging.getLogger(__name__).warning(
+        "--reward-fn %s has been scoring one response for %.1f s; the responses of a step are "
+        "scored one after another, so a step takes that times their number (%s)",
+        _custom["spec"], ran, limit)
+
+
+def install_reward_fn(spec: str, every_row: bool, example_ground_truth: str | None = None,
+                      timeout_s: float = 0.0):
     """Load --reward-fn and make it the verifier of rows whose data_source has none built in (or
-    of every row). One call on example_ground_truth (the first row's, given as the response too)
-    must return a float or {"score", "acc"}: a wrong signature or type stops the run now."""
+    of every row); a call longer than timeout_s seconds (0: no limit) is a wrong answer. One call
+    on example_ground_truth (the first row's, given as the response too) must return a finite
+    float or {"score", "acc"}: a wrong signature or type stops the run now."""
     fn = load_reward_fn(spec)
     if example_ground_truth is not None:
         try:
-            _as_score(fn(example_ground_truth, example_ground_truth), spec)
+            out = _as_score(_call(fn, example_ground_truth, example_ground_truth, timeout_s), spec)
+            _check_finite(out["score"], spec, example_ground_truth, example_ground_truth)
         except Exception as e:
             raise ValueError(f"--reward-fn {spec}: the check call {spec.rpartition(':')[2]}"
                              f"({example_ground_truth!r}, {example_ground_truth!r}) failed: "
                              f"{type(e).__name__}: {e}") from e
-    _custom.update(fn=fn, spec=spec, every_row=every_row)
+    _custom.update(fn=fn, spec=spec, every_row=every_row, timeout_s=timeout_s)
 
 
 def uninstall_reward_fn():
     """Back to the built-in verifiers only (a run without --reward-fn, in the same process)."""
-    _custom.update(fn=None, spec="", every_row=False)
+    _custom.update(fn=None, spec="", every_row=False, timeout_s=0.0)
+    _state.update(first_error="", said_slow=False)
+
+
+def reward_fn_spec() -> str:
+    """The --reward-fn installed ("FILE.py:NAME"), or ""."""
+    return _custom["spec"]
+
+
+def take_reward_fn_errors() -> str:
+    """The first exception the custom verifier raised since the last call, with its response and
+    ground truth, or "" if none; forgets them. The rollout's metrics count them."""
+    first, _state["first_error"] = _state["first_error"], ""
+    return first
 
 
 def _score_custom(data_source: str, response_text: str, ground_truth: str) -> dict:
-    """The custom verifier's score; an exception or a wrong return type is a wrong answer (-1),
-    logged with the row's ground truth and the response, and the run goes on."""
+    """The custom verifier's score. An exception, a timeout or a wrong return type is a wrong
+    answer (-1), marked reward_fn_error and remembered for the step's warning (the first of
+    them, with its response), and the run goes on. A NaN or an inf stops it."""
+    spec = _custom["spec"]
     try:
-        return _as_score(_custom["fn"](response_text, ground_truth), _custom["spec"])
+        out = _as_score(_call(_custom["fn"], response_text, ground_truth, _custom["timeout_s"]),
+                        spec)
     except Exception as e:
-        import logging
-        logging.getLogger(__name__).warning(
-            "--reward-fn %s raised %s: %s on a row of data_source %r, ground truth %r, response "
-            "%r; scored as a wrong answer (-1)", _custom["spec"], type(e).__name__, e,
-            data_source, ground_truth[:200], response_text[:300])
+        if not _state["first_error"]:
+            _state["first_error"] = (f"{type(e).__name__}: {e}, on a row of data_source "
+                                     f"{data_source!r}, ground truth {_excerpt(ground_truth)}, "
+                                     f"response {_excerpt(response_text)}")
         return {"score": -1.0, "acc": False, "pred": "", "reward_fn_error": True}
+    _check_finite(out["score"], spec, response_text, ground_truth)
+    return out

@@ -41,7 +41,7 @@ from tokenizers import Tokenizer as HFTokenizer
 import reward
 from data import Tokenizer, load_tokenizer
 from infra import distributed
-from model import Qwen2, preset
+from model import ModelConfig, Qwen2, preset
 
 TOY_DATA_SOURCE = reward.TOY_DATA_SOURCE
 TOY_MIN_TERMS, TOY_MAX_TERMS = 2, 3  # terms per problem...
@@ -80,12 +80,8 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(extra)}}
 
 
-def make_toy_tokenizer(out_dir: str) -> Tokenizer:
-    """Write a Qwen-style tokenizer for the toy task into out_dir (tokenizer.json,
-    tokenizer_config.json with the chat template, generation_config.json) and load it back through
-    load_tokenizer, the path a real checkpoint takes. Byte-level BPE with Qwen2's normaliser,
-    pre-tokenizer and decoder: the 256 bytes, a few whole-word tokens, and <|endoftext|>,
-    <|im_start|>, <|im_end|>. Any text round-trips exactly."""
+def _toy_vocab() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """The toy tokenizer's BPE vocabulary (the 256 bytes, then TOY_WORDS) and merges."""
     byte_char = _bytes_to_unicode()
     vocab = {byte_char[b]: b for b in range(256)}
     merges = []
@@ -95,6 +91,24 @@ def make_toy_tokenizer(out_dir: str) -> Tokenizer:
             merges.append((pieces[0], piece))
             pieces[0] += piece
             vocab.setdefault(pieces[0], len(vocab))
+    return vocab, merges
+
+
+TOY_SPECIAL_TOKENS = 3  # <|endoftext|>, <|im_start|>, <|im_end|>
+
+
+def demo_model_config() -> ModelConfig:
+    """The demo's base model's shape (its vocabulary is the toy tokenizer's), built from nothing."""
+    return preset(WARMUP["preset"], vocab_size=len(_toy_vocab()[0]) + TOY_SPECIAL_TOKENS)
+
+
+def make_toy_tokenizer(out_dir: str) -> Tokenizer:
+    """Write a Qwen-style tokenizer for the toy task into out_dir (tokenizer.json,
+    tokenizer_config.json with the chat template, generation_config.json) and load it back through
+    load_tokenizer, the path a real checkpoint takes. Byte-level BPE with Qwen2's normaliser,
+    pre-tokenizer and decoder: the 256 bytes, a few whole-word tokens, and <|endoftext|>,
+    <|im_start|>, <|im_end|>. Any text round-trips exactly."""
+    vocab, merges = _toy_vocab()
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -266,7 +280,11 @@ def warmed_up_model(tok, key: dict, make_pairs, device="cpu", cache_root="runs/d
     key = dict(key, kernels=kernel_set(device))
     cache = os.path.join(cache_root, "_".join(f"{k}{v}" for k, v in key.items()))
     if os.path.isfile(os.path.join(cache, "warmup.json")):
-        return Qwen2.from_pretrained(cache, dtype=torch.float32, device=device)
+        try:
+            return Qwen2.from_pretrained(cache, dtype=torch.float32, device=device)
+        except (OSError, ValueError) as e:  # a cut copy, a full disk when it was written
+            raise ValueError(f"{e}. This is the demo's cached base model, not a download: delete "
+                             f"{cache} and the next run warms it up again") from None
     torch.manual_seed(key["seed"])
     config = preset(key["preset"], vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_ids)
     model = Qwen2(config).to(device)

@@ -23,7 +23,6 @@ least MIN_MOVE times that (no pass by standing still). Exit 1 otherwise.
     python benchmarks/canary.py --precision bf16 --device cuda      # the GPU check's
 """
 import argparse
-import functools
 import math
 import os
 import sys
@@ -77,13 +76,15 @@ def token_mean(x, mask):
     return total / max(count, 1.0)
 
 
-def canary(cfg: Config, preset_name: str) -> dict:
+def write_model(model_dir: str, preset_name: str):
+    """A random model of this preset (seed 0: the same on every rank), with the toy tokenizer."""
+    tok = make_toy_tokenizer(model_dir)
+    torch.manual_seed(0)
+    Qwen2(preset(preset_name, vocab_size=tok.vocab_size)).save_pretrained(model_dir)
+
+
+def canary(cfg: Config) -> dict:
     rank, world = distributed.rank(), distributed.world_size()
-    if rank == 0:  # a random model of this preset, with the toy tokenizer
-        tok = make_toy_tokenizer(cfg.model)
-        torch.manual_seed(0)
-        Qwen2(preset(preset_name, vocab_size=tok.vocab_size)).save_pretrained(cfg.model)
-    distributed.barrier("canary model written")
     model, tok, _, _ = launch.load_policy(cfg)
     rows = toy_rows(64, seed=cfg.seed, split="train")[:cfg.train_prompts][rank::world]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
@@ -119,15 +120,19 @@ def main():
     p.add_argument("--max-response-len", type=int, default=12)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--dir", default=os.path.join("runs", "canary"),
-                   help="the random model and the run go here (replaced); every rank's the same")
+                   help="the random model (a copy per rank) and the run go here (replaced)")
     args = p.parse_args()
-    cfg = Config(model=os.path.join(args.dir, "model"), out_dir=os.path.join(args.dir, "run"),
+    # before launch.run, whose memory plan reads the model's config.json; each rank writes its
+    # own copy, as no process group exists yet to wait for rank 0's
+    model_dir = os.path.join(args.dir, f"model-rank{os.environ.get('RANK', '0')}")
+    write_model(model_dir, args.preset)
+    cfg = Config(model=model_dir, out_dir=os.path.join(args.dir, "run"),
                  overwrite=True, device=args.device, precision=args.precision,
                  train_prompts=args.prompts, mini_batch_prompts=args.prompts,
                  max_response_len=args.max_response_len, overlong_buffer=1, max_prompt_len=64,
                  lr=args.lr,
                  grad_clip=1e9, eval_every=0)
-    result = launch.run(functools.partial(canary, preset_name=args.preset), cfg)
+    result = launch.run(canary, cfg)
     if int(os.environ.get("RANK", "0")) == 0:  # the process group is gone: rank() says 0
         print(f"learning canary ({args.precision}, {args.device}, "
               f"{int(os.environ.get('WORLD_SIZE', '1'))} process(es)): sampler moved "

@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dapo_kernels import linear_logprobs_and_entropy, logprobs_and_entropy, reference  # noqa: E402
-from dapo_kernels.linear import default_chunk_tokens  # noqa: E402
+from dapo_kernels.linear import default_chunk_tokens, has_mixed_addmm  # noqa: E402
 from dapo_kernels.logprobs import (DEFAULT_BLOCK_V, TRITON_INTERPRET, as_rows,  # noqa: E402
                               triton_logprobs)
 
@@ -299,6 +299,10 @@ def head_part(args, device):
     print(f"\nhead: hidden ({args.rows}, {args.hidden}), weight ({args.vocab}, {args.hidden}) "
           f"{args.dtype} (the unfused logits: {logits_gb:.2f} GB), T = {args.temperature}, "
           f"chunks of {chunk} tokens")
+    # the weight gradient's sum: straight into fp32 (addmm's out_dtype), or each chunk upcast
+    summed = "bf16 x bf16 into fp32 by addmm(out_dtype=)" if has_mixed_addmm(torch.device(device)) \
+        else "each chunk upcast to fp32"
+    print(f"weight gradient: {summed} on {device}")
     checks = check_head(hidden, weight, targets, upstream, args.temperature, chunk)
     print("correctness")
     for what, value, limit in checks:

@@ -5,21 +5,25 @@ An exercise is a function body (or a few lines of one) between a comment pair at
 indentation, in the reference code itself, so the handout never drifts from it:
 
     # exercise: group_advantages
-    r = rewards.view(-1, group_size)  # (N/G, G)
-    ...
+    ...  (the reference's lines: the handout has a raise here)
     # end exercise
 
     python course/assign.py list          # the exercises: id, file, points, difficulty
     python course/assign.py handout OUT   # the student copy, with EXERCISES.md
+    python course/assign.py check [ID]    # exercises' tests, pytest's output (make check EX=ID)
+    python course/assign.py todo          # one line naming the exercises that still raise
     python course/assign.py grade         # run each exercise's tests, then a short demo run
     python course/assign.py grade --extra-tests DIR --json FILE   # private tests, an autograder
 
-The handout is every file git tracks, each marked body replaced by a `raise` that names its
-exercise (signatures, docstrings and the markers stay). Tests that run a student's code but grade
-another exercise carry `@pytest.mark.needs(...)` (tests/conftest.py): in the handout they fail
-until those exercises are done. EXERCISES below is the registry: what each exercise asks, where
-the paper defines it, its points, and the tests that grade it (each passes with that exercise
-alone written: the tests of sample() stand in for filter_logits(), and so on).
+The handout is every file git tracks but the instructor's (INSTRUCTOR_ONLY, and any test file
+that marks a test @pytest.mark.grades: a private test), each marked body replaced by a `raise`
+that names its exercise (signatures, docstrings and the markers stay), the notebooks without
+their outputs (the students run them; the outputs answer the written part). Tests that run a
+student's code but grade another exercise carry `@pytest.mark.needs(...)` (tests/conftest.py):
+in the handout they fail until those exercises are done. EXERCISES below is the registry: what
+each exercise asks, where the paper defines it, its points, and the tests that grade it (each
+passes with that exercise alone written: the tests of sample() stand in for filter_logits(), and
+so on).
 """
 import argparse
 import ast
@@ -30,6 +34,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import zlib
 from dataclasses import dataclass
@@ -42,10 +47,13 @@ START = re.compile(r"^(\s*)# exercise: (\w+)\s*$")
 END = re.compile(r"^(\s*)# end exercise\s*$")
 # Never part of a handout, even where git tracks something under them
 SKIP_DIRS = {".git", ".venv", "runs", "__pycache__", ".pytest_cache", ".ruff_cache"}
-# The instructor's own: the tests of this file and of its grader, which expect the reference's
-# answers, and the style check, which the blanked bodies fail (ruff: the code after them uses
-# their names)
-INSTRUCTOR_ONLY = {"tests/test_assign.py", "tests/test_grader.py", "tests/test_style.py"}
+# The instructor's own: the answer sketches of the written part, the tests of this file and of
+# its grader, which expect the reference's answers, and the style check, which the blanked bodies
+# fail (ruff: the code after them uses their names)
+INSTRUCTOR_ONLY = {"docs/instructors.md", "tests/test_assign.py", "tests/test_grader.py",
+                   "tests/test_style.py"}
+# A test file that holds a private test (--extra-tests' mark) is the instructor's wherever it is
+PRIVATE_TEST = re.compile(r"@pytest\.mark\.grades\(")
 
 
 @dataclass(frozen=True)
@@ -127,8 +135,10 @@ EXERCISES = [
          "The last match of a left-to-right scan, not a search from the end."),
         _tests("test_reward.py", "test_extract_answer_matches_math_dapo",
                "test_extract_answer_reads_only_the_last_300_characters",
+               "test_extract_answer_takes_the_last_answer_of_a_response_that_corrects_itself",
                "test_extract_answer_takes_the_last_of_thousands_of_lines"),
-        idea=("test_extract_answer_reads_only_the_last_300_characters",)),
+        idea=("test_extract_answer_reads_only_the_last_300_characters",
+              "test_extract_answer_takes_the_last_answer_of_a_response_that_corrects_itself")),
     Exercise(
         "normalize", "reward.py", "math_dapo's answer normalisation", "Eq. 7 (Sec. 2.4)",
         "medium", 5, "REPLACEMENTS, REMOVED, REWRITES, in order",
@@ -208,6 +218,7 @@ EXERCISES = [
         idea=("test_kv_cache_writes_each_token_at_its_position_in_its_row",)),
 ]
 BY_ID = {e.id: e for e in EXERCISES}
+EXAMPLE = "keep_groups"  # the exercise the student copy's README and EXERCISES.md show checked
 
 # The integration check: a short run of the demo (make run's task and settings), the student's
 # code everywhere. Measured with the reference (one thread): val/acc (avg@4) 0.33 -> 0.79 after 6
@@ -346,21 +357,110 @@ def write_handout(out: str, root: str = ROOT) -> list[str]:
                 os.remove(path)
     files = source_files(root)
     regions = marked_regions(root, files)
-    files = [f for f in files if f not in INSTRUCTOR_ONLY]
+    files = [f for f in files if f not in instructor_files(root, files)]
     for path in files:
         src, dst = os.path.join(root, path), os.path.join(out, path)
         os.makedirs(os.path.dirname(dst), exist_ok=True)
-        if path in regions:
+        if path in regions or path in STUDENT_VERSIONS or path.endswith(".ipynb"):
             with open(src, encoding="utf-8") as f:
                 text = f.read()
             with open(dst, "w", encoding="utf-8") as f:
-                f.write(blank(text, regions[path]))
+                f.write(blank(text, regions[path]) if path in regions else
+                        strip_outputs(text) if path.endswith(".ipynb") else
+                        STUDENT_VERSIONS[path](text, root, regions))
             shutil.copymode(src, dst)
         else:
             shutil.copy2(src, dst, follow_symlinks=False)
     with open(os.path.join(out, "EXERCISES.md"), "w", encoding="utf-8") as f:
         f.write(exercises_md(root, regions))
     return files + ["EXERCISES.md"]
+
+
+def instructor_files(root: str, files: list[str]) -> set[str]:
+    """The files of `files` that a handout leaves out: INSTRUCTOR_ONLY, and every test file (as
+    pytest finds them, test_*.py) that holds a private test."""
+    private = set()
+    for path in files:
+        if os.path.basename(path).startswith("test_") and path.endswith(".py"):
+            with open(os.path.join(root, path), encoding="utf-8") as f:
+                if PRIVATE_TEST.search(f.read()):
+                    private.add(path)
+    return (INSTRUCTOR_ONLY & set(files)) | private
+
+
+def strip_outputs(notebook: str) -> str:
+    """A notebook's JSON without what running it left: outputs, execution counts and times."""
+    nb = json.loads(notebook)
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
+            cell["outputs"], cell["execution_count"] = [], None
+        cell.get("metadata", {}).pop("execution", None)
+    return json.dumps(nb, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def student_readme(readme: str, root: str, regions: dict[str, list[Region]]) -> str:
+    """The README with, under its title, what a student copy is and how to check an exercise,
+    and without its "Teaching with it" section (the instructor's, whose docs stay out)."""
+    title, _, rest = readme.partition("\n")
+    rest = re.sub(r"\n## Teaching with it\n.*?(?=\n## |\Z)", "", rest, flags=re.S)
+    example = BY_ID[EXAMPLE]
+    intro = (f"**This is a student copy**, generated for a course: {len(EXERCISES)} pieces of "
+             f"the code are left for you to write, each a function body that raises "
+             f"`{NOT_DONE}` until you do. [EXERCISES.md](EXERCISES.md) says what each asks, "
+             "with the paper's equation and hints; the rest of this README describes the "
+             "finished project. `make run` (the demo) runs every exercise: until all are "
+             "written, it names those left.")
+    header = [
+        "", *textwrap.wrap(intro, 98, initial_indent="> ", subsequent_indent="> "), "",
+        "| exercise | file | function | points |", "| --- | --- | --- | --- |",
+        *[f"| `{e.id}` | `{e.file}` | "
+          f"{', '.join(f'`{name}()`' for name in functions(root, e, regions))} | {e.points} |"
+          for e in EXERCISES], "",
+        "```bash",
+        f"{'make check EX=' + example.id:<28}# its tests (the first time, this installs pytest)",
+        f"{'make grade':<28}# the score out of 100: every exercise, then a demo run",
+        "```", "",
+        "The same tests by hand, once pytest is installed:", "",
+        "```bash",
+        f".venv/bin/python -m pytest -q {example.tests[0].split('::')[0]} -k {example.id}  # " +
+        ", ".join(t.split("::")[1] for t in example.tests),
+        "```"]
+    return title + "\n" + "\n".join(header) + "\n" + rest.rstrip("\n") + "\n"
+
+
+def student_makefile(makefile: str, root: str, regions) -> str:
+    """The Makefile whose `make run` first stops, in one line, while an exercise is not written."""
+    return (re.sub(r"^(run:.*\n)", r"\1\t$(if $(TODO),$(error $(TODO)))\n", makefile, count=1,
+                   flags=re.M) +
+            "\n# The student copy: make run runs every exercise, so while some still raise it "
+            "says which\n# (one line) instead of a traceback\n"
+            "TODO = $(shell $(PYTHON) course/assign.py todo)\n")
+
+
+# The files a handout rewrites: {path: (text, root, regions) -> the student's text}
+STUDENT_VERSIONS = {"README.md": student_readme, "Makefile": student_makefile}
+
+
+def todo(root: str = ROOT) -> list[str]:
+    """The exercises whose body in root still raises the handout's error (a student copy's)."""
+    left = []
+    for e in EXERCISES:
+        with open(os.path.join(root, e.file), encoding="utf-8") as f:
+            text = f.read()
+        lines = text.splitlines()
+        if any(f"raise {NOT_DONE}(\"{e.id}: " in line for r in find_regions(text, e.file)
+               if r.id == e.id for line in lines[r.start + 1:r.end]):
+            left.append(e.id)
+    return left
+
+
+def check(ids=(), root: str = ROOT) -> int:
+    """Run the chosen exercises' tests (all: every exercise's) with pytest, in the foreground
+    -> pytest's exit code."""
+    tests = [t for e in EXERCISES if not ids or e.id in ids for t in e.tests]
+    cmd = [sys.executable, "-m", "pytest", "-q", "--tb=short", "-p", "no:cacheprovider", *tests]
+    print(" ".join(["python", *cmd[1:]]), flush=True)
+    return subprocess.run(cmd, cwd=root).returncode
 
 
 def exercises_md(root: str, regions: dict[str, list[Region]]) -> str:
@@ -371,10 +471,12 @@ def exercises_md(root: str, regions: dict[str, list[Region]]) -> str:
         "`# exercise: <id>` and `# end exercise`. Write it there (the docstring above it is the "
         "specification), run its tests, and keep the markers: the grader needs nothing else.", "",
         "```bash",
+        f"make check EX={EXAMPLE}   # one exercise's tests (the first time, installs pytest)",
         "make test    # the whole suite: a test that needs an unfinished exercise fails naming it",
         "make grade   # the score: each exercise's tests, then a short training run of the demo",
         "```", "",
-        "`make run` (the demo) runs every exercise: it works again once all are written.", "",
+        "`make run` (the demo) runs every exercise: until all are written, it names those left.",
+        "",
         f"The grade is out of {total}. Each exercise: half its points if every test of its idea "
         "(the tests marked *idea* below: what the paper says the exercise is) passes, half in "
         "proportion to all its tests that pass, so a solution that misses the idea scores at "
@@ -395,8 +497,8 @@ def exercises_md(root: str, regions: dict[str, list[Region]]) -> str:
             f"- **What to write**: {e.todo}",
             "- **Hints**:", *[f"  - {h}" for h in e.hints],
             "- **Idea** (half the points): " + ", ".join(f"`{t}`" for t in e.idea),
-            "- **Tests**:", "", "```bash",
-            ".venv/bin/python -m pytest -q " + " \\\n    ".join(e.tests), "```"]
+            "- **Tests** (`make check EX=" + e.id + "` runs them): " +
+            ", ".join(f"`{t.split('::')[1]}`" for t in e.tests)]
     lines += ["", "## Written part: run, look, explain", "",
               "Answer each in a few sentences (not graded by `make grade`)."]
     lines += [f"{n}. {q}" for n, q in enumerate(WRITTEN, 1)]
@@ -411,9 +513,10 @@ WRITTEN = [
     "**Dynamic sampling (Eq. 11).** Run `python experiments/ablate.py --rows 1 3 --seeds 0 1` "
     "and compare the groups-with-signal curves in `runs/ablate/ablation.png`. Why is DAPO's "
     "curve flat at the batch size by construction, and what would show a benefit instead?",
-    "**Token-level loss (Eq. 12).** In the notebook's token-weight table, what weight does one "
-    "token of the long response get under Eq. 12 and under GRPO's per-sample mean? Which "
-    "responses does that dilute, and why must the count be taken before the micro-batch split?",
+    "**Token-level loss (Eq. 12).** In the notebook's token weights (its Eq. 12 cell), what "
+    "weight does one token of the long response get under Eq. 12 and under GRPO's per-sample "
+    "mean? Which responses does that dilute, and why must the count be taken before the "
+    "micro-batch split?",
     "**Overlong shaping (Eq. 13).** From the notebook's penalty curve: which lengths cost "
     "nothing, which are penalised, and why is a smooth ramp better than -1 at the limit alone?",
 ]
@@ -678,6 +781,9 @@ def main(argv=None):
     sub.add_parser("list", help="the exercises: id, file, function, points, difficulty")
     p = sub.add_parser("handout", help="write the student copy into OUT")
     p.add_argument("out", metavar="OUT")
+    p = sub.add_parser("check", help="run some exercises' tests with pytest (default: all)")
+    p.add_argument("ids", nargs="*", metavar="ID")
+    sub.add_parser("todo", help="one line naming the exercises that still raise (none: nothing)")
     p = sub.add_parser("grade", help="run each exercise's tests and the integration check")
     p.add_argument("ids", nargs="*", metavar="ID", help="only these exercises (default: all)")
     p.add_argument("--extra-tests", metavar="DIR",
@@ -702,14 +808,24 @@ def run(args, parser):
             print(f"{e.id:<18} {where:<40} {e.points:>6}  {e.difficulty:<10}  {e.paper}")
         print(f"{'integration':<18} {'dapo.py (the demo, ' + INTEGRATION_ARGS[1] + ' steps)':<40} "
               f"{INTEGRATION_POINTS:>6}")
-    elif args.command == "handout":
+        return
+    if args.command == "handout":
         files = write_handout(args.out)
         print(f"wrote {args.out}: {len(files)} files, {len(EXERCISES)} exercises "
               f"(EXERCISES.md); the tests of an unfinished exercise fail naming it")
+        return
+    if args.command == "todo":  # for the student copy's Makefile (make run)
+        left = todo()
+        if left:
+            print(f"make run needs every exercise, and {len(left)} are not written yet: "
+                  f"{', '.join(left)} (EXERCISES.md; make check EX=<id> tests one)")
+        return
+    unknown = [i for i in args.ids if i not in BY_ID]
+    if unknown:
+        parser.error(f"unknown exercise {', '.join(unknown)}; known: {', '.join(BY_ID)}")
+    if args.command == "check":
+        sys.exit(check(args.ids))
     else:
-        unknown = [i for i in args.ids if i not in BY_ID]
-        if unknown:
-            parser.error(f"unknown exercise {', '.join(unknown)}; known: {', '.join(BY_ID)}")
         grade(args.ids, args.extra_tests, args.json, not args.no_integration,
               timeout=args.timeout)
 

@@ -24,6 +24,7 @@ metrics the resumed run will log again. And the guard of every optimizer step: s
 """
 import json
 import os
+import pickle
 import re
 import shutil
 import zipfile
@@ -177,7 +178,12 @@ def latest(out_dir) -> str:
         raise FileNotFoundError(f"--resume: {out_dir} holds no checkpoint to continue from "
                                 f"({pointer} does not exist); start without --resume (with "
                                 "--overwrite if the directory holds a run)")
-    ckpt = os.path.join(out_dir, "checkpoints", _read(pointer))
+    name = _read(pointer)
+    # a path (absolute, or ../other-run/...) would resume another run's checkpoint, silently
+    if not re.fullmatch(r"step_\d+", name):
+        raise ValueError(f"--resume: {pointer} holds {name!r}, not the name of a checkpoint of "
+                         f"this run (a step_N directory beside it). {_way_back(out_dir)}")
+    ckpt = os.path.join(out_dir, "checkpoints", name)
     problem = incomplete(ckpt)
     if problem:
         raise FileNotFoundError(f"--resume: {pointer} names {ckpt}, which is not a complete "
@@ -212,23 +218,25 @@ def incomplete(ckpt) -> str | None:
     return None
 
 
-def _way_back(out_dir, broken) -> str:
-    """How to resume from the newest complete checkpoint before the broken one."""
+def _way_back(out_dir, broken: str | None = None) -> str:
+    """How to resume from the newest complete checkpoint (before the broken one, if given)."""
     ckpts = os.path.join(out_dir, "checkpoints")
     steps = sorted((n for n in os.listdir(ckpts) if re.fullmatch(r"step_\d+", n)),
                    key=lambda n: int(n[5:]), reverse=True)
-    earlier = [n for n in steps if int(n[5:]) < int(os.path.basename(broken)[5:])]
+    earlier = [n for n in steps if not broken or int(n[5:]) < int(os.path.basename(broken)[5:])]
     for name in earlier:
         if incomplete(os.path.join(ckpts, name)) is None:
-            return (f"{name} is complete: to resume from it, remove {broken} and write {name} "
+            remove = f"remove {broken} and " if broken else ""
+            return (f"{name} is complete: to resume from it, {remove}write {name} "
                     f"into {os.path.join(ckpts, 'latest')}")
-    return ("No earlier checkpoint is complete: start again with --overwrite (or restore the "
-            "missing files)")
+    return (f"No {'earlier ' if broken else ''}checkpoint is complete: start again with "
+            "--overwrite (or restore the missing files)")
 
 
-def load_trainer_state(ckpt, opt, prompt_iter, generator) -> int:
+def load_trainer_state(ckpt, opt, prompt_iter, generator, model=None) -> int:
     """Restore the optimizer, the data position and the RNG states; returns the step to
-    continue from."""
+    continue from. The optimizer state is checked against the parameters of opt (named by
+    model's parameter names, when given) first."""
     meta = files.read_json(os.path.join(ckpt, "trainer.json"))
     if meta["world_size"] != distributed.world_size():
         raise ValueError(f"{ckpt} was written by {meta['world_size']} processes; resuming it "
@@ -243,11 +251,44 @@ def load_trainer_state(ckpt, opt, prompt_iter, generator) -> int:
         # "PytorchStreamReader failed reading zip archive", EINVAL...
         raise ValueError(f"{file}: not a readable checkpoint file, truncated or corrupt "
                          f"(a partial copy?): {e}") from None
+    except pickle.UnpicklingError as e:
+        # torch's text suggests weights_only=False, which would run whatever code the file holds
+        raise ValueError(f"{file}: holds objects other than tensors and numbers, which no "
+                         "checkpoint of this project writes; not loaded (it could run code). "
+                         f"torch says: {str(e).splitlines()[0]}") from None
+    check_optimizer_state(state["optimizer"], opt, file, model)
     distributed.load_local_optimizer_state(opt, state["optimizer"])
     generator.set_state(state["generator"])
     torch.set_rng_state(state["torch_rng"])
-    prompt_iter.load_state_dict(meta["data"])
+    try:
+        prompt_iter.load_state_dict(meta["data"])
+    except ValueError as e:
+        raise ValueError(f"--resume: {os.path.join(ckpt, 'trainer.json')}: {e}") from None
     return meta["step"]
+
+
+def check_optimizer_state(saved: dict, opt, file: str, model=None):
+    """Raise naming the file and the tensor when the optimizer state saved in `file` does not fit
+    the parameters of opt (this rank's shards under FSDP): another number of parameters, or a
+    state tensor (AdamW's exp_avg, exp_avg_sq) of another shape than its parameter. A model/
+    directory replaced by another model's would otherwise load, run a whole rollout and die in
+    opt.step() naming neither."""
+    names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+    params = [p for group in opt.param_groups for p in group["params"]]
+    saved_ids = [i for group in saved["param_groups"] for i in group["params"]]
+    if len(saved_ids) != len(params):
+        raise ValueError(f"{file}: optimizer state of {len(saved_ids)} parameters, the model has "
+                         f"{len(params)}: the checkpoint's model/ and its optimizer state are of "
+                         "different models")
+    for number, (i, p) in enumerate(zip(saved_ids, params)):
+        local = p.to_local() if hasattr(p, "to_local") else p
+        for key, t in saved["state"].get(i, {}).items():
+            if torch.is_tensor(t) and t.dim() > 0 and t.shape != local.shape:
+                name = names.get(id(p), f"number {number}")
+                raise ValueError(f"{file}: optimizer state {key!r} of parameter {name!r} has "
+                                 f"shape {tuple(t.shape)}, the parameter {tuple(local.shape)}: "
+                                 "the checkpoint's model/ and its optimizer state are of "
+                                 "different models (was model/ replaced?)")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -265,11 +306,12 @@ def open_run(cfg) -> str | None:
     return resume_dir
 
 
-def resume(ckpt, opt, prompt_iter, generator, metrics_path: str, steps: int) -> int:
-    """Restore the trainer from checkpoint ckpt and drop the rows of metrics.jsonl logged after it
-    was saved (the resumed run logs them again) -> the step to continue from. A checkpoint already
-    at --steps or past it leaves metrics.jsonl whole (its final evaluation stays) and says so."""
-    start = load_trainer_state(ckpt, opt, prompt_iter, generator)
+def resume(ckpt, model, opt, prompt_iter, generator, metrics_path: str, steps: int) -> int:
+    """Restore the trainer of `model` from checkpoint ckpt and drop the rows of metrics.jsonl
+    logged after it was saved (the resumed run logs them again) -> the step to continue from. A
+    checkpoint already at --steps or past it leaves metrics.jsonl whole (its final evaluation
+    stays) and says so."""
+    start = load_trainer_state(ckpt, opt, prompt_iter, generator, model)
     if start >= steps:
         distributed.say(f"--resume: {ckpt} is at step {start} and --steps is {steps}: nothing to "
                         f"do (pass --steps above {start} to train on)")
@@ -307,12 +349,29 @@ def prepare_out_dir(out_dir: str, resume: bool, overwrite: bool) -> str | None:
     distributed.barrier("prepare_out_dir")  # every rank has looked before rank 0 deletes anything
     if distributed.rank() == 0:
         if overwrite:
-            shutil.rmtree(ckpts, ignore_errors=True)
+            _empty_checkpoints(ckpts)
             if os.path.isfile(metrics):
                 os.remove(metrics)
         os.makedirs(out_dir, exist_ok=True)
     distributed.barrier("prepare_out_dir")
     return None
+
+
+def _empty_checkpoints(ckpts: str):
+    """--overwrite: delete the old run's checkpoints. A checkpoints/ that is a link (to a bigger
+    disk) stays a link and loses what it points to (rmtree refuses a link, and with
+    ignore_errors deleted nothing: the old steps stayed beside the new). A failure raises."""
+    if not os.path.isdir(ckpts):
+        return
+    if not os.path.islink(ckpts):
+        shutil.rmtree(ckpts)
+        return
+    for name in os.listdir(ckpts):
+        path = os.path.join(ckpts, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
 
 
 def trim_metrics(path: str, step: int) -> int:
@@ -350,7 +409,8 @@ def trim_metrics(path: str, step: int) -> int:
 
 # Flags a resumed run may change: what to run for, where and how often to log (and to which
 # trackers), evaluate and save, and memory knobs that change no number beyond rounding
-# (micro_batch_size) or which random samples are drawn (rollout_batch_size). Every other field
+# (micro_batch_size) or which random samples are drawn (rollout_batch_size), and the time a
+# --reward-fn call may take (a call that hangs is what makes one stop and resume). Every other field
 # (group size, lengths, lr, eps, batch sizes, seed, data, the technique switches, and any flag
 # added later) changes the algorithm: check_resume_config refuses a change to it.
 MAY_CHANGE_ON_RESUME = {
@@ -358,7 +418,7 @@ MAY_CHANGE_ON_RESUME = {
     "keep_checkpoints", "eval_every", "eval_samples", "eval_temperature", "eval_top_p",
     "eval_prompts", "val_data",
     "rollout_batch_size", "compile", "micro_batch_size", "micro_batch_tokens", "fused_head",
-    "activation_checkpointing", "report_to",
+    "activation_checkpointing", "report_to", "reward_timeout",
 }
 
 

@@ -51,10 +51,19 @@ def init(device: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int, s
     return dist.get_rank(), world, device
 
 
-def shutdown():
-    if dist.is_initialized():
-        barrier("shutdown")
-        dist.destroy_process_group()
+def shutdown(after_error: bool = False):
+    """Leave the process group: a barrier first, so that no rank tears it down while another
+    still needs it. after_error (an exception is on its way out of this rank): no barrier, and
+    nothing raised here. Another rank may never arrive (it died, or waits in another collective),
+    and the barrier's own failure would be the last error printed, hiding the first."""
+    if not dist.is_initialized():
+        return
+    if after_error:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        return
+    barrier("shutdown")
+    dist.destroy_process_group()
 
 
 def exit_after_shutdown():
@@ -134,6 +143,18 @@ def shard(model, mixed_precision: bool):
     return model
 
 
+def local_rows(model) -> dict:
+    """{name: (the rows of dim 0 this rank holds, the full shape, its local tensor)} for each
+    parameter of a model that shard() has sharded: FSDP2 cuts dim 0 as torch.chunk does (rank r
+    holds rows [r c, r c + c), c = ceil(rows / world); the last ranks may hold fewer, or none)."""
+    out = {}
+    for name, p in model.named_parameters():
+        local = p.to_local()
+        start = min(rank() * -(-p.shape[0] // world_size()), p.shape[0])
+        out[name] = slice(start, start + local.shape[0]), p.shape, local
+    return out
+
+
 def _fsdp_modules(model):
     from torch.distributed.fsdp import FSDPModule
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -208,13 +229,14 @@ def all_gather_object(obj, name: str | None = None) -> list:
 def share_in_order(kept: dict, n_take: int, per_step: int) -> list:
     """This rank's share of the first n_take items kept over all ranks, in the order of their
     numbers (kept: {global number: item with a .to(device)}, on the rank that made it), so that N
-    ranks train on exactly the items one process would: dynamic sampling's groups, numbered in
-    the order one process would have generated them. Each run of per_step items (a global
-    mini-batch) is split evenly between the ranks, and an item moves to another rank only when
-    its own holds more than its share (a group is token ids: cheap to send). In one process:
-    the first n_take items, in order."""
+    ranks train on exactly the items one process would: the responses of dynamic sampling's
+    groups, numbered in the order one process would have generated them. Each run of per_step
+    items (a global mini-batch) is split evenly between the ranks, and an item moves to another
+    rank only when its own holds more than its share (a response is token ids: cheap to send);
+    moved items fill one rank after another, so a group's responses stay together where the share
+    allows. In one process: the first n_take items, in order."""
     me, world = rank(), world_size()
-    owners = all_gather_object(sorted(kept), name="kept groups")
+    owners = all_gather_object(sorted(kept), name="kept responses")
     first = sorted((g, r) for r, numbers in enumerate(owners) for g in numbers)[:n_take]
     share = per_step // world  # items per rank in each run of per_step
     destination = {}
@@ -224,15 +246,15 @@ def share_in_order(kept: dict, n_take: int, per_step: int) -> list:
         for g, owner in step:  # first every rank keeps its own, up to its share...
             if count[owner] < share:
                 destination[g], count[owner] = owner, count[owner] + 1
-        for g, _ in step:  # ...then the rest go where there is room
+        for g, _ in step:  # ...then the rest go where there is room, a rank at a time
             if g not in destination:
-                r = min(range(world), key=lambda r: count[r])
+                r = next(r for r in range(world) if count[r] < share)
                 destination[g], count[r] = r, count[r] + 1
     incoming = {}
     if world > 1:  # CPU tensors: a CUDA tensor would be unpickled on the sender's device
         outgoing = {g: kept[g].to("cpu") for g, r in destination.items()
                     if g in kept and r != me}
-        for sent in all_gather_object(outgoing, name="groups rebalanced"):
+        for sent in all_gather_object(outgoing, name="responses rebalanced"):
             incoming |= {g: item for g, item in sent.items() if destination[g] == me}
     return [kept[g] if g in kept else incoming[g].to(_device)
             for g, _ in first if destination[g] == me]

@@ -5,7 +5,8 @@ atomic, so a power cut or a kill at any moment leaves either the old content or 
     need_file(dir, name)      the path of a file that must exist, or an error naming it
     writing(file)             a failed write (a full disk) becomes an error that names the file
     fsync(path)               a file's data or a directory's entries on the disk
-    write_atomic(file, text)  replace a small file whole (metrics.jsonl, `latest`)
+    write_atomic(file, text)  replace a small file whole (metrics.jsonl trimmed, `latest`)
+    append_line(file, line)   add a line at the end and flush it (metrics.jsonl's rows)
     write_json(file, obj)     write indented JSON and flush it (into a directory that is renamed
                               into place whole, as a checkpoint's)
     read_json(file)           JSON, or an error that names the file (a truncated copy)
@@ -66,6 +67,15 @@ def write_atomic(file: str, text: str):
             os.fsync(f.fileno())
         os.replace(tmp, file)
         fsync(os.path.dirname(os.path.abspath(file)))
+
+
+def append_line(file: str, line: str):
+    """Append line and a newline, flushed to the disk: a crash loses at most the line being
+    written (a reader skips a torn last line), and a full disk is an error naming the file."""
+    with writing(file), open(file, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_json(file: str, obj):

@@ -1,8 +1,9 @@
 """Alarms for a run that has gone dead: after each rollout step, one line naming the cause and
 the flag that fixes it; with --stop-when-stuck N the run stops (checkpoint, non-zero exit) after
-N consecutive dead steps. Two more warnings, for a run that trains on something wrong: responses
-without an answer the verifier can read, and sampler log-probs that disagree with the trainer's.
-And a bound on dynamic sampling that finds no signal at all."""
+N consecutive dead steps, and a run whose every update was skipped never exits 0. Three more
+warnings, for a run that trains on something wrong: responses without an answer the verifier can
+read, sampler log-probs that disagree with the trainer's, and a --reward-fn that raised. And a
+bound on dynamic sampling that finds no signal at all."""
 from infra import distributed
 
 TRUNCATED_ALARM = 0.9  # almost every response truncated
@@ -17,29 +18,43 @@ EXAMPLE_CHARS = 200  # of the response shown with the no-answer warning: its end
 ENTROPY_FLOOR = 1e-3  # nats per token: the policy has collapsed onto one answer
 PROGRESS_EVERY = 8  # generation batches between progress lines when sampling runs long
 NO_SIGNAL_BOUND = 64  # generation batches without one group with signal: give up
+# of the responses, --reward-fn raised on this many (each scored as wrong): a step without signal
+# is then blamed on the function, not on the prompt's format
+REWARD_FN_ERROR_ALARM = 0.5
 
 
 class RunStuck(RuntimeError):
     """The run trained on nothing for --stop-when-stuck consecutive steps."""
 
 
-def dead_step_causes(row: dict) -> list[str]:
+def dead_step_causes(row: dict, reward_fn: str = "") -> list[str]:
     """The causes that make this step's update worthless, each with its fix, from the step's
-    metrics row (infra/metrics.py's names). Empty when the step is healthy."""
+    metrics row (infra/metrics.py's names). Empty when the step is healthy. reward_fn: the
+    --reward-fn in use, named when its errors are the cause."""
     causes = []
     truncated = row.get("rollout/truncated", 0.0)
     if truncated >= TRUNCATED_ALARM:
         causes.append(f"{truncated:.0%} of responses truncated: raise --max-response-len")
     surplus = row.get("train/groups_surplus", 0)
+    raised = row.get("rollout/reward_fn_error", 0.0)
     if row.get("train/groups_kept", 1) == 0 and surplus:
         causes.append(f"only {surplus} groups with signal, fewer than --mini-batch-prompts: "
                       "nothing trained; raise --max-gen-batches or --gen-prompts")
+    elif row.get("train/groups_kept", 1) == 0 and raised >= REWARD_FN_ERROR_ALARM:
+        causes.append(f"no group with signal: {_flag(reward_fn)} raised on {raised:.0%} of the "
+                      "responses, each scored as a wrong answer; fix the function (its first "
+                      "error is below)")
     elif row.get("train/groups_kept", 1) == 0:
         causes.append(
             f"no group with signal (all right {row.get('rollout/frac_all_correct', 0):.0%}, "
             f"all wrong {row.get('rollout/frac_all_wrong', 0):.0%} of groups): nothing trained; "
             "check that the prompt asks for the answer format the verifier reads, or that "
             "the task suits the model")
+    skipped = row.get("train/skipped_updates", 0)
+    if skipped and not row.get("train/updates", 0):
+        causes.append(f"all {skipped} optimizer steps skipped (a NaN or inf gradient norm): "
+                      "nothing trained; look for a NaN in the rewards or the advantages, or "
+                      "lower --lr")
     entropy = row.get("actor/entropy")
     if entropy is not None and not (entropy >= ENTROPY_FLOOR):  # NaN fails the comparison too
         causes.append(f"actor/entropy {entropy:.3g}: the policy has collapsed or diverged; "
@@ -67,6 +82,22 @@ def wrong_signal_causes(row: dict, example: str = "") -> list[str]:
     return causes
 
 
+def reward_fn_warning(share: float, reward_fn: str, first_error: str, generated=None) -> str:
+    """The step's one line on --reward-fn `reward_fn` raising: on what share of the responses (of
+    every rank) and how many of this rank's (generated, a batch.Batch), scored as wrong answers,
+    and the first error with its response ("" when it was on another rank)."""
+    count = ""
+    if generated is not None and generated.reward_error is not None:
+        where = " on rank 0" if distributed.world_size() > 1 else ""
+        count = f" ({int(generated.reward_error.sum())} of {len(generated)}{where})"
+    return (f"{_flag(reward_fn)} raised on {share:.0%} of the responses{count}, each scored as a "
+            f"wrong answer (-1); the first: {first_error or '(on another rank)'}")
+
+
+def _flag(reward_fn: str) -> str:
+    return f"--reward-fn {reward_fn}" if reward_fn else "--reward-fn"
+
+
 def no_answer_example(generated, tok) -> str:
     """The last EXAMPLE_CHARS characters of the first response that ended without an answer the
     verifier could read; generated a batch.Batch of every response of the step."""
@@ -82,20 +113,37 @@ class Alarms:
     """Warns at once on a dead step or a wrong signal; counts consecutive dead steps against
     --stop-when-stuck (a wrong signal warns every step but does not stop the run)."""
 
-    def __init__(self, stop_when_stuck: int):
-        self.stop_when_stuck, self.dead_run = stop_when_stuck, 0
+    def __init__(self, stop_when_stuck: int, reward_fn: str = ""):
+        self.stop_when_stuck, self.dead_run, self.reward_fn = stop_when_stuck, 0, reward_fn
+        self.updates = self.skipped = 0  # optimizer steps of the run, taken and skipped
 
-    def check(self, step: int, row: dict, generated=None, tok=None) -> bool:
-        """Say what is wrong with this step; True when the run should stop. generated, tok: the
-        step's responses and the tokenizer, for the no-answer warning's example."""
-        causes = dead_step_causes(row)
+    def check(self, step: int, row: dict, generated=None, tok=None,
+              reward_fn_error: str = "") -> bool:
+        """Say what is wrong with this step, one line a cause; True when the run should stop.
+        generated, tok: the step's responses and the tokenizer, for the no-answer warning's
+        example; reward_fn_error: the first error --reward-fn raised this step."""
+        self.updates += row.get("train/updates", 0)
+        self.skipped += row.get("train/skipped_updates", 0)
+        causes = dead_step_causes(row, self.reward_fn)
         self.dead_run = self.dead_run + 1 if causes else 0
         example = ""
         if row.get("rollout/no_answer_finished", 0.0) >= NO_ANSWER_ALARM and generated is not None:
             example = no_answer_example(generated, tok)
-        for cause in causes + wrong_signal_causes(row, example):
+        warnings = wrong_signal_causes(row, example)
+        if row.get("rollout/reward_fn_error"):
+            warnings.insert(0, reward_fn_warning(row["rollout/reward_fn_error"], self.reward_fn,
+                                                 reward_fn_error, generated))
+        for cause in causes + warnings:
             distributed.say(f"warning: step {step}: {cause}")
         return bool(self.stop_when_stuck) and self.dead_run >= self.stop_when_stuck
+
+    def finish(self):
+        """At the end of the run: one whose every update was skipped trained nothing, and says so
+        with a non-zero exit (RunStuck) however few steps it had."""
+        if self.skipped and not self.updates:
+            raise RunStuck(f"all {self.skipped} optimizer steps of this run were skipped (a NaN "
+                           "or inf gradient norm): it trained nothing; the warnings above name "
+                           "the steps; the checkpoint saved holds the weights it started from")
 
     def error(self) -> RunStuck:
         return RunStuck(f"stopping: {self.dead_run} consecutive steps trained on nothing or on a "

@@ -27,6 +27,32 @@ def load_state_dict(path: str, expected: dict, dtype, device, skip=()) -> dict:
     the keys of `expected` ({key: shape}); keys in `skip` (a tied head) are ignored. Raises naming
     the file on an unexpected or missing key, a wrong shape, a truncated file or a NaN."""
     state, file_of = {}, {}
+    for file, key, tensor in _checked_tensors(path, expected, device, skip):
+        state[key], file_of[key] = tensor[:].to(dtype), file
+    bad = first_nonfinite(state)
+    # a diverged run's weights would train on, reporting nothing but zero informative groups
+    if bad:
+        raise ValueError(f"{file_of[bad]}: {bad!r} holds {count_nonfinite(state[bad])}: "
+                         "refusing to load a model with non-finite weights")
+    return state
+
+
+def load_rows_into(path: str, into: dict, device, skip=()):
+    """Copy rows of each tensor of model directory `path` into the tensors of `into` ({key:
+    (rows: a slice of dim 0, destination tensor)}: a rank's FSDP shards), converting the dtype as
+    they are copied. The files are memory-mapped and only those rows are read, so a rank never
+    holds more than its shards and one key's rows. Checked as load_state_dict, but for the NaN
+    (the caller checks its shards, on every rank at once)."""
+    expected = {key: shape for key, (_, shape, _) in into.items()}
+    for _, key, tensor in _checked_tensors(path, expected, device, skip):
+        rows, _, destination = into[key]
+        destination.copy_(tensor[rows])
+
+
+def _checked_tensors(path: str, expected: dict, device, skip):
+    """(file, key, its safetensors slice) for each tensor of the directory, each key of
+    `expected` once and no other, of its expected shape."""
+    seen = set()
     for file, keys in checkpoint_files(path).items():
         try:
             with safe_open(file, framework="pt", device=str(device)) as f:
@@ -37,24 +63,20 @@ def load_state_dict(path: str, expected: dict, dtype, device, skip=()) -> dict:
                     if key not in expected:
                         raise ValueError(f"{file}: unexpected key {key!r} (not part of a "
                                          "Qwen2 with this config)")
-                    t = f.get_tensor(key)
-                    if tuple(t.shape) != tuple(expected[key]):
-                        raise ValueError(f"{file}: key {key!r} has shape {tuple(t.shape)}, "
+                    tensor = f.get_slice(key)
+                    shape = tuple(tensor.get_shape())
+                    if shape != tuple(expected[key]):
+                        raise ValueError(f"{file}: key {key!r} has shape {shape}, "
                                          f"the config implies {tuple(expected[key])}")
-                    state[key], file_of[key] = t.to(dtype), file
+                    seen.add(key)
+                    yield file, key, tensor
         except SafetensorError as e:
             # "incomplete metadata, file not fully covered" and the like
             raise ValueError(f"{file}: not a readable safetensors file, truncated or corrupt "
                              f"(an interrupted download or copy?): {e}") from None
-    missing = sorted(set(expected) - set(state))
+    missing = sorted(set(expected) - seen)
     if missing:
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} key(s), first {missing[0]!r}")
-    bad = first_nonfinite(state)
-    # a diverged run's weights would train on, reporting nothing but zero informative groups
-    if bad:
-        raise ValueError(f"{file_of[bad]}: {bad!r} holds {count_nonfinite(state[bad])}: "
-                         "refusing to load a model with non-finite weights")
-    return state
 
 
 def tied_keys(cfg) -> set:

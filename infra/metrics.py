@@ -10,7 +10,7 @@ import math
 import torch
 from tqdm import tqdm
 
-from infra import distributed, rollout_correction
+from infra import distributed, files, rollout_correction
 from infra.trackers import close as close_trackers
 
 # sums over the loss's tokens (clip_stats), then pi_old's entropy and the tokens in the loss
@@ -157,10 +157,11 @@ def rollout_metrics(seen, group_size: int) -> dict:
         "finished": (~seen.truncated).sum().item(),
         "no_answer": no_answer.sum().item(),
         "no_answer_finished": (no_answer & ~seen.truncated).sum().item(),
+        "reward_fn_error": seen.reward_error.sum().item() if seen.reward_error is not None else 0,
     }
     s = dict(zip(sums, distributed.all_reduce([float(v) for v in sums.values()])))
     n, groups = s["n"], s["n"] / group_size
-    return {
+    out = {
         "rollout/acc": s["right"] / n, "rollout/score/mean": s["score"] / n,
         "rollout/reward/mean": s["reward"] / n, "rollout/response_length/mean": s["length"] / n,
         "rollout/response_length/max": distributed.all_reduce(lengths.max().item(), "max"),
@@ -168,8 +169,12 @@ def rollout_metrics(seen, group_size: int) -> dict:
         "rollout/frac_all_correct": s["all_right"] / groups,
         "rollout/frac_all_wrong": s["all_wrong"] / groups,
         "rollout/no_answer": s["no_answer"] / n,
-    } | ({"rollout/no_answer_finished": s["no_answer_finished"] / s["finished"]}
-         if s["finished"] else {})  # of the responses that ended: the format, not the length
+    }
+    if s["finished"]:  # of the responses that ended: the format, not the length
+        out["rollout/no_answer_finished"] = s["no_answer_finished"] / s["finished"]
+    if seen.reward_error is not None:  # with --reward-fn: the responses it raised on
+        out["rollout/reward_fn_error"] = s["reward_fn_error"] / n
+    return out
 
 
 def generation_cost(generated, trained, n_take: int, extra_s: float) -> dict:
@@ -220,8 +225,7 @@ class RunLog:
 
     def write(self, row: dict):
         if distributed.rank() == 0:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            files.append_line(self.path, json_line(row))
             for tracker in self.trackers:
                 tracker.log(row, row["step"])
 
@@ -242,6 +246,14 @@ class RunLog:
         distributed.say(f"val/acc (avg@{k}): {first['val/acc']:.3f} at step {start} -> "
                         f"{last['val/acc']:.3f} at step {steps}; pass@{k}: "
                         f"{first[f'val/pass@{k}']:.3f} -> {last[f'val/pass@{k}']:.3f}")
+
+
+def json_line(row: dict) -> str:
+    """The row as one line of strict JSON: a NaN or an inf (a grad norm when every update was
+    skipped) becomes null, as json.dumps's bare NaN is refused by jq, JavaScript and other strict
+    readers. plot.py and the trackers skip a null as they skip a NaN."""
+    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
+                       for k, v in row.items()})
 
 
 def progress_summary(m: dict) -> dict:

@@ -17,50 +17,67 @@ CELLS = [
     ("md", """# The pieces of one DAPO step, by looking
 
 DAPO (arXiv 2503.14476) changes four things in GRPO. Each cell below calls the project's own
-function (`dapo.py`, `reward.py`, `toy.py`) and shows a table or a picture, in the order of
-one step: the toy task and its base model, G responses to one prompt, the group advantage
+function (`dapo.py`, `reward.py`, `toy.py`) and shows a picture, with the numbers behind it, in the
+order of one step: the toy task and its base model, G responses to one prompt, the group advantage
 (Eq. 9), the dynamic-sampling filter (Eq. 11), clip-higher (Eq. 10), the token-level loss
 (Eq. 12), the soft overlong punishment (Eq. 13), one policy update, and a short run's curves.
+The settings are the demo's (`Config()` in `config.py`), printed where a cell uses them.
 
-On a laptop CPU it runs in about a minute once the demo's base model is cached in
-`runs/demo-base` (as `python dapo.py` leaves it); on a fresh clone the first cell that needs
-the model trains it once (the demo's warm-up, a minute or two on one core)."""),
-    ("code", """# On Colab: fetch the project (DAPO_REPO: its git URL) and its requirements
-import os, subprocess, sys
+`make notebook` opens it in Jupyter (installed into `.venv/` the first time). On a laptop CPU it
+runs in under a minute once the demo's base model is cached in `runs/demo-base` (as `make run`
+leaves it); on a fresh clone the first cell that needs the model trains it once (the demo's
+warm-up, a few minutes on one core)."""),
+    ("code", """# Setup. On Colab: fetch the project (DAPO_REPO: its git URL) and its requirements
+import os
+import subprocess
+import sys
+
 if "google.colab" in sys.modules and not os.path.exists("dapo.py"):
     subprocess.run(["git", "clone", "--depth", "1", os.environ["DAPO_REPO"], "dapo"], check=True)
     os.chdir("dapo")
+    # Colab has its own Jupyter: the project's requirements and matplotlib are what it lacks
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-r", "requirements.txt",
                     "matplotlib"], check=True)
 root = os.path.abspath("..") if os.path.basename(os.getcwd()) == "notebooks" else os.getcwd()
 sys.path.insert(0, root)
 os.chdir(root)  # the demo's paths (runs/demo-base, runs/...) are relative to the project
-os.environ.setdefault("OMP_NUM_THREADS", "1")  # a tiny model: one thread is fastest
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # a tiny model: one thread is fastest"""),
+    ("code", """# The project's functions, and matplotlib for the pictures
 from dataclasses import replace
+
 import matplotlib.pyplot as plt
 import torch
-from config import parse_args
-from data import load_tokenizer
+
+from config import Config, parse_args
 from dapo import (group_advantages, groups_to_train, keep_groups, policy_loss, rollout,
                   shape_rewards, update_policy)
+from data import load_tokenizer
 from reward import overlong_penalty
-from toy import demo_policy, toy_rows"""),
+from toy import TOY_MAX_DIGIT, TOY_MAX_TERMS, TOY_MIN_TERMS, demo_policy, toy_rows"""),
     ("md", """## The toy task and what the base model does
 
-Sums of 2-3 digits (`toy.py`), answered as `Answer: N` and scored by the math_dapo verifier:
-+1 right, -1 wrong. The base model (a tiny Qwen2, warmed up on noisy responses) can work a
-sum out but guesses half the time, and now and then rambles (`Let me check.`) first. Here: its
-answers to six held-out problems, one sample each at temperature 1."""),
+Sums of a few small digits (`toy.py`), answered as `Answer: N` and scored by the math_dapo
+verifier: +1 right, -1 wrong. The base model (a tiny Qwen2, warmed up on noisy responses) can
+work a sum out but often guesses instead, and now and then rambles (`Let me check.`) first.
+Here: its answers to a few held-out problems, one sample each at the demo's temperature."""),
     ("code", """cfg = parse_args(["--out-dir", "runs/notebook"])  # the demo's settings (config.py)
+print(f"the task: sums of {TOY_MIN_TERMS}-{TOY_MAX_TERMS} digits from 0 to {TOY_MAX_DIGIT}; "
+      f"temperature {cfg.temperature}, responses of up to {cfg.max_response_len} tokens")
 tok_dir, model = demo_policy(cfg.out_dir, cfg.device, cfg.seed)  # cached in runs/demo-base
 tok = load_tokenizer(tok_dir)
 generator = torch.Generator().manual_seed(0)
+
+
 def sample(rows, group_size):
     return rollout(model, rows, tok, cfg, group_size=group_size, temperature=cfg.temperature,
                    top_p=cfg.top_p, top_k=cfg.top_k, generator=generator)
+
+
 def responses(batch):
     return [tok.decode(ids[:n].tolist()).replace("\\n", " | ")
             for ids, n in zip(batch.response_ids, batch.response_lengths.tolist())]
+
+
 held_out = toy_rows(6, seed=0, split="test")
 base = sample(held_out, group_size=1)
 print(f"{'problem':<8} {'sum':>3}  {'right':<5}  base model's response")
@@ -69,13 +86,14 @@ for row, text, right in zip(held_out, responses(base), base.acc.tolist()):
           f"{str(right):<5}  {text}")"""),
     ("md", """## G responses to one prompt, and their rewards
 
-Algorithm 1, lines 3-5: the policy samples G = 8 responses to one training prompt, the
-verifier scores each (`score`), and Eq. 13's length penalty is added (`reward`)."""),
+Algorithm 1, lines 3-5: the policy samples G responses to one training prompt (G is
+`--group-size`), the verifier scores each (`score`), and Eq. 13's length penalty is added
+(`reward`)."""),
     ("code", """G = cfg.group_size
 prompt = toy_rows(1, seed=0)
 group = sample(prompt, group_size=G)
 group = replace(group, reward=shape_rewards(group.response_lengths, group.score, cfg))
-print(f"prompt {prompt[0]['prompt'][0]['content']} (sum "
+print(f"G = {G} (--group-size); prompt {prompt[0]['prompt'][0]['content']} (sum "
       f"{prompt[0]['reward_model']['ground_truth']})")
 print(f"{'#':<2} {'tokens':>6} {'score':>6} {'reward':>7}  response")
 for i, text in enumerate(responses(group)):
@@ -83,37 +101,54 @@ for i, text in enumerate(responses(group)):
           f"{group.reward[i]:>+7.3f}  {text}")"""),
     ("md", """## Eq. 9: the group advantage
 
-Four prompts, G = 4 responses each, reward +1 (right) or -1 (wrong). Each response's advantage
-is its reward minus its group's mean, over the group's (unbiased) standard deviation. A group
-all right or all wrong has advantage 0 everywhere: it teaches nothing."""),
-    ("code", """G = 4
-rewards = torch.tensor([1., -1, -1, -1,   1, 1, -1, -1,   1, 1, 1, 1,   -1, -1, -1, -1])
-adv = group_advantages(rewards, G)
-for g in range(len(rewards) // G):
-    r, a = rewards[g * G:(g + 1) * G], adv[g * G:(g + 1) * G]
-    print(f"group {g}: rewards {r.tolist()}  advantages {[round(x, 3) for x in a.tolist()]}")"""),
-    ("md", """The same on the sampled group above: the right responses get a positive advantage, the
-wrong ones a negative one, and the advantages sum to zero."""),
-    ("code", """G = cfg.group_size  # 8 (the made-up example above used 4)
-group_adv = group_advantages(group.reward, G)
+Each response's advantage is its reward minus its group's mean, over the group's (unbiased)
+standard deviation. On the group above: the right responses get a positive advantage, the wrong
+ones a negative one, and the advantages sum to zero."""),
+    ("code", """group_adv = group_advantages(group.reward, G)  # (G,)
 print(f"{'#':<2} {'right':<5} {'reward':>7} {'advantage':>9}")
 for i in range(G):
     print(f"{i:<2} {str(bool(group.acc[i])):<5} {group.reward[i]:>+7.3f} {group_adv[i]:>+9.3f}")
-print(f"sum of the advantages: {group_adv.sum():+.2e}")"""),
+print(f"sum of the advantages: {group_adv.sum():+.2e}")
+colors = ["tab:green" if right else "tab:red" for right in group.acc.tolist()]
+fig, axes = plt.subplots(1, 2, figsize=(9, 2.8), sharex=True)
+axes[0].bar(range(G), group.reward.tolist(), color=colors)
+axes[0].set(title="reward (green: right, red: wrong)", xlabel="response")
+axes[1].bar(range(G), group_adv.tolist(), color=colors)
+axes[1].set(title="advantage (Eq. 9)", xlabel="response")
+for ax in axes:
+    ax.axhline(0, color="k", lw=0.5)
+plt.tight_layout()
+plt.show()"""),
     ("md", """## Eq. 11: dynamic sampling keeps the groups with signal
 
-`keep_groups` looks at correctness (not at the shaped reward): a group survives iff
-0 < #right < G. DAPO samples more groups until the batch is full of survivors."""),
-    ("code", """acc = rewards > 0
-kept = keep_groups(acc, G)
-for g, k in enumerate(kept.tolist()):
-    n_right = int(acc[g * G:(g + 1) * G].sum())
-    print(f"group {g}: {n_right}/{G} right -> {'kept' if k else 'dropped (no signal)'}")"""),
-    ("md", """On one real generation batch (`--gen-prompts` 48 prompts, G responses each): how
-many of each group's responses are right, and which groups survive. The dropped ones are all
-wrong (too hard for the model now) or all right (already learned)."""),
-    ("code", """G = cfg.group_size
-gen_batch = sample(toy_rows(cfg.gen_prompts, seed=1), group_size=G)
+A made-up batch of small groups, reward +1 (right) or -1 (wrong). A group all right or all wrong
+has advantage 0 everywhere: it teaches nothing. `keep_groups` looks at correctness (not at the
+shaped reward): a group survives iff some but not all of its responses are right, and DAPO
+samples more groups until the batch is full of survivors."""),
+    ("code", """G_TOY = 4  # the made-up groups' size (the demo's G is cfg.group_size)
+rewards = torch.tensor([1., -1, -1, -1,   1, 1, -1, -1,   1, 1, 1, 1,   -1, -1, -1, -1])
+acc = rewards > 0
+toy_adv = group_advantages(rewards, G_TOY).view(-1, G_TOY)  # (groups, G_TOY)
+toy_kept = keep_groups(acc, G_TOY)  # (groups,) bool
+verdicts = []
+for g, k in enumerate(toy_kept.tolist()):
+    n_right = int(acc.view(-1, G_TOY)[g].sum())
+    verdicts.append("kept" if k else "dropped")
+    print(f"group {g}: {n_right}/{G_TOY} right -> {'kept' if k else 'dropped (no signal)'}, "
+          f"advantages {[round(a, 2) for a in toy_adv[g].tolist()]}")
+fig, ax = plt.subplots(figsize=(5, 2.8))
+ax.imshow(toy_adv, cmap="RdYlGn", vmin=-1.5, vmax=1.5)
+for g in range(len(toy_kept)):
+    for i in range(G_TOY):
+        ax.text(i, g, f"{rewards[g * G_TOY + i]:+.0f}", ha="center", va="center")
+ax.set_yticks(range(len(toy_kept)), [f"group {g}: {v}" for g, v in enumerate(verdicts)])
+ax.set(xticks=range(G_TOY), xlabel="response (its reward written in; colour: advantage)")
+plt.tight_layout()
+plt.show()"""),
+    ("md", """On one real generation batch (`--gen-prompts` prompts, G responses each): how many of
+each group's responses are right, and which groups survive. The dropped ones are all wrong (too
+hard for the model now) or all right (already learned)."""),
+    ("code", """gen_batch = sample(toy_rows(cfg.gen_prompts, seed=1), group_size=G)
 gen_batch = replace(gen_batch, reward=shape_rewards(gen_batch.response_lengths,
                                                     gen_batch.score, cfg))
 kept = keep_groups(gen_batch.acc, G)  # (groups,) bool
@@ -121,31 +156,36 @@ n_right = gen_batch.acc.view(-1, G).sum(1)  # (groups,)
 plt.figure(figsize=(6, 3))
 plt.hist([n_right[kept].tolist(), n_right[~kept].tolist()], bins=range(G + 2), align="left",
          stacked=True, label=["kept", "dropped"])
-plt.xlabel(f"right responses in the group (of G = {G})"); plt.ylabel("groups")
-plt.legend(); plt.tight_layout(); plt.show()
-print(f"{int(kept.sum())} of {len(kept)} groups kept; dropped: {int((n_right == 0).sum())} "
-      f"all wrong, {int((n_right == G).sum())} all right")"""),
+plt.xlabel(f"right responses in the group (of G = {G})")
+plt.ylabel("groups")
+plt.legend()
+plt.tight_layout()
+plt.show()
+print(f"{cfg.gen_prompts} prompts (--gen-prompts): {int(kept.sum())} groups kept; dropped: "
+      f"{int((n_right == 0).sum())} all wrong, {int((n_right == G).sum())} all right")"""),
     ("md", """## Eq. 10: clip-higher
 
-One token, ratio r = pi_theta / pi_old. The loss is `policy_loss` with eps_low 0.2 and
-eps_high 0.28 (DAPO) against the symmetric 0.2 (PPO/GRPO); its gradient with respect to the
-log-prob comes from autograd. Where the gradient is zero (shaded) the token no longer moves:
-with A > 0 a rare token may rise up to 1.28 times its old probability instead of 1.2."""),
+One token, ratio r = pi_theta / pi_old. The loss is `policy_loss` with the demo's eps_low and
+eps_high (DAPO decouples the two bounds and raises the upper one) against PPO's and GRPO's
+symmetric clip (eps_high = eps_low); its gradient with respect to the log-prob comes from
+autograd. Where the gradient is zero (shaded) the token no longer moves."""),
     ("code", """def surrogate(ratio, a, eps_high):
     \"\"\"Each token's objective -l (one per ratio), its gradient w.r.t. its log-prob.\"\"\"
     logp = torch.log(ratio).clone().requires_grad_(True)  # (K,)
     k = len(ratio)
-    args = (torch.zeros(k, 1), torch.full((k,), a), torch.ones(k, 1), 0.2, eps_high)
+    args = (torch.zeros(k, 1), torch.full((k,), a), torch.ones(k, 1), cfg.eps_low, eps_high)
     policy_loss(logp[:, None], *args, denom=1.0).loss.backward()  # a sum: each token's gradient
     objective = [-policy_loss(logp[i:i + 1, None].detach(), args[0][:1], args[1][:1],
-                              args[2][:1], 0.2, eps_high, denom=1.0).loss.item()
+                              args[2][:1], cfg.eps_low, eps_high, denom=1.0).loss.item()
                  for i in range(k)]
     return objective, logp.grad
 
+
+print(f"eps_low {cfg.eps_low} (--eps-low), eps_high {cfg.eps_high} (--eps-high)")
 ratio = torch.linspace(0.5, 1.6, 221)
 fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
 for ax, a in zip(axes, (1.0, -1.0)):
-    for eps_high, style in ((0.2, "--"), (0.28, "-")):
+    for eps_high, style in ((cfg.eps_low, "--"), (cfg.eps_high, "-")):
         objective, grad = surrogate(ratio, a, eps_high)
         line, = ax.plot(ratio, objective, style, label=f"eps_high {eps_high}")
         ax.fill_between(ratio, 0, 1, where=(grad == 0).tolist(), alpha=0.08,
@@ -153,44 +193,69 @@ for ax, a in zip(axes, (1.0, -1.0)):
     ax.set(title=f"A = {a:+} (shaded: zero gradient)", xlabel="ratio r",
            ylabel="objective -l = min(A r, A clip(r))")
     ax.legend()
-plt.tight_layout(); plt.show()
+plt.tight_layout()
+plt.show()
 for a in (1.0, -1.0):
-    for eps_high in (0.2, 0.28):
+    for eps_high in (cfg.eps_low, cfg.eps_high):
         _, grad = surrogate(ratio, a, eps_high)
         moving = ratio[grad != 0]
         print(f"A = {a:+}, eps_high {eps_high}: gradient nonzero for r in "
               f"[{moving.min():.3f}, {moving.max():.3f}]")"""),
     ("md", """## Eq. 12: the token-level loss
 
-A short response (4 tokens) and a long one (16), both with advantage 1. Each token's weight is
-the gradient of the loss with respect to its log-prob at r = 1. Eq. 12 divides by the
-mini-batch's token count (every token weighs the same); GRPO's per-sample mean divides each
-response by its own length, so each long-response token weighs 4 times less."""),
+A short response and a long one, both with advantage 1. Each token's weight is the gradient of
+the loss with respect to its log-prob at r = 1. Eq. 12 divides by the mini-batch's token count;
+GRPO's per-sample mean divides each response by its own length first."""),
     ("code", """lengths = [4, 16]
-mask = torch.zeros(2, 16)
+mask = torch.zeros(2, max(lengths))
 for i, n in enumerate(lengths):
     mask[i, :n] = 1
+
+
 def token_weights(denom):
-    logp = torch.zeros(2, 16, requires_grad=True)
-    policy_loss(logp, torch.zeros(2, 16), torch.ones(2), mask, 0.2, 0.28, denom).loss.backward()
-    return -logp.grad  # (2, 16)
-dapo_w = token_weights(mask.sum())                                      # Eq. 12
-grpo_w = token_weights(mask.sum(1, keepdim=True) * len(lengths))        # per-sample mean
+    logp = torch.zeros(mask.shape, requires_grad=True)
+    policy_loss(logp, torch.zeros(mask.shape), torch.ones(2), mask, cfg.eps_low, cfg.eps_high,
+                denom).loss.backward()
+    return -logp.grad  # (2, max(lengths))
+
+
+dapo_w = token_weights(mask.sum())                                  # Eq. 12
+grpo_w = token_weights(mask.sum(1, keepdim=True) * len(lengths))    # per-sample mean
 print("response  tokens  weight/token Eq.12  GRPO    total Eq.12  GRPO")
 for i, n in enumerate(lengths):
     print(f"{['short', 'long'][i]:<9} {n:>6}  {dapo_w[i, 0]:>17.4f} {grpo_w[i, 0]:>6.4f}"
-          f"  {dapo_w[i].sum():>11.3f} {grpo_w[i].sum():>5.3f}")"""),
+          f"  {dapo_w[i].sum():>11.3f} {grpo_w[i].sum():>5.3f}")
+colors = ["tab:blue"] * lengths[0] + ["tab:orange"] * lengths[1]
+fig, axes = plt.subplots(1, 2, figsize=(10, 3), sharey=True)
+for ax, (title, w) in zip(axes, (("Eq. 12: over the batch's tokens", dapo_w),
+                                  ("GRPO: a mean per response", grpo_w))):
+    ax.bar(range(sum(lengths)), torch.cat([w[i, :n] for i, n in enumerate(lengths)]),
+           color=colors)
+    ax.set(title=title, xlabel="token (blue: the short response, orange: the long one)")
+    ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+axes[0].set_ylabel("weight of the token")
+plt.tight_layout()
+plt.show()"""),
     ("md", """## Eq. 13: the soft overlong punishment
 
-No penalty up to L_max - L_cache, then a linear ramp down to -1 at L_max, and -1 beyond
-(the demo's settings: L_max 96, L_cache 16)."""),
-    ("code", """max_len, buffer_len = 96, 16
-lengths = list(range(40, 111))
-plt.figure(figsize=(5, 3))
-plt.plot(lengths, [overlong_penalty(n, max_len, buffer_len) for n in lengths])
-plt.axvline(max_len - buffer_len, ls=":"); plt.axvline(max_len, ls=":")
-plt.xlabel("response length (tokens)"); plt.ylabel("penalty added to the reward")
-plt.tight_layout(); plt.show()"""),
+No penalty up to L_max - L_cache tokens, then a linear ramp down to -1 at L_max, and -1 beyond.
+The demo's L_max is `--max-response-len` and its L_cache `--overlong-buffer` (`--help` gives the
+paper's); the bars are the lengths of the generation batch above."""),
+    ("code", """max_len, buffer_len = cfg.max_response_len, cfg.overlong_buffer
+print(f"L_max = {max_len} (--max-response-len), L_cache = {buffer_len} (--overlong-buffer): "
+      f"no penalty up to {max_len - buffer_len} tokens, -1 beyond {max_len}")
+x = list(range(max_len + buffer_len // 2 + 1))
+fig, ax = plt.subplots(figsize=(6, 3))
+ax.hist(gen_batch.response_lengths.tolist(), bins=range(max_len + 2), color="tab:gray",
+        alpha=0.4)
+ax.set(xlabel="response length (tokens)", ylabel="responses of the generation batch")
+penalty = ax.twinx()
+penalty.plot(x, [overlong_penalty(n, max_len, buffer_len) for n in x], color="tab:red")
+penalty.set_ylabel("penalty added to the reward", color="tab:red")
+for at in (max_len - buffer_len, max_len):
+    ax.axvline(at, ls=":", color="k")
+plt.tight_layout()
+plt.show()"""),
     ("md", """## One policy update, and what it logged
 
 Algorithm 1, lines 9-11, on the groups kept above: the group advantages (Eq. 9), then
@@ -202,24 +267,37 @@ train_batch = gen_batch.groups(kept.nonzero().flatten()[:n_take].tolist())
 train_batch = replace(train_batch, adv=group_advantages(train_batch.reward, G))
 opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
 logged = update_policy(model, opt, train_batch, cfg, cfg.eps_high)
-print(f"trained on {n_take} groups ({len(train_batch)} responses)")
+print(f"trained on {n_take} groups ({len(train_batch)} responses), "
+      f"{cfg.mini_batch_prompts} per optimizer step (--mini-batch-prompts), lr {cfg.lr}")
 for key, value in logged.items():
     print(f"{key:<24} {value:.4g}")"""),
     ("md", """## A short run and its curves
 
-`dapo.main` on the demo for 10 steps (the full demo, `python dapo.py`, runs 40), then
-`experiments/plot.py`'s figure of its metrics.jsonl. With this few steps the curves are
-noisy: the README's demo shows the trend."""),
-    ("code", """import dapo
+`dapo.main` on the demo for a few steps (`make run` runs the whole demo), then
+`experiments/plot.py`'s figure of its metrics.jsonl. With this few steps the curves are noisy:
+the README's demo shows the trend. The learning rate warms up from 0 at the first step, as
+verl's schedule does: that step changes no weight."""),
+    ("code", """import contextlib
+import io
+import json
+
 from IPython.display import Image
+
+import dapo
 from experiments.plot import plot
-import contextlib, io
-run = parse_args(["--out-dir", "runs/notebook", "--overwrite", "--steps", "10",
+
+steps = 10
+run = parse_args(["--out-dir", "runs/notebook", "--overwrite", "--steps", str(steps),
                   "--eval-every", "5", "--eval-prompts", "64", "--warmup-steps", "1"])
 with contextlib.redirect_stderr(io.StringIO()):  # the progress bar: a stderr line per step here
     dapo.main(run)
-Image(plot([os.path.join(run.out_dir, "metrics.jsonl")],
-           os.path.join(run.out_dir, "metrics.png")))"""),
+metrics = os.path.join(run.out_dir, "metrics.jsonl")
+with open(metrics) as f:
+    rows = [json.loads(line) for line in f]
+lrs = [row["actor/lr"] for row in rows if "actor/lr" in row]
+print(f"{steps} of the demo's {Config().steps} steps; the lr at each step (--lr {run.lr}, "
+      f"--warmup-steps {run.warmup_steps}): {', '.join(f'{lr:.1e}' for lr in lrs)}")
+Image(plot([metrics], os.path.join(run.out_dir, "metrics.png")))"""),
 ]
 
 

@@ -2,11 +2,13 @@
 dynamic sampling (dapo.collect_batch) over scripted generations; writes which groups each rank
 trains in each mini-batch.
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/collect_worker.py OUT
+    python -m torch.distributed.run --standalone --nproc_per_node=2 \
+        tests/collect_worker.py OUT [rows]
 """
 import json
 import os
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -28,19 +30,21 @@ def position(k):
 
 
 def collect(cfg=CFG):
-    """-> (this rank's groups as prompt numbers, per mini-batch; the step's metrics), with
-    dapo.rollout replaced by scripted_rollout."""
+    """-> (the prompt number of each response this rank trains, per mini-batch; the step's
+    metrics), with dapo.rollout replaced by scripted_rollout."""
     prompt_iter = PromptIterator(ROWS, cfg.gen_prompts, seed=0)
     batch, metrics, _ = dapo.collect_batch(torch.nn.Linear(1, 1), prompt_iter, None, cfg, None)
-    groups = (batch.prompt_ids[::cfg.group_size, -1] - 3).tolist()
-    share = cfg.mini_batch_prompts // distributed.world_size()
-    return [groups[i:i + share] for i in range(0, len(groups), share)], metrics
+    responses = (batch.prompt_ids[:, -1] - 3).tolist()
+    share = cfg.mini_batch_prompts * cfg.group_size // distributed.world_size()
+    return [responses[i:i + share] for i in range(0, len(responses), share)], metrics
 
 
 if __name__ == "__main__":
     distributed.init("cpu")
     dapo.rollout = scripted_rollout
-    mini_batches, metrics = collect()
+    # "rows": one prompt per mini-batch, so each rank trains one of each group's 2 responses
+    mini_batches, metrics = collect(replace(CFG, mini_batch_prompts=1) if sys.argv[2:] == ["rows"]
+                                    else CFG)
     with open(os.path.join(sys.argv[1], f"rank{distributed.rank()}.json"), "w") as f:
         json.dump({"mini_batches": mini_batches, "metrics": metrics}, f)
     distributed.shutdown()

@@ -7,6 +7,8 @@ mode is one way a rank can go wrong.
     resume  both resume from OUT_DIR's latest checkpoint, which lacks rank 1's trainer state
             (rank 1 would raise in loading it while rank 0 waits in the next collective)
     nan   rank 1's shard of one FSDP2-sharded parameter gets a NaN; both ranks run check_finite
+    dead  under launch.run, as dapo.py runs: rank 1 dies (os._exit) while rank 0 waits in a named
+          all-reduce; rank 0's error must be the last thing it prints
 """
 import os
 import signal
@@ -23,6 +25,11 @@ POISONED = "model.layers.1.mlp.down_proj.weight"
 
 
 def main(mode, timeout_s, out_dir=None):
+    if mode == "dead":
+        import launch
+        from config import Config
+        launch.run(die_on_rank_1, Config(device="cpu", dist_timeout=float(timeout_s)))
+        return
     rank, _, _ = distributed.init("cpu", timeout_s=float(timeout_s))
     torch.set_num_threads(1)
     if mode == "stop":
@@ -52,6 +59,13 @@ def main(mode, timeout_s, out_dir=None):
         except FloatingPointError as e:
             print(f"rank {rank} raised: {e}", flush=True)
         distributed.shutdown()
+
+
+def die_on_rank_1(cfg):
+    torch.set_num_threads(1)
+    if distributed.rank() == 1:
+        os._exit(3)  # as a rank killed by the OOM killer: no clean-up, no goodbye
+    distributed.all_reduce(1, name="dynamic-sampling count")
 
 
 if __name__ == "__main__":

@@ -38,10 +38,16 @@ def load_model(model_dir) -> Qwen2:
     return Qwen2.from_pretrained(model_dir, dtype=torch.float64)
 
 
-def my_share(batch, rank, world):
+def my_share(batch, rank, world, cfg=CFG):
     """Whole groups, every world-th one: rank r's i-th group is the global group i * world + r,
-    so each local mini-batch holds this rank's part of the same global mini-batch."""
-    return batch.groups(torch.arange(rank, batch.num_groups, world))
+    so each local mini-batch holds this rank's part of the same global mini-batch. With fewer
+    prompts in a mini-batch than ranks, the responses of each group are split between the ranks
+    (rank r takes the r-th part of every group), as dapo.collect_batch does for 128 ranks."""
+    if cfg.mini_batch_prompts % world == 0:
+        return batch.groups(torch.arange(rank, batch.num_groups, world))
+    part = GROUP // world
+    return batch.rows(torch.tensor([g * GROUP + rank * part + i for g in range(batch.num_groups)
+                                    for i in range(part)]))
 
 
 def make_optimizer(name, params):
@@ -54,7 +60,11 @@ CORRECTED = dict(rollout_correction="token_mask", rollout_is_min=0.5)
 
 
 def run_config(name):
-    """"...-tokens": micro-batches by token budget, which gives the ranks different numbers."""
+    """"...-tokens": micro-batches by token budget, which gives the ranks different numbers, and
+    the loss weighed by the rollout correction; "...-rows": one prompt per optimizer step, whose
+    responses the 2 ranks split."""
+    if name.endswith("-rows"):
+        return replace(CFG, mini_batch_prompts=1)
     return replace(CFG, micro_batch_tokens=20, **CORRECTED) if name.endswith("-tokens") else CFG
 
 
@@ -64,9 +74,10 @@ def main(model_dir, out_dir, opt_name):
     model = distributed.shard(load_model(model_dir), mixed_precision=False)
     tok = load_tokenizer(model_dir)
     opt = make_optimizer(opt_name, model.parameters())
-    mine, cfg = my_share(make_batch(tok.vocab_size), rank, world), run_config(opt_name)
+    cfg = run_config(opt_name)
+    mine = my_share(make_batch(tok.vocab_size), rank, world, cfg)
     real = [len(part.micro_batches(cfg.micro_batch_size, cfg.micro_batch_tokens))
-            for part in mine.split(cfg.mini_batch_prompts // world * GROUP)]
+            for part in mine.split(cfg.mini_batch_prompts * GROUP // world)]
     with open(os.path.join(out_dir, f"micro_batches_rank{rank}.json"), "w") as f:
         json.dump(real, f)  # before the stand-ins: how many each rank needed
     metrics = update_policy(model, opt, mine, cfg, 0.28)

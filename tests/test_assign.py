@@ -2,14 +2,17 @@
 the reference and on a fresh handout (whose own suite runs, minus its slowest tests); the grader's
 scores are in test_grader.py."""
 import ast
+import json
 import os
 import re
+import shutil
 import subprocess
 
 import pytest
 
 import assign
 from assign import BY_ID, EXERCISES, INSTRUCTOR_ONLY, INTEGRATION_POINTS, NOT_DONE
+from config import Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The handout's own suite runs without these (marked like the others): the multi-process tests
@@ -115,19 +118,165 @@ def handout(tmp_path_factory):
 
 
 def test_the_handout_is_the_reference_with_each_exercise_blanked(handout):
-    files = [f for f in assign.source_files(ROOT) if f not in INSTRUCTOR_ONLY]
+    files = assign.source_files(ROOT)
+    assert INSTRUCTOR_ONLY <= set(files)  # each name is a file that exists
+    files = [f for f in files if f not in assign.instructor_files(ROOT, files)]
     written = sorted(os.path.relpath(os.path.join(d, f), handout)
                      for d, _, names in os.walk(handout) for f in names)
     assert written == sorted(files + ["EXERCISES.md"])
     regions = assign.marked_regions(ROOT, files)
     for path in files:
         expected = assign.blank(read(ROOT, path), regions[path]) if path in regions else \
+            assign.student_readme(read(ROOT, path), ROOT, regions) if path == "README.md" else \
             read(ROOT, path) if path.endswith((".py", ".md")) else None
         if expected is not None:
             assert read(handout, path) == expected, path
     exercises = read(handout, "EXERCISES.md")
     for e in EXERCISES:
-        assert f"`{e.id}`" in exercises and " \\\n    ".join(e.tests) in exercises
+        assert f"`{e.id}`" in exercises and f"`make check EX={e.id}`" in exercises
+        assert all(f"`{t.split('::')[1]}`" in exercises for t in e.tests)
+
+
+def restore(root, exercise):
+    """Put the reference's body of one exercise back into the copy at root."""
+    path = BY_ID[exercise].file
+    lines, ref = read(root, path).splitlines(True), read(ROOT, path).splitlines(True)
+    regions = [r for r in assign.find_regions("".join(lines), path) if r.id == exercise]
+    ref_regions = [r for r in assign.find_regions("".join(ref), path) if r.id == exercise]
+    for r, s in reversed(list(zip(regions, ref_regions))):
+        lines[r.start + 1:r.end] = ref[s.start + 1:s.end]
+    with open(os.path.join(root, path), "w", encoding="utf-8") as f:
+        f.write("".join(lines))
+
+
+def test_the_handout_readme_says_it_is_a_student_copy_and_how_to_check_an_exercise(handout):
+    readme = read(handout, "README.md")
+    title, top = readme.split("\n")[0], readme.split("\n## ")[0]
+    assert title == read(ROOT, "README.md").split("\n")[0]
+    assert "This is a student copy" in top and "[EXERCISES.md](EXERCISES.md)" in top
+    assert all(f"| `{e.id}` | `{e.file}` |" in top for e in EXERCISES)
+    assert f"make check EX={assign.EXAMPLE}" in top
+    # the hand-run command selects the example's tests, and only them (pytest -k: a substring)
+    example = BY_ID[assign.EXAMPLE]
+    command = next(line for line in top.splitlines() if " -m pytest " in line)
+    path = re.search(r"(tests/\S+\.py) -k (\w+)  #", command).groups()
+    names = {n.name for n in ast.walk(ast.parse(read(ROOT, path[0])))
+             if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
+    assert {n for n in names if path[1] in n} == {t.split("::")[1] for t in example.tests}
+    assert "docs/instructors.md" not in readme and "## Teaching with it" not in readme
+
+
+def test_make_check_installs_the_test_requirements_then_runs_one_exercise(handout):
+    dry = subprocess.run(["make", "-n", "check", "EX=rope", f"VENV={handout}/no-venv"],
+                         cwd=handout, capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    out = dry.stdout
+    assert out.index("requirements-test.txt") < out.index("course/assign.py check rope")
+
+
+def test_check_runs_an_exercises_tests_which_fail_until_it_is_written(handout, capfd):
+    assert assign.check(["keep_groups"], root=handout) != 0  # (the reference's pass: the grader)
+    out = capfd.readouterr().out
+    assert f"{NOT_DONE}: keep_groups" in out and f"{len(BY_ID['keep_groups'].tests)} failed" in out
+
+
+def test_make_run_in_the_handout_names_what_is_not_written_in_one_line(handout, tmp_path):
+    copy = tmp_path / "student"
+    shutil.copytree(handout, copy, ignore=shutil.ignore_patterns("runs", "__pycache__"))
+    (copy / ".venv").mkdir()
+    (copy / ".venv" / ".runtime").touch()  # as after a first make run: nothing to install
+    restore(str(copy), "keep_groups")
+    out = subprocess.run(["make", "run"], cwd=copy, capture_output=True, text=True, timeout=60)
+    left = [e.id for e in EXERCISES if e.id != "keep_groups"]
+    assert out.returncode != 0 and not out.stdout
+    (line,) = out.stderr.strip().splitlines()  # one line: no traceback
+    assert f"{len(left)} are not written yet: {', '.join(left)} " in line
+    assert assign.todo(str(copy)) == left and assign.todo(ROOT) == []  # the reference: runs
+
+
+def reference_lines(exercise) -> set[str]:
+    """The lines of an exercise's reference bodies that give it away: each line, and its code
+    without the trailing comment, of 25 characters or more (a shorter one is generic:
+    `return logits`, `mask = loss_mask.float()`)."""
+    lines = read(ROOT, exercise.file).splitlines()
+    regions = [r for r in assign.find_regions("\n".join(lines), exercise.file)
+               if r.id == exercise.id]
+    out = set()
+    for r in regions:
+        for line in lines[r.start + 1:r.end]:
+            out |= {line.strip(), line.split("  #")[0].strip()}
+    return {line for line in out if len(line) >= 25}
+
+
+def handout_texts(handout) -> dict[str, str]:
+    """{file: its text} for every text file of the handout; a notebook's text is its cells'
+    sources and outputs, decoded from the JSON."""
+    out = {}
+    for d, _, names in os.walk(handout):
+        for name in names:
+            path = os.path.relpath(os.path.join(d, name), handout)
+            try:
+                text = read(handout, path)
+            except UnicodeDecodeError:  # a picture
+                continue
+            if path.endswith(".ipynb"):
+                cells = json.loads(text)["cells"]
+                text += "\n".join("".join(c["source"]) + "\n" + "".join(
+                    "".join(o.get("text", "")) + json.dumps(o.get("data", {}))
+                    for o in c.get("outputs", [])) for c in cells)
+            out[path] = text
+    return out
+
+
+def test_the_handout_holds_no_reference_body(handout):
+    texts = handout_texts(handout)  # as grep -F: a reference line anywhere in a line is found
+    for e in EXERCISES:
+        wanted = reference_lines(e)
+        assert len(wanted) >= 1, e.id  # the check has something to look for
+        for line in wanted:
+            found = [path for path, text in texts.items() if line in text]
+            assert not found, f"{e.id}'s reference line {line!r} is in the handout's {found}"
+
+
+def answer_sketches() -> list[str]:
+    """The written part's answer sketches (docs/instructors.md), cut into clauses of 25
+    characters or more, whitespace collapsed."""
+    text = " ".join(read(ROOT, "docs/instructors.md").split("## The written part")[1].split())
+    return [c.strip() for c in re.split(r"[.;:,()*]\s|\s[(*]", text) if len(c.strip()) >= 25]
+
+
+def test_the_answer_sketches_state_the_demos_lengths():
+    cfg = Config()
+    sketch = " ".join(read(ROOT, "docs/instructors.md").split("## The written part")[1].split())
+    stated = re.search(r"`--max-response-len` (\d+), `--overlong-buffer` (\d+)\), lengths up to "
+                       r"L_max - L_cache = (\d+) cost nothing, (\d+)-(\d+) lose", sketch)
+    assert stated, "the overlong sketch no longer says which settings its lengths are"
+    short = cfg.max_response_len - cfg.overlong_buffer
+    assert [int(n) for n in stated.groups()] == \
+        [cfg.max_response_len, cfg.overlong_buffer, short, short, cfg.max_response_len]
+
+
+def test_the_handout_holds_no_answer_sketch_and_no_notebook_output(handout):
+    sketches = answer_sketches()
+    assert len(sketches) >= 10
+    for path in assign.source_files(handout):
+        try:
+            text = " ".join(read(handout, path).split())
+        except UnicodeDecodeError:
+            continue
+        assert not [c for c in sketches if c in text], path
+        if path.endswith(".ipynb"):  # its outputs answer the written part: students run it
+            cells = json.loads(read(handout, path))["cells"]
+            assert not any(c.get("outputs") or c.get("execution_count") for c in cells), path
+
+
+def test_a_test_file_with_a_private_test_stays_out_of_a_handout(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_private_loss.py").write_text(
+        'import pytest\n\n\n@pytest.mark.grades("policy_loss")\ndef test_x():\n    pass\n')
+    (tmp_path / "tests" / "test_public.py").write_text("def test_y():\n    pass\n")
+    files = ["tests/test_private_loss.py", "tests/test_public.py"]
+    assert assign.instructor_files(str(tmp_path), files) == {"tests/test_private_loss.py"}
 
 
 @pytest.fixture(scope="module")

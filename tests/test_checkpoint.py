@@ -4,14 +4,15 @@ will log again and keeps the algorithm."""
 import errno
 import json
 import os
+import re
 
 import pytest
 import torch
 
 from config import Config, check_flags
 from data import PromptIterator
-from infra import checkpoint, files, hf_io
-from model import Qwen2
+from infra import checkpoint, files, hf_io, metrics
+from model import Qwen2, preset
 
 
 def save(out_dir, step, model, tok_dir, keep_last=0):
@@ -283,3 +284,121 @@ def test_a_truncated_trainer_json_is_named(tmp_path, model, tiny_model_dir):
         f.write(text[:len(text) // 2])
     with pytest.raises(ValueError, match=rf"{meta}: not valid JSON"):
         checkpoint.saved_config(final)
+
+
+# --- what a resume trusts (issue 46) --------------------------------------------------------------
+
+@pytest.mark.parametrize("pointer", ["absolute", "../../other/checkpoints/step_000001", "foo", ""])
+def test_a_latest_naming_anything_but_a_step_of_this_run_is_refused_naming_the_file(
+        tmp_path, model, tiny_model_dir, pointer):
+    # another run beside this one: following a path in `latest` would resume its checkpoint
+    other = save(tmp_path / "other", 1, model, tiny_model_dir)
+    run = tmp_path / "run"
+    save(run, 2, model, tiny_model_dir)
+    text = other if pointer == "absolute" else pointer
+    (run / "checkpoints" / "latest").write_text(text)
+    with pytest.raises(ValueError, match=rf"--resume: {run}/checkpoints/latest holds "
+                                         rf"{re.escape(repr(text))}, not the name of a checkpoint "
+                                         r"of this run .*step_000002 is complete: to resume from "
+                                         r"it, write step_000002 into"):
+        checkpoint.prepare_out_dir(str(run), resume=True, overwrite=False)
+
+
+def saved_after_one_step(out_dir, model, tok_dir):
+    """A checkpoint whose optimizer holds state (AdamW's exp_avg, exp_avg_sq) for every
+    parameter."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():  # a gradient without a forward (the handout lacks rope)
+        p.grad = torch.ones_like(p)
+    opt.step()
+    return checkpoint.save(str(out_dir), 1, model, tok_dir, opt,
+                           PromptIterator([{"x": 1}], 1, 0), torch.Generator(), {})
+
+
+@pytest.mark.parametrize("change,error", [
+    (dict(intermediate_size=96), r"optimizer state 'exp_avg' of parameter "
+                                 r"'model\.layers\.0\.mlp\.gate_proj\.weight' has shape "
+                                 r"\(128, 64\), the parameter \(96, 64\)"),
+    (dict(num_hidden_layers=1), r"optimizer state of 26 parameters, the model has 14"),
+], ids=["a-shape", "a-count"])
+def test_optimizer_state_that_does_not_fit_the_model_is_named_at_load(
+        tmp_path, model, tiny_model_dir, change, error):
+    # as a checkpoint whose model/ was replaced by another model's: before, it loaded, ran a whole
+    # rollout and died in opt.step() with "The size of tensor a (384) must match ... (512)"
+    final = saved_after_one_step(tmp_path, model, tiny_model_dir)
+    other = Qwen2(preset("tiny", vocab_size=model.config.vocab_size, **change))
+    opt = torch.optim.AdamW(other.parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match=rf"step_000001/trainer_rank0\.pt: {error}"):
+        checkpoint.load_trainer_state(final, opt, PromptIterator([{"x": 1}], 1, 0),
+                                      torch.Generator(), other)
+    # the model it was saved with loads it
+    checkpoint.load_trainer_state(final, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                  PromptIterator([{"x": 1}], 1, 0), torch.Generator(), model)
+
+
+RAN = []
+
+
+def _payload():
+    RAN.append("the payload ran")
+
+
+class Planted:
+    def __reduce__(self):
+        return _payload, ()
+
+
+def test_an_optimizer_file_holding_code_is_named_and_not_run(tmp_path, model, tiny_model_dir):
+    final = save(tmp_path, 1, model, tiny_model_dir)
+    file = os.path.join(final, "trainer_rank0.pt")
+    torch.save({"optimizer": Planted()}, file)
+    with pytest.raises(ValueError, match=rf"{file}: holds objects other than tensors and "
+                                         r"numbers.*torch says: Weights only load failed") as e:
+        checkpoint.load_trainer_state(final, torch.optim.AdamW(model.parameters()),
+                                      PromptIterator([{"x": 1}], 1, 0), torch.Generator())
+    assert "weights_only=False" not in str(e.value) and RAN == []
+
+
+def test_a_resume_on_other_rows_of_the_same_size_is_refused(tmp_path, model, tiny_model_dir):
+    rows = [{"prompt": f"{k} + 1?", "answer": str(k + 1)} for k in range(4)]
+    opt = torch.optim.AdamW(model.parameters())
+    final = checkpoint.save(str(tmp_path), 1, model, tiny_model_dir, opt,
+                            PromptIterator(rows, 2, 0), torch.Generator(), {})
+    swapped = rows[:3] + [{"prompt": "3 + 1?", "answer": "5"}]  # one answer differs
+    with pytest.raises(ValueError, match=rf"--resume: {final}/trainer\.json: prompt iterator "
+                                         r"state is for rows_sha256=\w+, this run has "
+                                         r"rows_sha256=\w+ \(a resume needs the same data"):
+        checkpoint.load_trainer_state(final, opt, PromptIterator(swapped, 2, 0), torch.Generator())
+    checkpoint.load_trainer_state(final, opt, PromptIterator(rows, 2, 0), torch.Generator())
+
+
+def test_overwrite_empties_a_checkpoints_directory_that_is_a_link(tmp_path):
+    # checkpoints/ on another disk: rmtree refuses a link, and with ignore_errors deleted nothing
+    elsewhere = tmp_path / "big-disk" / "run-checkpoints"
+    (elsewhere / "step_000001").mkdir(parents=True)
+    (elsewhere / "latest").write_text("step_000001")
+    run = tmp_path / "run"
+    run.mkdir()
+    os.symlink(elsewhere, run / "checkpoints")
+    assert checkpoint.prepare_out_dir(str(run), resume=False, overwrite=True) is None
+    assert os.path.islink(run / "checkpoints") and os.listdir(elsewhere) == []
+
+
+# --- metrics.jsonl --------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
+def test_a_full_disk_while_logging_names_the_metrics_file():
+    # /dev/full fails every write with ENOSPC, as a full disk does
+    with pytest.raises(OSError, match=r"could not write /dev/full: the disk is full"):
+        metrics.RunLog("/dev/full", 0, 1).write({"step": 1, "rollout/acc": 0.5})
+
+
+def test_a_nan_metric_is_written_as_null(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    log = metrics.RunLog(str(path), 0, 1)
+    log.write({"step": 1, "actor/grad_norm": float("nan"), "x": float("-inf"), "acc": 0.5})
+
+    def strict(constant):  # what jq, JavaScript and other strict readers do with NaN
+        raise ValueError(f"not JSON: {constant}")
+    row = json.loads(path.read_text(), parse_constant=strict)
+    assert row == {"step": 1, "actor/grad_norm": None, "x": None, "acc": 0.5}

@@ -8,6 +8,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -17,6 +18,7 @@ from config import Config
 from data import load_rows
 from examples.countdown import make_problem, make_row, score
 from launch import install_custom_reward
+from test_dapo import torch_kernel_path  # noqa: F401 (an autouse fixture: the PyTorch kernel path)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COUNTDOWN = os.path.join(ROOT, "examples", "countdown.py")
@@ -74,14 +76,52 @@ def test_floats_and_dicts_are_scores_and_acc_follows_the_sign(tmp_path):
                                                                     "pred": ""}
 
 
-def test_an_exception_during_the_run_is_a_logged_wrong_answer(tmp_path, caplog):
+def test_an_exception_during_the_run_is_a_wrong_answer_the_step_reports_once(tmp_path, caplog):
     path = write(tmp_path / "mine.py", "def f(r, g):\n    return 1.0 if r == g else int(r)\n")
     reward.install_reward_fn(f"{path}:f", False, example_ground_truth="7")
     with caplog.at_level(logging.WARNING):
-        out = reward.score_response("custom", "seven", "7")
-    assert out["score"] == -1.0 and out["acc"] is False
-    assert re.search(r"--reward-fn .*:f raised ValueError.*ground truth '7', response 'seven'",
-                     caplog.text)
+        outs = [reward.score_response("custom", r, "7") for r in ("seven", "7", "eight")]
+    assert [(o["score"], o["acc"], o.get("reward_fn_error")) for o in outs] == [
+        (-1.0, False, True), (1.0, True, None), (-1.0, False, True)]
+    assert caplog.text == ""  # not a line per response: the step's warning says it once
+    assert re.fullmatch(r"ValueError: invalid literal .*'seven', on a row of data_source "
+                        r"'custom', ground truth '7', response 'seven'",
+                        reward.take_reward_fn_errors())
+    assert reward.take_reward_fn_errors() == ""  # read once, then forgotten
+
+
+@pytest.mark.parametrize("bad", ["float('nan')", "float('inf')", "{'score': float('nan')}"])
+def test_a_nan_or_inf_score_stops_the_run_naming_the_function_and_the_response(tmp_path, bad):
+    path = write(tmp_path / "mine.py", f"def f(r, g):\n    return 1.0 if r == g else {bad}\n")
+    reward.install_reward_fn(f"{path}:f", False, example_ground_truth="7")  # 1.0 on its check
+    value = "inf" if "inf" in bad else "nan"
+    with pytest.raises(ValueError, match=rf"--reward-fn .*mine\.py:f returned {value} for the "
+                                         r"response 'Answer: 8' \(ground truth '7'\): a score "
+                                         r"must be a finite number"):
+        reward.score_response("custom", "Answer: 8", "7")
+    always = write(tmp_path / "always.py", f"def f(r, g):\n    return {bad}\n")
+    with pytest.raises(ValueError, match=rf"the check call f\('7', '7'\) failed: ValueError: "
+                                         rf"--reward-fn .*:f returned {value}"):
+        reward.install_reward_fn(f"{always}:f", False, example_ground_truth="7")
+
+
+def test_a_slow_call_is_said_and_one_past_the_timeout_is_a_wrong_answer(tmp_path, caplog,
+                                                                         monkeypatch):
+    monkeypatch.setattr(reward, "SLOW_SCORE_S", 0.1)
+    path = write(tmp_path / "mine.py", "import time\ndef f(r, g):\n"
+                                       "    time.sleep(0.3 if r == 'slow' else 60)\n"
+                                       "    return 1.0\n")
+    reward.install_reward_fn(f"{path}:f", False, timeout_s=1.0)
+    with caplog.at_level(logging.WARNING):
+        assert reward.score_response("custom", "slow", "7")["score"] == 1.0  # slow, in time
+        start = time.monotonic()
+        out = reward.score_response("custom", "hangs", "7")
+    assert time.monotonic() - start < 5  # stopped at the timeout, not after 60 s
+    assert out == {"score": -1.0, "acc": False, "pred": "", "reward_fn_error": True}
+    assert reward.take_reward_fn_errors().startswith(
+        "TimeoutError: still running after --reward-timeout 1 s, on a row")
+    assert caplog.text.count("has been scoring one response for 0.1 s") == 1  # said once
+    assert "--reward-timeout 1 s scores a longer call as a wrong answer" in caplog.text
 
 
 def test_plain_jsonl_rows_become_chat_rows_scored_by_the_reward_fn(tmp_path):
@@ -157,27 +197,55 @@ def test_generated_countdown_rows_are_solved_by_their_own_equation():
         assert score(f"Answer: {equation}", truth)["acc"]
 
 
-@pytest.mark.needs("all")
-def test_a_few_dapo_steps_on_countdown_with_a_raising_reward_fn(tiny_model_dir, tmp_path, caplog):
+def countdown_run(tiny_model_dir, tmp_path, reward_fn: str) -> Config:
+    """Two tiny steps on 40 Countdown rows, scored by reward_fn."""
     subprocess.run([sys.executable, COUNTDOWN, "--rows", "40", "--out", str(tmp_path / "cd.jsonl")],
                    check=True, capture_output=True)
-    # countdown's verifier, except that one response in every group raises
-    flaky = write(tmp_path / "flaky.py", f"import sys\nsys.path.insert(0, {ROOT!r})\n"
-                  "from examples.countdown import score\nCALLS = [0]\n"
-                  "def flaky(response, truth):\n    CALLS[0] += 1\n"
-                  "    if CALLS[0] % 4 == 0:\n        raise RuntimeError('planted')\n"
-                  "    return score(response, truth)\n")
-    cfg = Config(model=tiny_model_dir, out_dir=str(tmp_path / "run"), steps=2, train_prompts=4,
-                 gen_prompts=4, group_size=4, max_response_len=12, overlong_buffer=4,
-                 mini_batch_prompts=2, micro_batch_size=8, eval_every=0, eval_prompts=4,
-                 eval_samples=2, max_prompt_len=160, dynamic_sampling=False,
-                 train_data=str(tmp_path / "cd.jsonl"), val_data=str(tmp_path / "cd.jsonl"),
-                 reward_fn=f"{flaky}:flaky")
-    with caplog.at_level(logging.WARNING):
-        dapo.main(cfg)
-    lines = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    assert [m["step"] for m in lines if "rollout/acc" in m] == [1, 2]
-    assert "raised RuntimeError: planted" in caplog.text
+    return Config(model=tiny_model_dir, out_dir=str(tmp_path / "run"), steps=2, train_prompts=4,
+                  gen_prompts=4, group_size=4, max_response_len=12, overlong_buffer=4,
+                  mini_batch_prompts=2, micro_batch_size=8, eval_every=0, eval_prompts=4,
+                  eval_samples=2, max_prompt_len=160, dynamic_sampling=False,
+                  train_data=str(tmp_path / "cd.jsonl"), val_data=str(tmp_path / "cd.jsonl"),
+                  reward_fn=reward_fn)
+
+
+def every_fourth_call(tmp_path, body: str) -> str:
+    """countdown's verifier, except that every fourth call (one response a group) does body."""
+    return write(tmp_path / "flaky.py", f"import sys\nsys.path.insert(0, {ROOT!r})\n"
+                 "from examples.countdown import score\nCALLS = [0]\n"
+                 "def flaky(response, truth):\n    CALLS[0] += 1\n"
+                 f"    if CALLS[0] % 4 == 0:\n        {body}\n"
+                 "    return score(response, truth)\n") + ":flaky"
+
+
+@pytest.mark.needs("all")
+def test_a_few_dapo_steps_on_countdown_with_a_raising_reward_fn(tiny_model_dir, tmp_path,
+                                                                capsys):
+    flaky = every_fourth_call(tmp_path, "raise RuntimeError('planted')")
+    dapo.main(countdown_run(tiny_model_dir, tmp_path, flaky))
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [m["step"] for m in rows if "rollout/acc" in m] == [1, 2]
+    # the check call is call 1: each step's 16 responses are calls 2-17 and 18-33, 4 raise
+    assert [m["rollout/reward_fn_error"] for m in rows] == [0.25, 0.25]
+    out = capsys.readouterr().out
+    said = [line for line in out.splitlines() if "raised" in line]
+    assert len(said) == 2, said  # one line a step, not one a response
+    for step, line in enumerate(said, 1):
+        assert line.startswith(f"warning: step {step}: --reward-fn {flaky} raised on 25% of the "
+                               "responses (4 of 16), each scored as a wrong answer (-1); the "
+                               "first: RuntimeError: planted, on a row of data_source "
+                               "'custom'"), line
+
+
+@pytest.mark.needs("all")
+def test_a_run_whose_reward_fn_returns_nan_now_and_then_stops_at_the_first(tiny_model_dir,
+                                                                           tmp_path):
+    # before: every update was skipped (a NaN advantage), train/updates 0, and the run exited 0
+    flaky = every_fourth_call(tmp_path, "return float('nan')")
+    with pytest.raises(ValueError, match=rf"--reward-fn {re.escape(flaky)} returned nan for the "
+                                         r"response '.*' \(ground truth '\{.*\}'\): a score"):
+        dapo.main(countdown_run(tiny_model_dir, tmp_path, flaky))
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def readme_section():

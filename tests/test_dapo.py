@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import dapo
 import launch
@@ -160,6 +161,10 @@ def flat_params(model) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
+def flat_grads(model) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
 # --- the token count before the split (Eq. 12), with a stand-in policy and loss ---
 # update_policy alone: model.py, the kernels and policy_loss() are exercises of their own
 
@@ -190,11 +195,16 @@ def unclipped_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom, dua
 
 @pytest.fixture
 def stand_ins(monkeypatch):
-    """-> the denominators that update_policy hands the loss, one per micro-batch."""
+    """-> the denominators that update_policy hands the loss, one per micro-batch (the loss is
+    computed once: its logged actor/pg_loss and clip fractions are read from the result)."""
     denoms = []
+
+    def loss(*args):
+        denoms.append(args[6])
+        return unclipped_loss(*args)
+
     monkeypatch.setattr(dapo, "response_logprobs", table_logprobs)
-    monkeypatch.setattr(dapo, "policy_loss",
-                        lambda *args: (denoms.append(args[6]), unclipped_loss(*args))[1])
+    monkeypatch.setattr(dapo, "policy_loss", loss)
     return denoms
 
 
@@ -367,7 +377,7 @@ def test_dynamic_sampling_cap_trains_whole_mini_batches_and_says_so(tiny_model_d
     assert f"with {kept} of 4 groups with signal; training on" in "".join(capsys.readouterr())
 
 
-@pytest.mark.needs("keep_groups", "overlong_penalty")
+@pytest.mark.needs("keep_groups", "overlong_penalty", "group_advantages")
 def test_dynamic_sampling_cap_stops_with_an_error_when_asked(monkeypatch):
     monkeypatch.setattr(dapo, "rollout", scripted_rollout)
     cfg = Config(train_prompts=4, gen_prompts=4, group_size=2, mini_batch_prompts=2,
@@ -377,7 +387,7 @@ def test_dynamic_sampling_cap_stops_with_an_error_when_asked(monkeypatch):
         dapo.collect_batch(torch.nn.Linear(1, 1), iterator, None, cfg, None)
 
 
-@pytest.mark.needs("keep_groups", "overlong_penalty")
+@pytest.mark.needs("keep_groups", "overlong_penalty", "group_advantages")
 def test_filtered_counts_groups_without_signal_not_the_surplus(monkeypatch):
     # 3 groups with signal and 1 all-correct, for a batch of 2: 1 filtered, 1 surplus
     monkeypatch.setattr(dapo, "rollout", scripted_rollout)
@@ -389,18 +399,24 @@ def test_filtered_counts_groups_without_signal_not_the_surplus(monkeypatch):
     assert m["train/groups_kept"] == batch.num_groups == 2
 
 
-@pytest.mark.needs("keep_groups", "overlong_penalty")
-def test_two_ranks_keep_the_groups_one_process_keeps(tmp_path, monkeypatch):
-    """From the same (scripted) generations, 2 ranks train each mini-batch on the same groups as
-    one process, although the ranks found groups with signal at different rates."""
+@pytest.mark.needs("keep_groups", "overlong_penalty", "group_advantages")
+@pytest.mark.parametrize("split", ["groups", "rows"])
+def test_two_ranks_keep_the_groups_one_process_keeps(tmp_path, monkeypatch, split):
+    """From the same (scripted) generations, 2 ranks train each mini-batch on the same responses
+    as one process, although the ranks found groups with signal at different rates: whole groups
+    with 2 prompts per mini-batch, and with 1 (fewer than the ranks, as the paper's 32 prompts on
+    128 GPUs) each rank one of the group's 2 responses."""
     import collect_worker
     monkeypatch.setattr(dapo, "rollout", scripted_rollout)
-    one, one_metrics = collect_worker.collect()
-    torchrun_collect(tmp_path)
+    cfg = replace(collect_worker.CFG, mini_batch_prompts=1) if split == "rows" else \
+        collect_worker.CFG
+    one, one_metrics = collect_worker.collect(cfg)
+    torchrun_collect(tmp_path, *(["rows"] if split == "rows" else []))
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
     two = [sorted(a + b) for a, b in zip(ranks[0]["mini_batches"], ranks[1]["mini_batches"])]
     assert two == [sorted(m) for m in one]
-    assert all(len(a) == 2 for r in ranks for a in r["mini_batches"])  # an even split
+    share = 1 if split == "rows" else 4  # an even split: responses per rank and mini-batch
+    assert all(len(a) == share for r in ranks for a in r["mini_batches"])
     assert ranks[0]["metrics"]["train/num_gen_batches"] == one_metrics["train/num_gen_batches"]
     # the case is not trivial: rank 0 took prompts 0, 2, 4 of each generation batch, rank 1 the
     # others, and one of them held more than its half of the groups with signal
@@ -408,10 +424,10 @@ def test_two_ranks_keep_the_groups_one_process_keeps(tmp_path, monkeypatch):
     assert len(owned[0]) != len(owned[1])
 
 
-def torchrun_collect(out_dir):
+def torchrun_collect(out_dir, *args):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "tests/collect_worker.py", str(out_dir)]
+           "tests/collect_worker.py", str(out_dir), *args]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
@@ -495,18 +511,41 @@ def test_help_lists_the_flags():
 
 @pytest.mark.parity
 @pytest.mark.needs("logprobs_forward", "rope", "attention")
-def test_response_logprobs_equal_each_sequence_alone():
-    # float64: the padded batch against each sequence alone, the same sums in another order
+@pytest.mark.parametrize("fused_head", [True, False])
+def test_response_logprobs_and_gradients_equal_each_sequence_alone(fused_head, monkeypatch):
+    """The batch's rows, laid out from column 0 (prompt, response, then padding), against each
+    sequence alone, in float64 (the same sums in another order): log-probs, entropies and every
+    gradient. And attention takes no explicit mask (causal only: what a flash kernel accepts)."""
     model = tiny_float64_model()
-    batch = random_batch(50, n=3, dtype=torch.float64)
-    logp, entropy = response_logprobs(model, batch, temperature=0.7)
-    assert (logp[~batch.response_mask] == 0).all()  # the fused head skips the padding
-    with torch.no_grad():
-        for i in range(len(batch)):
-            p = batch.prompt_ids[i][batch.prompt_mask[i]].tolist()
-            r = batch.response_ids[i][batch.response_mask[i]].tolist()
-            logits = model(torch.tensor([p + r]))[0, len(p) - 1:-1] / 0.7  # (len(r), V)
-            ref = logits.log_softmax(-1)[torch.arange(len(r)), r]
-            ref_entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
-            assert (logp[i, :len(r)] - ref).abs().max() < 1e-12
-            assert (entropy[i, :len(r)] - ref_entropy).abs().max() < 1e-12
+    batch = random_batch(50, n=5, dtype=torch.float64)
+    assert len(set(batch.prompt_mask.sum(-1).tolist())) > 1  # prompts of several lengths
+    masks, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        masks.append((kwargs.get("attn_mask"), kwargs.get("is_causal")))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    g = torch.Generator().manual_seed(1)
+    w_logp, w_entropy = (torch.randn(batch.response_ids.shape, generator=g, dtype=torch.float64)
+                         * batch.response_mask for _ in range(2))  # (B, R): loss weights
+    logp, entropy = response_logprobs(model, batch, 0.7, fused_head)
+    assert masks and all(mask is None and causal for mask, causal in masks)
+    if fused_head:
+        assert (logp[~batch.response_mask] == 0).all()  # the fused head skips the padding
+    ((logp * w_logp).sum() + (entropy * w_entropy).sum()).backward()
+    grads = flat_grads(model)
+    model.zero_grad(set_to_none=True)
+    loss = 0
+    for i in range(len(batch)):
+        p = batch.prompt_ids[i][batch.prompt_mask[i]].tolist()
+        r = batch.response_ids[i][batch.response_mask[i]].tolist()
+        logits = model(torch.tensor([p + r]))[0, len(p) - 1:-1] / 0.7  # (len(r), V)
+        ref = logits.log_softmax(-1)[torch.arange(len(r)), r]
+        ref_entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+        assert (logp[i, :len(r)] - ref).abs().max() < 1e-12
+        assert (entropy[i, :len(r)] - ref_entropy).abs().max() < 1e-12
+        loss = loss + (ref * w_logp[i, :len(r)]).sum() + (ref_entropy * w_entropy[i, :len(r)]).sum()
+    loss.backward()
+    ref_grads = flat_grads(model)
+    assert (grads - ref_grads).abs().max() < 1e-12 * ref_grads.abs().max()

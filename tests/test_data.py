@@ -260,6 +260,29 @@ def test_a_model_vocabulary_smaller_than_the_tokenizer_is_named_with_both_sizes(
         check_vocab(small, tok, "/models/m")
 
 
+@pytest.mark.parametrize("generation,error", [
+    # tokenizer_config.json names no pad token: generation_config.json's number is taken as is
+    ({"pad_token_id": 99999}, r"pad_token_id 99999 is not a row of the model's embedding "
+                              r"\(vocab_size 287 in /models/m/config\.json\)"),
+    ({"eos_token_id": 99999}, r"eos_token_id 99999 is not a token of the tokenizer in .*: no "
+                              r"response would end before --max-response-len"),
+    ({"eos_token_id": [284, -1]}, r"eos_token_id -1 is not a token"),
+])
+def test_pad_and_eos_ids_outside_the_vocabulary_are_refused_at_load(tmp_path, generation, error):
+    # before: pad 99999 gave "IndexError: index out of range in self" after the first rollout; an
+    # EOS never sampled cut every response at --max-response-len and blamed the length
+    toy.make_toy_tokenizer(str(tmp_path))
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    del config["pad_token"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [286, 284], "pad_token_id": 284} | generation))
+    tok = load_tokenizer(str(tmp_path))
+    assert tok.vocab_size == 287
+    with pytest.raises(ValueError, match=rf"{tmp_path}/generation_config\.json: {error}"):
+        check_vocab(287, tok, "/models/m")
+
+
 def test_chat_template_runs_sandboxed(tmp_path):
     # a template from the Hub reaching for Python internals
     evil = "{{ ''.__class__.__mro__[1].__subclasses__() }}"

@@ -12,7 +12,7 @@ import torch
 
 from dapo import update_policy
 from data import load_tokenizer
-from dist_worker import CFG, CORRECTED, PROBE, load_model, make_batch, make_optimizer
+from dist_worker import PROBE, load_model, make_batch, make_optimizer, run_config
 from model import Qwen2
 from rendezvous import held_store_env
 
@@ -35,9 +35,10 @@ def torchrun(*args, timeout=300):
 
 
 def one_process_update(model_dir, opt_name):
+    """The same update in one process (micro-batches by count, whatever the 2 ranks used)."""
     model = load_model(model_dir)
     tok = load_tokenizer(model_dir)
-    cfg = replace(CFG, **CORRECTED) if opt_name.endswith("-tokens") else CFG
+    cfg = replace(run_config(opt_name), micro_batch_tokens=0)
     metrics = update_policy(model, make_optimizer(opt_name, model.parameters()),
                             make_batch(tok.vocab_size), cfg, 0.28)
     return model, metrics
@@ -51,7 +52,7 @@ def two_rank_step(tiny_model_dir, tmp_path_factory):
         out = tmp_path_factory.mktemp(f"two-{opt_name}")
         torchrun("tests/dist_worker.py", tiny_model_dir, str(out), opt_name)
         return out, torch.load(out / "result.pt", weights_only=True)
-    return {name: run(name) for name in ("sgd", "adamw", "sgd-tokens")}
+    return {name: run(name) for name in ("sgd", "adamw", "sgd-tokens", "sgd-rows")}
 
 
 # Both sides run in float64: they sum the same gradient terms in another order (2 ranks, then the
@@ -63,8 +64,12 @@ def two_rank_step(tiny_model_dir, tmp_path_factory):
 @pytest.mark.parametrize("opt_name,tol", [
     ("sgd", 1e-9),
     ("adamw", 1e-7),
-    # micro-batches by token budget on 2 ranks, against fixed-size ones in one process
+    # micro-batches by token budget on 2 ranks, against fixed-size ones in one process; the loss
+    # weighed by --rollout-correction token_mask (dist_worker.CORRECTED)
     ("sgd-tokens", 1e-9),
+    # one prompt per optimizer step: each rank trains half of each group's responses (what lets
+    # the paper's 32-prompt mini-batch run on 128 ranks)
+    ("sgd-rows", 1e-9),
 ])
 @pytest.mark.needs("policy_loss", "token_count", "logprobs_forward", "logprobs_backward", "rope",
                    "attention")
@@ -78,7 +83,8 @@ def test_two_ranks_take_the_same_step_as_one(tiny_model_dir, two_rank_step, opt_
           f"(which moved weights by up to {moved:.2e})")
     assert all(v.dtype == torch.float64 for v in two["weights"].values())
     assert worst < tol * moved and moved > 1e-4
-    assert two["metrics"]["train/updates"] == metrics["train/updates"] == 2
+    steps = 4 if opt_name.endswith("-rows") else 2  # 4 groups, in mini-batches of 1 or 2 prompts
+    assert two["metrics"]["train/updates"] == metrics["train/updates"] == steps
     assert two["metrics"]["actor/pg_loss"] == pytest.approx(metrics["actor/pg_loss"], rel=1e-12)
     parity = [k for k in metrics if k.startswith("training/rollout_")]  # summed over ranks too
     assert len(parity) == 6 and all(two["metrics"][k] == pytest.approx(metrics[k], rel=1e-12)
@@ -167,6 +173,23 @@ def test_a_stopped_rank_makes_the_others_fail_naming_the_collective(store_env):
     assert ("rank 0: all_reduce 'dynamic-sampling count' timed out after 3 s: another rank "
             "stopped" in out), out[-3000:]
     assert waited < 60  # the 3 s timeout plus two interpreter start-ups, not the 30 min default
+
+
+def test_a_dead_rank_leaves_the_first_error_last(store_env):
+    # before: launch.run's shutdown barrier failed too, and its error, raised last, hid the
+    # first ("barrier 'shutdown' failed: another rank has probably exited")
+    waiting, dead = start_pair("dead", timeout_s=60, store_env=store_env)
+    try:
+        out, _ = waiting.communicate(timeout=120)
+    finally:
+        for p in (waiting, dead):
+            p.kill()
+            p.wait()
+    assert waiting.returncode != 0 and dead.returncode == 3
+    assert "barrier 'shutdown'" not in out, out[-3000:]
+    last = out.strip().splitlines()[-1]  # torch prefixes "[rank0]: " to a rank's traceback
+    assert ("RuntimeError: rank 0: all_reduce 'dynamic-sampling count' failed: another rank has "
+            "probably exited" in last), out[-3000:]
 
 
 def test_a_nan_in_one_ranks_shard_stops_every_rank_naming_the_parameter(store_env):

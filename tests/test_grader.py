@@ -13,19 +13,7 @@ import pytest
 import assign
 from assign import BY_ID, EXERCISES, INTEGRATION_POINTS
 
-from test_assign import ROOT, grading_exercise, read  # the registry's helpers
-
-
-def restore(root, exercise):
-    """Put the reference's body of one exercise back into the copy at root."""
-    path = BY_ID[exercise].file
-    lines, ref = read(root, path).splitlines(True), read(ROOT, path).splitlines(True)
-    regions = [r for r in assign.find_regions("".join(lines), path) if r.id == exercise]
-    ref_regions = [r for r in assign.find_regions("".join(ref), path) if r.id == exercise]
-    for r, s in reversed(list(zip(regions, ref_regions))):
-        lines[r.start + 1:r.end] = ref[s.start + 1:s.end]
-    with open(os.path.join(root, path), "w", encoding="utf-8") as f:
-        f.write("".join(lines))
+from test_assign import ROOT, grading_exercise, read, restore  # the registry's helpers
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +81,37 @@ def test_a_solution_that_misses_the_idea_scores_at_most_half():
     # the same count of failures elsewhere keeps the idea's half
     assert assign.exercise_score(policy_loss, 19, 20, [(other, "")]) == 12 * (0.5 + 0.5 * 19 / 20)
     assert assign.exercise_score(policy_loss, 20, 20, []) == 12
+
+
+# Idea-level mistakes, each in the body of its exercise: (exercise, reference line, the mistake)
+MISTAKES = [
+    # the first Answer: instead of the last (a response that corrects itself ends with its answer)
+    ("extract_answer", "return found[-1] if found else NO_ANSWER",
+     "return found[0] if found else NO_ANSWER"),
+    # the two clip bounds swapped (Eq. 10)
+    ("policy_loss", "clipped = ratio.clamp(1 - eps_low, 1 + eps_high)",
+     "clipped = ratio.clamp(1 - eps_high, 1 + eps_low)"),
+    # the population std where Eq. 9 (and verl) take the unbiased one
+    ("group_advantages", "(r.std(1, keepdim=True) + eps)",
+     "(r.std(1, keepdim=True, unbiased=False) + eps)"),
+]
+
+
+def test_an_idea_level_mistake_keeps_at_most_half_the_points(tmp_path):
+    """Each mistake planted in an otherwise complete copy (one exercise each, so one grading run
+    scores them all)."""
+    copy = tmp_path / "copy"
+    for path in assign.source_files(ROOT):
+        (copy / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(os.path.join(ROOT, path), copy / path)
+    for exercise, line, mistake in MISTAKES:
+        text = read(str(copy), BY_ID[exercise].file)
+        assert text.count(line) == 1, f"{exercise}: the reference no longer holds {line!r}"
+        (copy / BY_ID[exercise].file).write_text(text.replace(line, mistake))
+    report = assign.grade([e for e, _, _ in MISTAKES], json_path=str(tmp_path / "results.json"),
+                          root=str(copy))
+    scores = {t["name"]: t["score"] for t in report["tests"]}
+    assert all(scores[e] <= BY_ID[e].points / 2 for e, _, _ in MISTAKES), scores
 
 
 def test_extra_tests_count_for_the_exercise_they_name(tmp_path):

@@ -1,8 +1,10 @@
 """The dead-run alarms (infra/health.py) on constructed metrics rows, and the bound on dynamic
 sampling that finds no signal."""
 import json
+from dataclasses import replace
 
 import pytest
+import torch
 
 from infra import health
 
@@ -20,10 +22,35 @@ def test_a_healthy_step_raises_no_alarm():
     ({"train/groups_kept": 0, "train/groups_surplus": 3}, "--max-gen-batches"),
     ({"actor/entropy": 0.0}, "collapsed"),
     ({"actor/entropy": float("nan")}, "collapsed"),
+    ({"train/updates": 0, "train/skipped_updates": 2}, "all 2 optimizer steps skipped"),
+    ({"train/groups_kept": 0, "rollout/reward_fn_error": 0.9},
+     "no group with signal: --reward-fn f.py:score raised on 90% of the responses"),
 ])
 def test_each_alarm_names_its_cause_and_fix(change, flag):
-    causes = health.dead_step_causes(HEALTHY | change)
+    causes = health.dead_step_causes(HEALTHY | change, reward_fn="f.py:score")
     assert len(causes) == 1 and flag in causes[0], causes
+
+
+def test_a_few_reward_fn_errors_leave_the_prompt_format_the_suspect():
+    few = health.dead_step_causes(HEALTHY | {"train/groups_kept": 0,
+                                             "rollout/reward_fn_error": 0.1})
+    assert len(few) == 1 and "answer format" in few[0], few
+
+
+def test_a_step_with_one_update_taken_is_not_dead():
+    assert health.dead_step_causes(HEALTHY | {"train/updates": 1, "train/skipped_updates": 1}) == []
+
+
+def test_a_run_whose_every_update_was_skipped_never_finishes_quietly():
+    alarms = health.Alarms(stop_when_stuck=0)  # never stops early
+    skipped = HEALTHY | {"train/updates": 0, "train/skipped_updates": 2}
+    for step in (1, 2):
+        alarms.check(step, skipped)
+    with pytest.raises(health.RunStuck, match="all 4 optimizer steps of this run were skipped"):
+        alarms.finish()
+    alarms.check(3, HEALTHY | {"train/updates": 1, "train/skipped_updates": 1})
+    alarms.finish()  # one update taken: it trained
+    health.Alarms(stop_when_stuck=0).finish()  # no step at all (a resume with nothing to do)
 
 
 def test_stop_after_n_consecutive_dead_steps_only():
@@ -92,6 +119,20 @@ def test_a_wrong_signal_warns_but_does_not_count_as_a_dead_step(change, words, c
     alarms = health.Alarms(stop_when_stuck=1)
     assert not alarms.check(1, HEALTHY | change)  # it warns, every step, but trains on
     assert words in capsys.readouterr().out
+
+
+def test_a_raising_reward_fn_warns_once_a_step_with_the_share_the_count_and_the_first_error():
+    from batches import random_batch
+    generated = random_batch(50)
+    errors = torch.zeros(len(generated), dtype=torch.bool)
+    errors[:3] = True
+    line = health.reward_fn_warning(0.25, "f.py:score", "KeyError: 'x', on a row ...",
+                                    replace(generated, reward_error=errors))
+    assert line == (f"--reward-fn f.py:score raised on 25% of the responses (3 of "
+                    f"{len(generated)}), each scored as a wrong answer (-1); the first: "
+                    "KeyError: 'x', on a row ...")
+    alarms = health.Alarms(stop_when_stuck=1, reward_fn="f.py:score")
+    assert not alarms.check(1, HEALTHY | {"rollout/reward_fn_error": 0.25})  # trains on
 
 
 @pytest.mark.needs("all")

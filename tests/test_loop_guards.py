@@ -1,6 +1,6 @@
 """dapo.py refuses what would waste or destroy a run, before loading anything: bad flags, a
 directory that holds another run, a resume that changes the algorithm; and it stops at
-NaN weights."""
+NaN weights, and with a non-zero exit when every update was skipped."""
 import json
 
 import pytest
@@ -146,3 +146,21 @@ def test_a_resume_with_nothing_to_do_says_so_and_changes_nothing(tiny_model_dir,
         assert f"at step 2 and --steps is {steps}: nothing to do" in "".join(capsys.readouterr())
         assert (tmp_path / "metrics.jsonl").read_text() == before
         assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000002"
+
+
+@pytest.mark.needs("all")
+def test_a_run_whose_every_update_is_skipped_exits_non_zero(tiny_model_dir, tmp_path, capsys,
+                                                            monkeypatch):
+    # a NaN in every loss, as a NaN reward made before it was refused: every gradient norm is NaN
+    # and every update skipped. Before, the run logged train/updates 0 and exited 0 (2 steps are
+    # far from --stop-when-stuck 20)
+    policy_loss = dapo.policy_loss
+    monkeypatch.setattr(dapo, "policy_loss", lambda *a, **k: policy_loss(*a, **k) * float("nan"))
+    with pytest.raises(SystemExit) as stopped:
+        dapo.main(_cfg(tiny_model_dir, tmp_path, steps=2, eval_every=0, dynamic_sampling=False))
+    assert stopped.value.code == 1
+    out = capsys.readouterr().out
+    assert "error: all 4 optimizer steps of this run were skipped" in out
+    assert "warning: step 2: all 2 optimizer steps skipped (a NaN or inf gradient norm)" in out
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [(r["train/updates"], r["actor/grad_norm"]) for r in rows] == [(0, None), (0, None)]

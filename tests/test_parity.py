@@ -91,8 +91,8 @@ def test_a_real_step_logs_parity_at_fp32_round_off(tiny_model_dir, tmp_path, cap
 
 def _temper_twice(logits, temperature, top_k, top_p, generator=None):
     token, _ = REAL_SAMPLE(logits, temperature, top_k, top_p, generator)
-    scaled = logits / temperature / temperature
-    return token, scaled.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
+    twice = logits / temperature / temperature
+    return token, twice.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
 
 
 def _renormalised_after_top_p(logits, temperature, top_k, top_p, generator=None):

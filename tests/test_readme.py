@@ -124,3 +124,58 @@ def test_docs_metrics_names_every_metric_a_step_logs(tiny_model_dir, tmp_path):
     names = documented_metrics()
     missing = sorted(k for k in logged if k not in names and re.sub(r"@\d+$", "@k", k) not in names)
     assert not missing, f"docs/metrics.md does not say what these are: {missing}"
+
+
+# The README's training commands: each runs as written, at the world size it states, on the
+# cards its comment names (`# ... N GPUs of X GB`): its flags pass check_flags for that many
+# processes and its memory plan fits the card, for the model its --model path names.
+CARD_GIB = {80: 79, 141: 139}  # what torch.cuda.mem_get_info reports of an H100 80GB, an H200
+MODELS = {"Qwen2.5-32B": "qwen2.5-32b", "Qwen2.5-7B": "qwen2.5-7b", "Qwen2.5-1.5B": "qwen2.5-1.5b",
+          "Qwen2.5-0.5B": "qwen2.5-0.5b"}
+
+
+def training_commands():
+    """(the comment over it, its world size, the arguments after dapo.py) of each command block
+    of the README that runs dapo.py on GPUs."""
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", read("README.md"), re.S):
+        lines = block.replace("\\\n", " ").splitlines()
+        comment = " ".join(line for line in lines if line.startswith("#"))
+        for line in lines:
+            if "dapo.py" in line and "GPU" in comment and not line.startswith("#"):
+                launcher, args = line.split("dapo.py", 1)
+                nodes = re.search(r"--nnodes[= ](\d+)", launcher)
+                per_node = re.search(r"--nproc_per_node[= ](\d+)", launcher)
+                world = (int(nodes.group(1)) if nodes else 1) * \
+                    (int(per_node.group(1)) if per_node else 1)
+                out.append((comment, world, args.split()))
+    return out
+
+
+def test_the_readme_has_its_three_training_recipes():
+    assert [world for _, world, _ in training_commands()] == [128, 8, 1]
+
+
+@pytest.mark.parametrize("comment,world,args", training_commands(), ids=lambda x: str(x)[:30])
+def test_each_training_command_passes_its_checks_and_fits_its_cards(comment, world, args,
+                                                                      tmp_path):
+    from config import check_flags, parse_args
+    from infra import memory, precision
+    from model import ModelConfig, preset
+    gpus, card = map(int, re.search(r"(\d+) GPUs? of (\d+) GB", comment).groups())
+    assert gpus == world, comment
+    model_path = args[args.index("--model") + 1]
+    cfg = parse_args(args)
+    check_flags(cfg, world)  # raises naming the flag
+    for flag in ("--train-data", "--val-data", "--lr", "--max-prompt-len", "--max-response-len",
+                 "--overlong-buffer", "--warmup-steps", "--out-dir"):
+        assert flag in args, f"{flag} missing: a copied command would run the demo's value"
+    cfg.precision = precision.resolve(cfg.precision, "cuda")
+    m = ModelConfig(**{**preset(MODELS[os.path.basename(model_path)]).__dict__})
+    plan = memory.plan(m, cfg, world, capacity=CARD_GIB[card] * memory.GB)
+    assert plan.fits and plan.slots >= 1, plan.describe(f"{card} GB cards")
+    assert plan.peak <= 0.9 * CARD_GIB[card] * memory.GB
+    size = MODELS[os.path.basename(model_path)].split("-")[1].upper()  # "32B"
+    row = next(line for line in read("README.md").splitlines()
+               if line.startswith(f"| {size}, {world} x {card} GB |"))
+    assert row.split("|")[-2].strip() == str(plan.slots), (row, plan.describe("the card"))

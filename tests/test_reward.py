@@ -161,6 +161,12 @@ def test_extract_answer_reads_only_the_last_300_characters():
     assert extract_answer(line + "z" * (WINDOW - len(line) + 1)) == NO_ANSWER
 
 
+def test_extract_answer_takes_the_last_answer_of_a_response_that_corrects_itself():
+    # math_dapo reads the last match: a response that corrects itself ends with its final answer
+    response = "3+5=8, 8+2=11.\nAnswer: 11\nWait, 8+2=10, not 11.\nAnswer: 10"
+    assert extract_answer(response) == "10"
+
+
 def test_extract_answer_takes_the_last_of_thousands_of_lines():
     text = "".join(f"Answer: {i}\n" for i in range(5000))
     assert extract_answer(text) == "4999"

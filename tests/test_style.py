@@ -1,5 +1,5 @@
-"""Style: ruff's checks (pyproject.toml) pass, and no line of a tracked .py file is over 100
-columns.
+"""Style: ruff's checks (pyproject.toml) pass on the tracked .py files and notebooks (ruff reads
+a notebook's code cells), and no line of a tracked .py file is over 100 columns.
 
 Not shipped in the student handout (assign.INSTRUCTOR_ONLY): there the blanked exercise bodies leave
 code that uses their names, which ruff flags until the student writes them.
@@ -21,18 +21,18 @@ NOQA_E501 = re.compile(r"#\s*noqa(?!:)|#\s*noqa:[\s,A-Z0-9]*\bE501\b")
 SKIP_DIRS = {"runs", "__pycache__", "node_modules"}
 
 
-def tracked_py_files() -> list[str]:
-    """The .py files git tracks, relative to ROOT; outside a git checkout (an exported copy), every
-    .py file but those in hidden directories (.git, .venv) and SKIP_DIRS."""
+def tracked_files(ext: str = ".py") -> list[str]:
+    """The files git tracks whose name ends in ext, relative to ROOT; outside a git checkout (an
+    exported copy), every such file but those in hidden directories (.git, .venv) and SKIP_DIRS."""
     try:
-        out = subprocess.run(["git", "-C", ROOT, "ls-files", "-z", "--", "*.py"],
+        out = subprocess.run(["git", "-C", ROOT, "ls-files", "-z", "--", f"*{ext}"],
                              capture_output=True, check=True).stdout.decode()
         files = [f for f in out.split("\0") if f]
     except (OSError, subprocess.CalledProcessError):
         files = []
         for d, dirs, names in os.walk(ROOT):
             dirs[:] = sorted(x for x in dirs if not x.startswith(".") and x not in SKIP_DIRS)
-            files += [os.path.relpath(os.path.join(d, n), ROOT) for n in names if n.endswith(".py")]
+            files += [os.path.relpath(os.path.join(d, n), ROOT) for n in names if n.endswith(ext)]
     # a file deleted but not yet staged is still listed by git
     return sorted(f for f in files if os.path.isfile(os.path.join(ROOT, f)))
 
@@ -61,8 +61,9 @@ def long_lines(text: str) -> list[tuple[int, int]]:
 
 def test_ruff_check_passes():
     pytest.importorskip("ruff")
-    files = tracked_py_files()
-    assert files
+    files, notebooks = tracked_files(), tracked_files(".ipynb")
+    assert files and notebooks
+    files += notebooks
     # --no-cache: no .ruff_cache/ left in the checkout
     proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", *files], cwd=ROOT,
                           capture_output=True, text=True)
@@ -71,7 +72,7 @@ def test_ruff_check_passes():
 
 
 def test_no_line_is_over_100_columns():
-    files = tracked_py_files()
+    files = tracked_files()
     assert files
     over = []
     for path in files:

@@ -137,3 +137,24 @@ def test_warmup_cache_is_kept_apart_per_kernel_set(toy_tok, tmp_path, monkeypatc
         dirs.append(sorted(os.listdir(tmp_path)))
     assert len(dirs[0]) == 1 and dirs[0][0].endswith("kernelsAVX2"), dirs
     assert len(dirs[1]) == 2 and dirs[2] == dirs[1], dirs  # the AVX2 one reused, not re-made
+
+
+@pytest.mark.needs("rope", "attention")  # the warm-up trains the model
+def test_a_truncated_cached_base_model_says_to_delete_the_cache(toy_tok, tmp_path):
+    # a cut copy of the cache (or a full disk when it was written) was called "an interrupted
+    # download", and said nothing of the cache
+    from toy import warmed_up_model
+    key = dict(steps=1, batch_size=2, lr=1e-3, preset="tiny", seed=0)
+
+    def warm_up():
+        return warmed_up_model(toy_tok, key, lambda n: toy_warmup_pairs(n, seed=0),
+                               cache_root=str(tmp_path), log_every=10**9)
+    warm_up()
+    cache = tmp_path / os.listdir(tmp_path)[0]
+    weights = cache / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)
+    with pytest.raises(ValueError, match=rf"model\.safetensors: not a readable safetensors file.* "
+                                         rf"This is the demo's cached base model, not a download: "
+                                         rf"delete {cache} and the next run warms it up again"):
+        warm_up()

@@ -1,0 +1,223 @@
+"""
+The memory plan: what a run will hold per GPU (or in RAM on CPU), from the model's config.json and
+the flags alone, before any weight is loaded. A configuration that cannot fit is refused then,
+naming the numbers and the flag to change, instead of at the first rollout after minutes of
+loading; `--rollout-batch-size auto` takes the KV-cache slots from what is left.
+
+A run has two phases, and its peak is the larger:
+
+    rollout   fp32 shards (weights, AdamW moments) + the gathered weights (bf16: the sampler's
+              copy) + the KV cache (slots x positions x bytes per token) + sampling + a prefill
+    update    fp32 shards with their gradients + the weights gathered for compute + one
+              micro-batch's activations + the output layer's working memory
+
+The activations are what autograd keeps for the backward, per token and layer, counted on CPU
+with torch.autograd.graph.saved_tensors_hooks for every op of a Qwen2 block (tests/test_memory.py
+checks the formulas against that count). Not counted: the CUDA context and the allocator's
+fragmentation (OVERHEAD_GB and MARGIN below), a backward's transient gradients of one block.
+"""
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+GB = 2**30
+OVERHEAD_GB = 1.0  # the CUDA context, cuBLAS/NCCL workspaces, the allocator's cached blocks
+MARGIN = 0.9  # plan to use at most this share of the device
+SAMPLING_BYTES = 24  # per slot and vocabulary entry: logits, tempered, softmax, fp64 CDF, log-probs
+
+
+def parameter_count(m) -> int:
+    """Parameters of a ModelConfig's Qwen2 (a tied head counted once)."""
+    C, F, V = m.hidden_size, m.intermediate_size, m.vocab_size  # F: the MLP's width
+    q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    block = C * q + q + 2 * (C * kv + kv) + q * C + 3 * C * F + 2 * C
+    return V * C * (1 if m.tie_word_embeddings else 2) + m.num_hidden_layers * block + C
+
+
+def block_parameter_count(m) -> int:
+    return (parameter_count(m) - m.hidden_size
+            - m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)) \
+        // m.num_hidden_layers
+
+
+def kv_bytes_per_token(m, dtype_bytes: int) -> int:
+    """Keys and values of every layer for one position."""
+    return 2 * m.num_hidden_layers * m.num_key_value_heads * m.head_dim * dtype_bytes
+
+
+def activation_bytes_per_token(m, mode: str, checkpointing: bool) -> float:
+    """What autograd keeps for the backward, per token of a training forward (all layers), by
+    compute mode: "fp32"; "autocast" (one process, bf16 matmuls, an fp32 residual stream);
+    "bf16" (FSDP2's bf16 weights: everything bf16 but the norms' statistics). Counted op by op on
+    CPU; with checkpointing, each block keeps its input and one block at a time its full set."""
+    C, F, D = m.hidden_size, m.intermediate_size, m.head_dim  # F: the MLP's width
+    H, Hkv, L = m.num_attention_heads, m.num_key_value_heads, m.num_hidden_layers
+    # per layer: the norms' inputs and outputs, q/k/v and RoPE's, SDPA's output and its logsumexp
+    # (4 H: fp32), the SwiGLU's three I-wide tensors and its product
+    layer = {"fp32": 24 * C + 16 * F + 8 * H * D + 8 * Hkv * D + 4 * H + 8,
+             "autocast": 26 * C + 8 * F + 4 * H * D + 4 * Hkv * D + 4 * H + 8,
+             "bf16": 16 * C + 8 * F + 4 * H * D + 4 * Hkv * D + 4 * H + 8}[mode]
+    outside = {"fp32": 8 * C + 8 * D + 12, "autocast": 8 * C + 8 * D + 12,
+               "bf16": 6 * C + 4 * D + 12}[mode]  # RoPE's tables, the final norm
+    if checkpointing:
+        kept_input = 2 * C if mode == "bf16" else 4 * C  # the residual stream's dtype
+        return outside + L * kept_input + layer
+    return outside + L * layer
+
+
+@dataclass
+class Plan:
+    """Bytes per GPU (per process on CPU) of each part, and what they add up to."""
+    params: int
+    world: int
+    precision: str
+    slots: int
+    positions: int  # per slot: --max-prompt-len + --max-response-len
+    micro_tokens: int  # padded tokens of a training micro-batch
+    shards: int  # fp32 weights and AdamW moments, this rank's share
+    grads: int  # fp32 gradients, this rank's share (during the update)
+    gathered_rollout: int  # the weights the rollout computes with, beyond the shards
+    gathered_update: int  # the weights the training forward computes with, beyond the shards
+    kv_cache: int
+    sampling: int
+    prefill: int
+    activations: int
+    head: int
+    capacity: int  # what the device has (0: unknown)
+
+    @property
+    def rollout(self) -> int:
+        return self.shards + self.gathered_rollout + self.kv_cache + self.sampling + self.prefill
+
+    @property
+    def update(self) -> int:
+        return self.shards + self.grads + self.gathered_update + self.activations + self.head
+
+    @property
+    def peak(self) -> int:
+        return max(self.rollout, self.update) + int(OVERHEAD_GB * GB)
+
+    @property
+    def fits(self) -> bool:
+        return not self.capacity or self.peak <= MARGIN * self.capacity
+
+    def describe(self, device: str) -> str:
+        def gb(n):
+            return "0" if n == 0 else f"{n / GB:.1f} GiB" if n >= GB / 10 else \
+                f"{n / 2**20:.1f} MiB"
+        where = f"{gb(self.capacity)} on {device}" if self.capacity else device
+        return "\n".join([
+            f"memory plan per process ({_count(self.params)} parameters, {self.world} "
+            f"process(es), {self.precision}; {where}):",
+            f"  rollout  {gb(self.rollout):>6} = fp32 shards {gb(self.shards)} + gathered weights "
+            f"{gb(self.gathered_rollout)} + KV cache {gb(self.kv_cache)} ({self.slots} slots x "
+            f"{self.positions} positions) + sampling {gb(self.sampling)} + prefill "
+            f"{gb(self.prefill)}",
+            f"  update   {gb(self.update):>6} = fp32 shards {gb(self.shards)} + gradients "
+            f"{gb(self.grads)} + gathered weights {gb(self.gathered_update)} + activations "
+            f"{gb(self.activations)} ({self.micro_tokens} tokens) + output layer {gb(self.head)}",
+            f"  peak     {gb(self.peak):>6} with {OVERHEAD_GB:g} GiB of overhead"
+            + (f": {'fits' if self.fits else 'does NOT fit'} in {MARGIN:.0%} of "
+               f"{gb(self.capacity)}" if self.capacity else "")])
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+
+
+def plan(m, cfg, world: int, capacity: int = 0, slots: int | None = None) -> Plan:
+    """The plan of a run of ModelConfig m with flags cfg (precision resolved) on world processes
+    of capacity bytes each; slots: the KV cache's rows (default: --rollout-batch-size, or, for
+    "auto", the most that fit)."""
+    params = parameter_count(m)
+    bf16, sharded = cfg.precision == "bf16", world > 1
+    mode = "bf16" if bf16 and sharded else "autocast" if bf16 else "fp32"
+    act_bytes = 2 if bf16 else 4
+    root = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2) + m.hidden_size
+    if sharded:  # FSDP2: all weights gathered for the rollout; root and ~2 blocks in a forward
+        gathered_rollout = params * act_bytes
+        gathered_update = (root + 2 * block_parameter_count(m)) * act_bytes
+    else:  # one process: autocast's bf16 copy of each weight it casts (fp32: the weights as is)
+        gathered_rollout = gathered_update = params * 2 if bf16 else 0
+    positions = cfg.max_prompt_len + cfg.max_response_len
+    micro_tokens = cfg.micro_batch_tokens or cfg.micro_batch_size * positions
+    if cfg.fused_head:  # a chunk's logits and their gradient; the head's gradient summed in fp32
+        chunk = min(micro_tokens, max(1, 2**25 // m.vocab_size))  # dapo_kernels/linear.py's
+        head = 2 * chunk * m.vocab_size * act_bytes + (m.vocab_size * m.hidden_size * 4 if bf16
+                                                       else 0)
+    else:  # the micro-batch's logits, their log-softmax and gradient
+        head = micro_tokens * m.vocab_size * (act_bytes + 8)
+    per_slot = positions * kv_bytes_per_token(m, act_bytes) + SAMPLING_BYTES * m.vocab_size
+    result = Plan(
+        params=params, world=world, precision=cfg.precision, slots=1, positions=positions,
+        micro_tokens=micro_tokens, shards=math.ceil(params / world) * 12,
+        grads=math.ceil(params / world) * 4, gathered_rollout=gathered_rollout,
+        gathered_update=gathered_update, kv_cache=0, sampling=0, prefill=0,
+        activations=int(micro_tokens * activation_bytes_per_token(
+            m, mode, cfg.activation_checkpointing)), head=head, capacity=capacity)
+    wanted = slots if slots is not None else cfg.rollout_batch_size
+    if wanted != "auto":
+        return with_slots(result, m, cfg, int(wanted) or max_slots(cfg, world))  # 0: all
+    if not capacity:
+        return with_slots(result, m, cfg, 64)  # the default, for a plan against no device
+    room = MARGIN * capacity - OVERHEAD_GB * GB - result.shards - gathered_rollout
+    guess = max(1, min(int(room // per_slot), max_slots(cfg, world)))
+    while guess > 1 and not with_slots(result, m, cfg, guess).fits:  # the prefill grows too
+        guess -= max(1, guess // 16)
+    return with_slots(result, m, cfg, guess)
+
+
+def with_slots(p: Plan, m, cfg, slots: int) -> Plan:
+    """p with the rollout's parts for this many KV-cache slots."""
+    act_bytes = 2 if p.precision == "bf16" else 4
+    return replace(p, slots=slots,
+                   kv_cache=slots * p.positions * kv_bytes_per_token(m, act_bytes),
+                   sampling=slots * SAMPLING_BYTES * m.vocab_size,
+                   prefill=prefill_bytes(m, cfg, slots, act_bytes))
+
+
+def max_slots(cfg, world: int) -> int:
+    """The most sequences a rank ever decodes at once: a generation batch's, or an evaluation's."""
+    per_rank = max(cfg.generation_batch * cfg.group_size,
+                   (cfg.eval_prompts or 1024) * cfg.eval_samples if cfg.eval_every else 0)
+    return max(1, math.ceil(per_rank / world))
+
+
+def prefill_bytes(m, cfg, slots: int, act_bytes: int) -> int:
+    """One prefill forward over the distinct prompts of the slots (the G samples of a group share
+    theirs): a block's widest tensors and the masked attention's (n, H, P, P) scores."""
+    n = min(slots, math.ceil(slots / cfg.group_size) + 1)
+    P = cfg.max_prompt_len
+    width = 2 * m.hidden_size + 3 * m.intermediate_size + \
+        (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim
+    return n * P * (width + m.num_attention_heads * P) * act_bytes
+
+
+def device_capacity(device: str) -> int:
+    """Bytes this process may use: the GPU's total memory, or RAM available now (Linux), or 0 if
+    unknown."""
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))[1]
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return 0
+
+
+def refuse_if_too_big(p: Plan, device: str):
+    """A one-line reason, naming the numbers and the flags to change, when p cannot fit."""
+    if p.fits:
+        return
+    parts = {"the KV cache (--rollout-batch-size, --max-response-len)": p.kv_cache,
+             "the gathered weights (a bigger card, or more of them)": p.gathered_rollout,
+             "the activations (--micro-batch-tokens, --activation-checkpointing)": p.activations,
+             "the fp32 shards (more processes)": p.shards + p.grads}
+    biggest = max(parts, key=parts.get)
+    raise ValueError(
+        f"the memory plan needs {p.peak / GB:.1f} GiB per process and {device} has "
+        f"{p.capacity / GB:.1f} ({MARGIN:.0%}: {MARGIN * p.capacity / GB:.1f}): the largest part "
+        f"is {biggest}, {parts[biggest] / GB:.1f} GiB (python dapo.py --plan ... prints the plan)")
+

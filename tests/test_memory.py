@@ -1,0 +1,181 @@
+"""The memory plan (infra/memory.py): its parts against what the model really holds on CPU (the
+parameters, the optimizer's state, the KV cache, and what autograd keeps for the backward, counted
+with saved_tensors_hooks), its figures for the Qwen2.5 shapes from a config.json alone, and a
+configuration that cannot fit refused before anything loads."""
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+from config import Config
+from infra import memory
+from model import ModelConfig, Qwen2, num_params, preset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHAPES = {  # small shapes with every dimension distinct, so a wrong coefficient shows
+    "a": dict(vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "b": dict(vocab_size=131, hidden_size=96, intermediate_size=256, num_hidden_layers=3,
+              num_attention_heads=6, num_key_value_heads=1, head_dim=24),
+}
+
+
+def small(name, **kw) -> ModelConfig:
+    return ModelConfig(**{**SHAPES[name], "max_position_embeddings": 4096,
+                          "tie_word_embeddings": False, **kw})
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_parameter_count_is_the_models(name, tied):
+    m = small(name, tie_word_embeddings=tied)
+    assert memory.parameter_count(m) == num_params(Qwen2(m))
+
+
+def saved_for_backward(model, ids, context) -> int:
+    """Bytes of the distinct tensors autograd keeps from a training forward, the parameters left
+    out (they are counted as weights)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context:
+        model(ids, head=lambda hidden, weight: hidden.sum())
+    return sum(kept.values())
+
+
+@pytest.mark.needs("rope", "attention")
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("mode", ["fp32", "autocast", "bf16"])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_activations_are_what_autograd_keeps(name, mode, checkpointing):
+    """The plan's activation bytes per token against the count (within 10%: measured exact on
+    these shapes, except the checkpointed forward, whose one block kept whole is recomputed in the
+    backward, not held by the forward: the plan counts it, the forward's count does not)."""
+    m = small(name)
+    torch.manual_seed(0)
+    model = Qwen2(m).train()
+    model.activation_checkpointing = checkpointing
+    if mode == "bf16":  # FSDP2's mixed precision: bf16 weights and compute
+        model = model.bfloat16()
+    context = torch.autocast("cpu", torch.bfloat16) if mode == "autocast" else \
+        contextlib.nullcontext()
+    per_token = memory.activation_bytes_per_token(m, mode, checkpointing)
+    counts = [saved_for_backward(model, torch.randint(0, m.vocab_size, (2, n)), context)
+              for n in (50, 150)]
+    measured = (counts[1] - counts[0]) / 200  # per token: what grows with the tokens
+    if checkpointing:  # the forward holds the inputs only; the plan adds one block's activations
+        measured += memory.activation_bytes_per_token(replace(m, num_hidden_layers=1), mode,
+                                                      False) - \
+            memory.activation_bytes_per_token(replace(m, num_hidden_layers=0), mode, False)
+    assert abs(per_token - measured) <= 0.1 * measured, (per_token, measured)
+
+
+@pytest.mark.parametrize("precision,dtype_bytes", [("fp32", 4), ("bf16", 2)])
+def test_the_kv_cache_and_the_optimizer_state_are_what_gets_allocated(precision, dtype_bytes):
+    m = small("a")
+    cfg = Config(precision=precision, rollout_batch_size=5, max_prompt_len=20,
+                 max_response_len=11)
+    plan = memory.plan(m, cfg, world=1)
+    model = Qwen2(m)
+    with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
+        cache = model.new_kv_cache(5, 31)
+    assert plan.kv_cache == sum(t.numel() * t.element_size() for t in cache.k + cache.v)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, 97, (1, 4))).sum().backward()
+    opt.step()
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    held += sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                if t.dim() > 0)
+    assert plan.shards == held  # weights and AdamW's two moments, fp32
+    assert plan.grads == sum(p.grad.numel() * p.grad.element_size()
+                             for p in model.parameters())
+
+
+def write_config(directory, name) -> str:
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(preset(name).to_hf(), f)
+    return str(directory)
+
+
+def dapo_cli(*args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "dapo.py", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("name,parameters", [("qwen2.5-0.5b", "494M"), ("qwen2.5-7b", "7.62B"),
+                                             ("qwen2.5-32b", "32.8B")])
+def test_plan_prints_from_a_config_json_alone(tmp_path, name, parameters):
+    """No weights, no tokenizer: --plan reads config.json and exits 0."""
+    model_dir = write_config(tmp_path / name, name)
+    out = dapo_cli("--plan", "8", "--precision", "bf16", "--model", model_dir,
+                   "--max-prompt-len", "2048", "--max-response-len", "20480",
+                   "--overlong-buffer", "4096",
+                   "--rollout-batch-size", "8", "--micro-batch-tokens", "22528")
+    assert out.returncode == 0, out.stderr
+    assert f"({parameters} parameters, 8 process(es), bf16" in out.stdout, out.stdout
+    assert "KV cache" in out.stdout and "activations" in out.stdout and "peak" in out.stdout
+
+
+def test_a_run_that_cannot_fit_stops_before_loading(tmp_path):
+    """A 32B shape with 4096 slots on this machine's RAM: refused naming the numbers, before the
+    (absent) weights are looked for."""
+    model_dir = write_config(tmp_path / "32b", "qwen2.5-32b")
+    out = dapo_cli("--model", model_dir, "--out-dir", str(tmp_path / "run"),
+                   "--rollout-batch-size", "4096", "--max-response-len", "4096",
+                   "--overlong-buffer", "1024")
+    assert out.returncode != 0
+    assert "the memory plan needs" in out.stderr and "--rollout-batch-size" in out.stderr
+    assert "safetensors" not in out.stderr  # it never got to the weights
+
+
+def test_auto_slots_fill_what_is_left_and_no_more_than_a_rank_decodes():
+    m = preset("qwen2.5-7b")
+    cfg = Config(precision="bf16", rollout_batch_size="auto", max_prompt_len=2048,
+                 max_response_len=8192, gen_prompts=1536, group_size=16)
+    big = memory.plan(m, cfg, world=8, capacity=80 * memory.GB)
+    assert 1 <= big.slots <= memory.max_slots(cfg, 8) and big.fits
+    more = memory.plan(m, cfg, world=8, capacity=141 * memory.GB)
+    assert more.slots > big.slots
+    assert not memory.plan(m, cfg, world=8, capacity=80 * memory.GB, slots=big.slots * 4).fits
+
+
+@pytest.mark.needs("all")
+def test_two_ranks_load_a_shard_each_and_the_same_weights(tmp_path):
+    """A 38M-parameter model (152 MB in fp32, its weights saved in bf16 as a Hugging Face
+    checkpoint is): each of 2 ranks reads its own rows, so its memory grows by half the fp32 model
+    (measured 0.50), not the whole (loaded whole and then sharded: 1.05); and the ranks' weights
+    gather to exactly what one process loads."""
+    m = ModelConfig(vocab_size=8000, hidden_size=512, intermediate_size=2048,
+                    num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                    tie_word_embeddings=False, torch_dtype="bfloat16")
+    model_dir, out_dir = tmp_path / "model", tmp_path / "out"
+    out_dir.mkdir()
+    torch.manual_seed(0)
+    Qwen2(m).bfloat16().save_pretrained(str(model_dir))
+    fp32_bytes = memory.parameter_count(m) * 4
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node=2", "tests/load_worker.py", str(model_dir),
+                           str(out_dir)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    peaks = [json.loads((out_dir / f"rank{r}.json").read_text())["peak_kb"] * 1024
+             for r in (0, 1)]
+    assert all(peak < 0.7 * fp32_bytes for peak in peaks), [p / fp32_bytes for p in peaks]
+    whole = Qwen2.from_pretrained(str(model_dir), dtype=torch.float32).state_dict()
+    gathered = torch.load(out_dir / "weights.pt", weights_only=True)
+    assert gathered.keys() == whole.keys()
+    assert all(torch.equal(gathered[k], whole[k]) for k in whole)
