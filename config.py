@@ -13,6 +13,7 @@ import torch
 
 from infra import distributed, trackers
 from infra.precision import PRECISIONS
+from infra.rollout_correction import MODES as CORRECTION_MODES
 
 
 REPORT_TO = ("jsonl", "tensorboard", "wandb", "trackio")  # --report-to, TRL's flag name
@@ -92,6 +93,21 @@ class Config:
     eps_high: float = _flag(0.28, "upper clip range with clip-higher (paper: 0.28)")
     dual_clip: float = _flag(0.0, "dual-clip bound c for A < 0; 0 = off (paper: 10, in verl's "
                                   "DAPO)")
+    # the sampler/trainer mismatch (infra/rollout_correction.py); the paper predates it
+    rollout_correction: str = _flag(
+        "none", "weigh each token's loss by rho = pi_old / pi_sampler (detached), TRL's modes: "
+        "token_truncate clamp(rho, C_min, C_max) (truncated IS; verl's rollout_is token), "
+        "token_mask rho, 0 outside [C_min, C_max] (IcePop), sequence_* the same with rho's "
+        "product over the response (TRL's default: sequence_mask); none: the paper's (paper: none)",
+        choices=CORRECTION_MODES)
+    rollout_is_min: float = _flag(0.0, "C_min of --rollout-correction, 0 = none (TRL's default; "
+                                       "verl's IcePop example: 0.5)")
+    rollout_is_max: float = _flag(2.0, "C_max of --rollout-correction (verl's default; TRL's 3.0; "
+                                       "verl's IcePop example: 5.0)")
+    rollout_precision: str = _flag("same", "the sampler's precision, when not --precision's: bf16 "
+                                           "with an fp32 trainer (vLLM's bf16 against FSDP's fp32) "
+                                           "is a real sampler/trainer mismatch; one process only",
+                                   choices=("same",) + PRECISIONS[1:])
     # the four techniques, each switchable for the paper's ablation (all off = naive GRPO)
     clip_higher: bool = _flag(True, "technique 1: eps_high; off: symmetric eps_low (paper: on)")
     dynamic_sampling: bool = _flag(True, "technique 2: keep groups with mixed accuracy (paper: on)")
@@ -149,6 +165,9 @@ def check_flags(cfg: Config, world: int = 1):
         ("eps-low", cfg.eps_low, cfg.eps_low < 1, "< 1"),
         ("grad-clip", cfg.grad_clip, cfg.grad_clip > 0, "> 0"),
         ("dual-clip", cfg.dual_clip, cfg.dual_clip == 0 or cfg.dual_clip > 1, "0 (off) or > 1"),
+        # rho = 1 (the sampler agrees) must keep its weight 1
+        ("rollout-is-min", cfg.rollout_is_min, 0 <= cfg.rollout_is_min <= 1, "in [0, 1]"),
+        ("rollout-is-max", cfg.rollout_is_max, cfg.rollout_is_max >= 1, ">= 1"),
         ("dist-timeout", cfg.dist_timeout, cfg.dist_timeout > 0, "> 0"),
         ("overlong-buffer", cfg.overlong_buffer,
          not cfg.overlong_shaping or 0 < cfg.overlong_buffer <= cfg.max_response_len,
@@ -158,6 +177,9 @@ def check_flags(cfg: Config, world: int = 1):
     ]:
         if not ok:
             problems.append(f"--{name} must be {need}, got {value}")
+    if cfg.rollout_precision != "same" and world > 1:  # FSDP2 casts the weights for both
+        problems.append(f"--rollout-precision runs in one process only, got {world}: FSDP2's "
+                        "mixed precision (--precision) is the sampler's and the trainer's")
     if cfg.compile and world > 1:  # FSDP2's hooks on every block are not traceable into it
         problems.append(f"--compile runs in one process only, got {world}: the compiled decode "
                         "step is one graph, and FSDP2's hooks in each block cannot be traced")

@@ -21,7 +21,7 @@ No KL term and no reference model. Entropy is measured and logged, never added t
 import json
 import os
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -29,7 +29,7 @@ import launch
 from batch import Batch
 from config import Config, parse_args
 from data import PromptIterator, Tokenizer, encode_prompts
-from infra import checkpoint, distributed, health, metrics, precision, trackers
+from infra import checkpoint, distributed, health, metrics, precision, rollout_correction, trackers
 from model import response_logprobs
 from reward import overlong_penalty, score_response, take_reward_fn_errors
 from sampler import generate
@@ -64,16 +64,25 @@ def keep_groups(acc, group_size):
     # end exercise
 
 
-def policy_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom, dual_clip=0.0):
+@dataclass
+class PolicyLoss:  # policy_loss's result; the loop reads its clip statistics from the tensors
+    loss: torch.Tensor  # (): sum_it w_it l_it mask_it / denom, to back-propagate
+    loss_tok: torch.Tensor  # (B, R): l_it, before the weight, the mask and the denominator
+    ratio: torch.Tensor  # (B, R): r_it, of the clamped log-ratio
+
+
+def policy_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom, dual_clip=0.0,
+                weight=1.0) -> PolicyLoss:
     """The clipped surrogate with decoupled bounds (Eq. 10), r_it = pi_theta / pi_old:
 
         l_it = max(-A_i r_it, -A_i clip(r_it, 1 - eps_low, 1 + eps_high))
 
-    summed as sum_it l_it * mask_it / denom. With denom = the number of response tokens in the
+    summed as sum_it w_it l_it mask_it / denom. With denom = the number of response tokens in the
     whole mini-batch (counted before it is split into micro-batches, and over every rank), this is
     Eq. 12's token-level mean: every token weighs the same, so long responses are not diluted.
     Naive GRPO's loss (a mean per sequence, then over sequences) is denom = |o_i| * n_sequences.
-    logp, old_logp, loss_mask (B, R); adv (B,); denom a number or (B, 1).
+    logp, old_logp, loss_mask (B, R); adv (B,); denom a number or (B, 1). weight (B, R), detached:
+    the rollout correction's (infra/rollout_correction.py; 1 without it), in the sum, not in denom.
     dual_clip > 1 caps the loss of a negative-advantage token at -A * c (verl's dual clip)."""
     # exercise: policy_loss
     mask = loss_mask.float()
@@ -86,7 +95,7 @@ def policy_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom, dual_c
     if dual_clip > 1:
         dual = (adv < 0) & (loss_tok > -adv * dual_clip)  # (B, R)
         loss_tok = torch.where(dual, -adv * dual_clip, loss_tok)
-    return (loss_tok * mask / denom).sum()
+    return PolicyLoss((loss_tok * weight * mask / denom).sum(), loss_tok, ratio)
     # end exercise
 
 
@@ -118,7 +127,7 @@ def rollout(model, rows, tok: Tokenizer, cfg, *, group_size, temperature, top_p,
     --rollout-batch-size decode at a time (the KV cache's rows), a finished one making room."""
     prompts, _ = encode_prompts(rows, tok, cfg.max_prompt_len)
     sequences = [p for p in prompts for _ in range(group_size)]
-    with precision.autocast(cfg):  # bf16 under --precision bf16: per phase, never around a step
+    with precision.autocast(cfg, sampler=True):  # --rollout-precision; never around a step
         out = generate(model, sequences, cfg.max_response_len, temperature=temperature,
                        top_p=top_p, top_k=top_k, eos_token_ids=tok.eos_token_ids,
                        pad_token_id=tok.pad_token_id, generator=generator,
@@ -249,20 +258,17 @@ def update_policy(model, opt, batch: Batch, cfg, eps_high) -> dict:
             old_logp = micro.old_logp
             if old_logp is None:  # one optimizer step: this forward is pi_old's
                 old_logp = logp.detach()
-                stats.add_entropy(entropy, micro.response_mask, real)
-                stats.add_parity(old_logp, micro.rollout_logp, micro.response_mask, real)
+                stats.add_old_policy(old_logp, entropy, micro, real)
             # naive GRPO (technique 3 off): each sequence's mean, then the mean over sequences
             denom = n_tokens if cfg.token_level_loss else \
                 mask.sum(-1, keepdim=True).clamp(min=1) * n_seqs
+            # each token weighed by pi_old / pi_sampler (--rollout-correction; none in the paper)
+            corr = rollout_correction.correct(old_logp, micro, cfg)
             # --- DAPO technique 1: clip-higher, in the clipped surrogate (Sec. 3.1, Eq. 10) ---
-            loss = policy_loss(logp, old_logp, micro.adv, mask, cfg.eps_low, eps_high, denom,
-                               cfg.dual_clip)
-            (loss * world).backward()  # FSDP averages gradients over ranks; the loss is global
-            with torch.no_grad():  # actor/pg_loss: the same loss summed over the tokens
-                pg_loss = policy_loss(logp, old_logp, micro.adv, mask, cfg.eps_low, eps_high, 1.0,
-                                      cfg.dual_clip)
-            stats.add_loss(pg_loss, metrics.clip_stats(logp, old_logp, micro.adv, mask,
-                                                       cfg.eps_low, eps_high, cfg.dual_clip), mask)
+            out = policy_loss(logp, old_logp, micro.adv, mask, cfg.eps_low, eps_high, denom,
+                              cfg.dual_clip, corr.weight)
+            (out.loss * world).backward()  # FSDP averages gradients over ranks; the loss is global
+            stats.add_loss(out, logp, old_logp, micro.adv, mask, corr)
         stats.add_step(*checkpoint.step_if_finite(model, opt, cfg.grad_clip))
     return stats.result(batch)
 
@@ -280,8 +286,7 @@ def old_logprobs(model, batch: Batch, cfg, stats: metrics.UpdateStats):
             old_logp = logp.new_zeros(batch.response_ids.shape)  # (N, R)
         if real:
             old_logp[rows, :logp.shape[1]] = logp.masked_fill(~micro.response_mask, 0.0)
-        stats.add_entropy(entropy, micro.response_mask, real)
-        stats.add_parity(logp, micro.rollout_logp, micro.response_mask, real)
+        stats.add_old_policy(logp, entropy, micro, real)
     return old_logp
 
 

@@ -62,10 +62,9 @@ def run_bandit(eps_high, seed, rollouts=30, groups=64, group_size=8, updates=16,
             old = old_logp[answer[part]][:, None]
             loss = policy_loss(logp, old, adv[part], mask, eps_low, eps_high, denom=rows)
             opt.zero_grad()
-            loss.backward()
+            loss.loss.backward()
             opt.step()
-            clipped += clip_stats(logp, old, adv[part], mask, eps_low, eps_high)["clip_high"] \
-                .item() / n
+            clipped += clip_stats(loss, logp, old, adv[part], mask)["clip_high"].item() / n
         with torch.no_grad():
             p = logits.softmax(-1)
             out["good"].append(p[GOOD].sum().item())

@@ -10,8 +10,9 @@ TRUNCATED_ALARM = 0.9  # almost every response truncated
 NO_ANSWER_ALARM = 0.9  # of the responses that ended, the verifier read no answer in almost all
 # nats per token, the mean |log p_sampler - log p_trainer| over the step's response tokens.
 # Measured on the tiny model (tests/test_parity.py): fp32 on CPU 1e-7; a temperature applied
-# twice 0.3, log-probs renormalised after top-p 0.9 0.1. bf16 on a GPU rounds both sides more
-# (not measured here): 0.05 leaves it room.
+# twice 0.3, log-probs renormalised after top-p 0.9 0.1; a bf16 sampler beside the fp32 trainer
+# 0.002 on the demo's base model (experiments/rollout_mismatch.py). bf16 on a GPU rounds both sides
+# more (not measured here): 0.05 leaves it room.
 PARITY_ALARM = 0.05
 EXAMPLE_CHARS = 200  # of the response shown with the no-answer warning: its end, where answers go
 ENTROPY_FLOOR = 1e-3  # nats per token: the policy has collapsed onto one answer
@@ -75,7 +76,9 @@ def wrong_signal_causes(row: dict, example: str = "") -> list[str]:
     if not parity <= PARITY_ALARM:  # NaN too
         causes.append(f"training/rollout_logp_diff_mean {parity:.3g}: the sampler's log-probs "
                       "are not the trainer's (a temperature or top-p applied on one side only, "
-                      "or another dtype); the importance ratio is off by as much")
+                      "or another dtype); the importance ratio is off by as much. A real "
+                      "sampler/trainer gap (bf16, other kernels): --rollout-correction "
+                      "token_truncate or sequence_mask weighs each token by pi_old / pi_sampler")
     return causes
 
 

@@ -11,7 +11,7 @@ import os
 import torch
 from tqdm import tqdm
 
-from infra import distributed, files
+from infra import distributed, files, rollout_correction
 from infra.trackers import close as close_trackers
 
 # sums over the loss's tokens (clip_stats), then pi_old's entropy and the tokens in the loss
@@ -23,23 +23,24 @@ PARITY_NAMES = ("probs_diff", "logp_diff", "ratio_diff")
 
 
 @torch.no_grad()
-def clip_stats(logp, old_logp, adv, loss_mask, eps_low, eps_high, dual_clip=0.0) -> dict:
-    """Sums over the tokens in the loss of where the clipped surrogate (dapo.policy_loss) binds:
-    the tokens each clip bound and the dual clip stopped, the first-order KL, and the paper's
-    Fig. 3a (pi_old of the up-clipped tokens) and Fig. 7d (mean token probability). logp,
-    old_logp, loss_mask (B, R); adv (B,). Tensors of one element each. The loss itself is
-    policy_loss's (the caller sums it with a denominator of 1): it is not computed twice."""
+def clip_stats(out, logp, old_logp, adv, loss_mask, weight=1.0) -> dict:
+    """Sums over the tokens in the loss of what the clipped surrogate did, read from its own
+    per-token loss and ratio (`out`, a dapo.PolicyLoss), so that an edited loss logs its own clip:
+    a clip bound binds where it raised the token's loss above the unclipped -A r (verl's
+    pg_clipfrac: the clipped loss > the unclipped one), and the dual clip where it lowered the
+    loss below -A r (nothing else can). Also the first-order KL, and the paper's Fig. 3a (pi_old
+    of the up-clipped tokens) and Fig. 7d (mean token probability). logp, old_logp, loss_mask
+    (B, R); adv (B,); weight the rollout correction's, as in the loss. Tensors of one element."""
     mask = loss_mask.float()
     adv = adv[:, None]  # (B, 1)
-    # no gradient flows here, so no clamp: an overflowing ratio (inf) compares as a clamped one
-    ratio = torch.exp(logp - old_logp)  # (B, R)
-    up_clipped = (adv > 0) & (ratio > 1 + eps_high)  # (B, R)
-    # the dual clip binds where A < 0 and r > c: the surrogate's loss -A r is then above -A c
-    dual = (adv < 0) & (ratio > dual_clip) if dual_clip > 1 else torch.zeros_like(up_clipped)
+    unclipped = -adv * out.ratio  # (B, R)
+    clipped, dual = out.loss_tok > unclipped, out.loss_tok < unclipped  # (B, R)
+    up_clipped = clipped & (adv > 0)  # (B, R)
     old_prob = old_logp.exp() * mask
     return {
+        "pg_loss": (out.loss_tok * weight * mask).sum(),
         "clip_high": (up_clipped * mask).sum(),
-        "clip_low": (((adv < 0) & (ratio < 1 - eps_low)) * mask).sum(),
+        "clip_low": ((clipped & (adv < 0)) * mask).sum(),
         "dual_clip": (dual * mask).sum(),
         "kl": ((old_logp - logp) * mask).sum(),  # first-order KL(pi_old || pi)
         "up_clipped_prob": (old_prob * up_clipped).sum(),  # rare tokens the clip stops
@@ -56,12 +57,21 @@ class UpdateStats:
         self.grad_norms, self.updates, self.skipped = [], 0, 0
         self.parity_sums = dict.fromkeys(("tokens",) + PARITY_NAMES, 0.0)
         self.parity_max = dict.fromkeys(PARITY_NAMES, 0.0)
+        self.correction = rollout_correction.Stats()  # the rollout_corr/ metrics
 
-    def add_loss(self, pg_loss, stats: dict, loss_mask):
-        """A micro-batch's loss summed over its tokens, its clip_stats and its token count."""
-        for k, v in (stats | {"pg_loss": pg_loss}).items():
+    def add_loss(self, out, logp, old_logp, adv, loss_mask, correction):
+        """A micro-batch's loss: `out` (dapo.PolicyLoss) from logp, old_logp (B, R) and adv (B,)
+        over loss_mask (B, R), with the rollout correction's weights (rollout_correction.py)."""
+        for k, v in clip_stats(out, logp, old_logp, adv, loss_mask, correction.weight).items():
             self.sums[k] += v.item()
         self.sums["tokens"] += loss_mask.sum().item()
+        self.correction.add_weights(correction, loss_mask)
+
+    def add_old_policy(self, old_logp, entropy, batch, real: bool = True):
+        """pi_old's log-probs and entropy (B, R) on a (micro-)batch.Batch's response tokens: its
+        entropy, and its distance to the sampler's log-probs (add_parity)."""
+        self.add_entropy(entropy, batch.response_mask, real)
+        self.add_parity(old_logp, batch.rollout_logp, batch.response_mask, real)
 
     def add_entropy(self, entropy, response_mask, real: bool = True):
         """pi_old's entropy, summed over every response token (not only the loss's)."""
@@ -86,6 +96,7 @@ class UpdateStats:
             # NaN wins: a NaN log-prob on either side must show in the max
             worst = d.max().item() if len(d) else 0.0
             self.parity_max[name] = nan_max(self.parity_max[name], worst)
+        self.correction.add_mismatch(logp, rollout_logp, mask)
 
     def parity(self) -> dict:
         """training/rollout_{probs,logp,ratio}_diff_{mean,max}, over ranks; {} without any."""
@@ -124,7 +135,7 @@ class UpdateStats:
             "dapo/token_prob": s["token_prob"] / tokens,
             "train/updates": self.updates, "train/skipped_updates": self.skipped,
             "train/tokens": s["trained_tokens"],
-        } | self.parity()
+        } | self.parity() | self.correction.result()
 
 
 def nan_max(a: float, b: float) -> float:

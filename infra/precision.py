@@ -32,11 +32,16 @@ def resolve(precision: str, device: str) -> str:
     return precision
 
 
-def autocast(cfg):
+def autocast(cfg, sampler: bool = False):
     """The context of one forward phase (cfg: --precision, already resolved, and --device): bf16
     autocast for a bf16 run in one process; nothing for fp32, nor under FSDP2, whose mixed
-    precision gathers the weights in bf16 already (launch.load_policy)."""
-    if cfg.precision != "bf16" or distributed.world_size() > 1:
+    precision gathers the weights in bf16 already (launch.load_policy). sampler: the rollout's
+    phase, in --rollout-precision when that is not "same" (a bf16 sampler beside an fp32
+    trainer: the mismatch infra/rollout_correction.py corrects)."""
+    precision = cfg.precision
+    if sampler and cfg.rollout_precision != "same":
+        precision = cfg.rollout_precision
+    if precision != "bf16" or distributed.world_size() > 1:
         return contextlib.nullcontext()
     return torch.autocast(torch.device(cfg.device).type, torch.bfloat16)
 

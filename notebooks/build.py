@@ -174,9 +174,9 @@ autograd. Where the gradient is zero (shaded) the token no longer moves."""),
     logp = torch.log(ratio).clone().requires_grad_(True)  # (K,)
     k = len(ratio)
     args = (torch.zeros(k, 1), torch.full((k,), a), torch.ones(k, 1), cfg.eps_low, eps_high)
-    policy_loss(logp[:, None], *args, denom=1.0).backward()  # a sum: each token's own gradient
+    policy_loss(logp[:, None], *args, denom=1.0).loss.backward()  # a sum: each token's gradient
     objective = [-policy_loss(logp[i:i + 1, None].detach(), args[0][:1], args[1][:1],
-                              args[2][:1], cfg.eps_low, eps_high, denom=1.0).item()
+                              args[2][:1], cfg.eps_low, eps_high, denom=1.0).loss.item()
                  for i in range(k)]
     return objective, logp.grad
 
@@ -215,7 +215,7 @@ for i, n in enumerate(lengths):
 def token_weights(denom):
     logp = torch.zeros(mask.shape, requires_grad=True)
     policy_loss(logp, torch.zeros(mask.shape), torch.ones(2), mask, cfg.eps_low, cfg.eps_high,
-                denom).backward()
+                denom).loss.backward()
     return -logp.grad  # (2, max(lengths))
 
 

@@ -55,12 +55,17 @@ def make_optimizer(name, params):
         torch.optim.AdamW(params, lr=1e-3)
 
 
+# "...-tokens" also weighs the loss by the rollout correction: its weights' sums over ranks too
+CORRECTED = dict(rollout_correction="token_mask", rollout_is_min=0.5)
+
+
 def run_config(name):
-    """"...-tokens": micro-batches by token budget, which gives the ranks different numbers;
-    "...-rows": one prompt per optimizer step, whose responses the 2 ranks split."""
+    """"...-tokens": micro-batches by token budget, which gives the ranks different numbers, and
+    the loss weighed by the rollout correction; "...-rows": one prompt per optimizer step, whose
+    responses the 2 ranks split."""
     if name.endswith("-rows"):
         return replace(CFG, mini_batch_prompts=1)
-    return replace(CFG, micro_batch_tokens=20) if name.endswith("-tokens") else CFG
+    return replace(CFG, micro_batch_tokens=20, **CORRECTED) if name.endswith("-tokens") else CFG
 
 
 def main(model_dir, out_dir, opt_name):

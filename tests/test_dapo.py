@@ -71,7 +71,7 @@ def _loss(ratio, adv, eps_high=0.28, dual_clip=0.0):
     logp = torch.log(torch.tensor([[ratio]]))
     mask = torch.ones(1, 1, dtype=torch.bool)
     return policy_loss(logp, torch.zeros(1, 1), torch.tensor([adv]), mask, 0.2, eps_high, 1.0,
-                       dual_clip).item()
+                       dual_clip).loss.item()
 
 
 @pytest.mark.parametrize("ratio,adv,eps_high,expected", [
@@ -94,7 +94,7 @@ def test_dual_clip_caps_negative_advantage_loss():
 def test_clipped_tokens_get_no_gradient():
     logp = torch.log(torch.tensor([[1.5, 1.1]])).requires_grad_()
     mask = torch.ones(1, 2, dtype=torch.bool)
-    loss = policy_loss(logp, torch.zeros(1, 2), torch.tensor([1.0]), mask, 0.2, 0.28, 2.0)
+    loss = policy_loss(logp, torch.zeros(1, 2), torch.tensor([1.0]), mask, 0.2, 0.28, 2.0).loss
     loss.backward()
     assert logp.grad[0, 0] == 0 and logp.grad[0, 1] == pytest.approx(-1.1 / 2)
 
@@ -104,11 +104,22 @@ def test_token_level_loss_weighs_every_token_equally():
     logp = torch.zeros(2, 3)
     mask = torch.tensor([[1, 0, 0], [1, 1, 1]], dtype=torch.bool)
     adv = torch.tensor([2.0, 1.0])
-    token_level = policy_loss(logp, logp, adv, mask, 0.2, 0.28, denom=4)
+    token_level = policy_loss(logp, logp, adv, mask, 0.2, 0.28, denom=4).loss
     assert token_level.item() == pytest.approx(-(2 + 1 + 1 + 1) / 4)
     per_sequence = policy_loss(logp, logp, adv, mask, 0.2, 0.28,
-                               denom=mask.sum(-1, keepdim=True) * 2)
+                               denom=mask.sum(-1, keepdim=True) * 2).loss
     assert per_sequence.item() == pytest.approx(-(2 / 1 + 3 / 3) / 2)
+
+
+def test_a_token_weight_scales_its_loss_but_not_the_token_count():
+    # the rollout correction's weight w (infra/rollout_correction.py): sum_t w_t l_t / denom, and
+    # a token masked by the correction (w = 0) stays in Eq. 12's count, as in TRL and verl
+    logp = torch.zeros(1, 3)  # r = 1 on every token: l = -A = -1
+    weight = torch.tensor([[2.0, 0.0, 0.5]])
+    out = policy_loss(logp, logp, torch.tensor([1.0]), torch.ones(1, 3, dtype=torch.bool), 0.2,
+                      0.28, denom=3.0, weight=weight)
+    assert out.loss.item() == pytest.approx(-(2.0 + 0.0 + 0.5) / 3)
+    assert out.loss_tok.tolist() == [[-1.0, -1.0, -1.0]] and out.ratio.tolist() == [[1, 1, 1]]
 
 
 # --- the update: gradient independent of the micro-batch split ---
@@ -174,25 +185,49 @@ def table_logprobs(model, batch, temperature, fused_head=True):  # as dapo.respo
     return logp, entropy.expand(logp.shape)
 
 
-def unclipped_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom, dual_clip=0.0):
+def unclipped_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom, dual_clip=0.0,
+                   weight=1.0):
     """policy_loss's contract, without the clip."""
-    return (-adv[:, None] * torch.exp(logp - old_logp) * loss_mask / denom).sum()
+    ratio = torch.exp(logp - old_logp)
+    loss_tok = -adv[:, None] * ratio
+    return dapo.PolicyLoss((loss_tok * weight * loss_mask / denom).sum(), loss_tok, ratio)
 
 
 @pytest.fixture
 def stand_ins(monkeypatch):
-    """-> the denominators that update_policy hands the loss it back-propagates, one per
-    micro-batch (not its no-grad call, over a denominator of 1, for the logged actor/pg_loss)."""
+    """-> the denominators that update_policy hands the loss, one per micro-batch (the loss is
+    computed once: its logged actor/pg_loss and clip fractions are read from the result)."""
     denoms = []
 
     def loss(*args):
-        if torch.is_grad_enabled():
-            denoms.append(args[6])
+        denoms.append(args[6])
         return unclipped_loss(*args)
 
     monkeypatch.setattr(dapo, "response_logprobs", table_logprobs)
     monkeypatch.setattr(dapo, "policy_loss", loss)
     return denoms
+
+
+@pytest.mark.needs("policy_loss", "token_count")
+def test_the_clip_statistics_are_those_of_the_loss_that_was_trained(monkeypatch):
+    """A policy_loss edited to clip elsewhere (a tighter clip, or none) logs its own clip
+    fractions and its own pg_loss: the loop reads them from the loss's result, where it once
+    recomputed the reference's clip (and an edited exercise logged the old formula's)."""
+    monkeypatch.setattr(dapo, "response_logprobs", table_logprobs)
+    real = dapo.policy_loss
+    def tight(logp, old_logp, adv, mask, eps_low, eps_high, *rest):
+        return real(logp, old_logp, adv, mask, 0.05, 0.05, *rest)
+    logged = {}
+    for name, loss in [("real", real), ("tight", tight), ("unclipped", unclipped_loss)]:
+        monkeypatch.setattr(dapo, "policy_loss", loss)
+        model = TablePolicy(50)  # 2 steps: the second one's ratios are away from 1
+        cfg = Config(group_size=4, mini_batch_prompts=1, grad_clip=1e9)
+        logged[name] = update_policy(model, torch.optim.SGD(model.parameters(), lr=30.0),
+                                     random_batch(50, dtype=torch.float64), cfg, 0.28)
+    clipfrac = {name: m["actor/pg_clipfrac"] for name, m in logged.items()}
+    assert clipfrac["tight"] > clipfrac["real"] > clipfrac["unclipped"] == 0, clipfrac
+    losses = {m["actor/pg_loss"] for m in logged.values()}
+    assert len(losses) == 3, losses
 
 
 @pytest.mark.parametrize("token_level", [True, False])
@@ -275,7 +310,8 @@ def test_non_finite_gradient_skips_the_update(monkeypatch):
     before = [p.detach().clone() for p in model.parameters()]
     real = dapo.policy_loss
     def nan_loss(*args, **kwargs):
-        return real(*args, **kwargs) * float("nan")
+        out = real(*args, **kwargs)
+        return replace(out, loss=out.loss * float("nan"))
     monkeypatch.setattr(dapo, "policy_loss", nan_loss)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     m = update_policy(model, opt, random_batch(50), Config(group_size=4), 0.28)
@@ -402,19 +438,23 @@ def test_log_ratio_is_clamped_so_an_overflowing_ratio_keeps_the_gradient_finite(
     # verl does, the token is clipped (no gradient) and the other keeps its gradient -A / denom
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     loss = policy_loss(logp, torch.tensor([[-91.0, -2.0]]), torch.tensor([1.0]),
-                       torch.ones(1, 2, dtype=torch.bool), 0.2, 0.28, denom=2.0)
+                       torch.ones(1, 2, dtype=torch.bool), 0.2, 0.28, denom=2.0).loss
     loss.backward()
     assert torch.isfinite(loss) and logp.grad.tolist() == [[0.0, -0.5]]
 
 
+@pytest.mark.needs("policy_loss")
 def test_clip_statistics_mean_what_verl_means():
     # tokens: up-clipped (A > 0, r = 1.5), low-clipped (A < 0, r = 0.5), dual-clipped (A < 0,
     # r = 5 with c = 3), inside (r = 1)
     ratio = torch.tensor([[1.5], [0.5], [5.0], [1.0]])
     old_logp = torch.full((4, 1), math.log(0.1))
-    stats = clip_stats(old_logp + ratio.log(), old_logp, torch.tensor([1.0, -1.0, -1.0, 1.0]),
-                       torch.ones(4, 1, dtype=torch.bool), 0.2, 0.28, dual_clip=3.0)
+    logp, adv = old_logp + ratio.log(), torch.tensor([1.0, -1.0, -1.0, 1.0])
+    mask = torch.ones(4, 1, dtype=torch.bool)
+    out = policy_loss(logp, old_logp, adv, mask, 0.2, 0.28, 1.0, dual_clip=3.0)
+    stats = clip_stats(out, logp, old_logp, adv, mask)
     assert stats["clip_high"] == 1 and stats["clip_low"] == 1 and stats["dual_clip"] == 1
+    assert stats["pg_loss"].item() == pytest.approx(-1.28 + 0.8 + 3.0 - 1.0)
     assert stats["up_clipped_prob"].item() == pytest.approx(0.1)  # pi_old of the up-clipped one
     assert stats["token_prob"].item() == pytest.approx(0.4)
 

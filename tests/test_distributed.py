@@ -64,7 +64,8 @@ def two_rank_step(tiny_model_dir, tmp_path_factory):
 @pytest.mark.parametrize("opt_name,tol", [
     ("sgd", 1e-9),
     ("adamw", 1e-7),
-    # micro-batches by token budget on 2 ranks, against fixed-size ones in one process
+    # micro-batches by token budget on 2 ranks, against fixed-size ones in one process; the loss
+    # weighed by --rollout-correction token_mask (dist_worker.CORRECTED)
     ("sgd-tokens", 1e-9),
     # one prompt per optimizer step: each rank trains half of each group's responses (what lets
     # the paper's 32-prompt mini-batch run on 128 ranks)
@@ -88,6 +89,10 @@ def test_two_ranks_take_the_same_step_as_one(tiny_model_dir, two_rank_step, opt_
     parity = [k for k in metrics if k.startswith("training/rollout_")]  # summed over ranks too
     assert len(parity) == 6 and all(two["metrics"][k] == pytest.approx(metrics[k], rel=1e-12)
                                     for k in parity), (parity, two["metrics"])
+    corr = [k for k in metrics if k.startswith("rollout_corr/")]  # and the rollout correction's
+    assert len(corr) == (13 if opt_name.endswith("-tokens") else 6)
+    assert all(two["metrics"][k] == pytest.approx(metrics[k], rel=1e-12) for k in corr), \
+        [(k, two["metrics"][k], metrics[k]) for k in corr]
 
 
 @pytest.mark.parity
