@@ -114,7 +114,7 @@ def has_mixed_addmm(device: torch.device) -> bool:
         try:
             torch.addmm(out, a, a, out_dtype=torch.float32, out=out)
             _mixed_addmm[device.type] = bool(out[0, 0] == 2)
-        except (TypeError, RuntimeError, NotImplementedError):  # no such overload or kernel
+        except (TypeError, RuntimeError):  # no such overload, or no kernel for this device
             _mixed_addmm[device.type] = False
     return _mixed_addmm[device.type]
 

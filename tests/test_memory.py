@@ -81,6 +81,7 @@ def test_activations_are_what_autograd_keeps(name, mode, checkpointing):
     assert abs(per_token - measured) <= 0.1 * measured, (per_token, measured)
 
 
+@pytest.mark.needs("rope", "attention")  # a forward, for the gradients
 @pytest.mark.parametrize("precision,dtype_bytes", [("fp32", 4), ("bf16", 2)])
 def test_the_kv_cache_and_the_optimizer_state_are_what_gets_allocated(precision, dtype_bytes):
     m = small("a")

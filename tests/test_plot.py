@@ -3,6 +3,7 @@ sampling on two y axes (the fraction of tokens thrown away, the tokens per kept 
 ends by drawing its run's curves. And the progress bar's account of dynamic sampling's cap."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -50,11 +51,10 @@ def test_a_line_that_is_not_json_names_the_file_and_line(tmp_path):
 
 def test_make_run_ends_by_drawing_the_curves_and_saying_where(tmp_path):
     pytest.importorskip("matplotlib")
-    # the recipe as a user's make runs it (-n: printed, not run; the venv rule may print its pip
-    # lines), not as a sub-make of `make test` (which would print its directory, and pass VENV)
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
-    recipe = subprocess.run(["make", "-n", "run"], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=60).stdout.splitlines()
+    # the Makefile's run recipe as written (`make -n run` would stop in the student handout, whose
+    # run first names the exercises not written yet)
+    makefile = open(os.path.join(ROOT, "Makefile")).read()
+    recipe = re.search(r"^run:.*\n((?:\t.*\n)+)", makefile, re.M).group(1).splitlines()
     assert recipe[-2].endswith("dapo.py --out-dir runs/demo --overwrite")
     assert recipe[-1].endswith(
         "experiments/plot.py runs/demo/metrics.jsonl -o runs/demo/curves.png")
