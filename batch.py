@@ -146,3 +146,19 @@ class Batch:
                 parts = [F.pad(t, (0, R - t.shape[1])) for t in parts]
             out[name] = torch.cat(parts)
         return replace(batches[0], **out)
+
+
+@dataclass
+class PolicyLoss:
+    """dapo.policy_loss's result: what to back-propagate, and the tensors the clip metrics read."""
+    loss: torch.Tensor  # (): sum_it w_it l_it mask_it / denom
+    loss_tok: torch.Tensor  # (B, R): l_it, before the weight, the mask and the denominator
+    ratio: torch.Tensor  # (B, R): r_it, of the clamped log-ratio
+
+
+@dataclass
+class Collected:
+    """dapo.collect_batch's result: a step's training batch and what collecting it took."""
+    trained: Batch | None  # this rank's share of the training batch; None when nothing was kept
+    generated: Batch  # every response this rank generated, kept or not (the alarms' example)
+    metrics: dict  # the rollout's and dynamic sampling's, summed over ranks

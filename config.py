@@ -7,6 +7,7 @@ is loaded, naming the flag.
 """
 import argparse
 import re
+import sys
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -25,7 +26,7 @@ def _flag(default, help_text, choices=None, **argparse_extra):
 
 
 def slots_value(text: str) -> int | str:
-    """--rollout-batch-size: a number, or auto."""
+    """--rollout-slots: a number, or auto."""
     return text if text == "auto" else int(text)
 
 
@@ -70,7 +71,7 @@ class Config:
     temperature: float = _flag(1.0, "rollout sampling temperature (paper: 1.0)")
     top_p: float = _flag(1.0, "rollout nucleus sampling, 1 = off (paper: 1.0)")
     top_k: int = _flag(0, "rollout top-k, 0 = off (paper: off)")
-    rollout_batch_size: int | str = _flag(64, "sequences decoding at once per process, the KV "
+    rollout_slots: int | str = _flag(64, "sequences decoding at once per process, the KV "
                                               "cache's rows: bounds its memory (0 = all; auto: "
                                               "as many as the memory plan fits)", type=slots_value)
     compile: bool = _flag(False, "decode with a torch.compile'd step (CUDA graphs on a GPU), and "
@@ -136,7 +137,7 @@ class Config:
                                        "written, listed or not)", choices=REPORT_TO)
 
     @property
-    def generation_batch(self) -> int:
+    def gen_batch_prompts(self) -> int:
         """Prompts per generation batch: --gen-prompts with dynamic sampling (it draws more than
         it trains on), else the training batch."""
         return self.gen_prompts if self.dynamic_sampling else self.train_prompts
@@ -153,10 +154,10 @@ def check_flags(cfg: Config, world: int = 1):
                 "weight_decay": 0, "reward_timeout": 0}
     problems = [f"--{k.replace('_', '-')} must be >= {low}, got {getattr(cfg, k)}"
                 for k, low in at_least.items() if getattr(cfg, k) < low]
-    if cfg.rollout_batch_size != "auto" and not (isinstance(cfg.rollout_batch_size, int)
-                                                 and cfg.rollout_batch_size >= 0):
-        problems.append(f"--rollout-batch-size must be >= 0 or auto, got "
-                        f"{cfg.rollout_batch_size!r}")
+    if cfg.rollout_slots != "auto" and not (isinstance(cfg.rollout_slots, int)
+                                                 and cfg.rollout_slots >= 0):
+        problems.append(f"--rollout-slots must be >= 0 or auto, got "
+                        f"{cfg.rollout_slots!r}")
     for name, value, ok, need in [
         ("temperature", cfg.temperature, cfg.temperature > 0,
          "> 0 (the policy's log-probs are those of softmax(logits / T))"),
@@ -183,10 +184,10 @@ def check_flags(cfg: Config, world: int = 1):
     if cfg.compile and world > 1:  # FSDP2's hooks on every block are not traceable into it
         problems.append(f"--compile runs in one process only, got {world}: the compiled decode "
                         "step is one graph, and FSDP2's hooks in each block cannot be traced")
-    if cfg.generation_batch % world:  # each rank samples its share of every generation batch
+    if cfg.gen_batch_prompts % world:  # each rank samples its share of every generation batch
         flag = "--gen-prompts" if cfg.dynamic_sampling else "--train-prompts"
         problems.append(f"{flag} must be a multiple of the {world} processes, got "
-                        f"{cfg.generation_batch}")
+                        f"{cfg.gen_batch_prompts}")
     if cfg.mini_batch_prompts * cfg.group_size % world:  # each rank trains its share of a step
         problems.append(f"--mini-batch-prompts x --group-size must be a multiple of the {world} "
                         f"processes (each trains its share of every optimizer step's responses), "
@@ -228,7 +229,24 @@ class _Parser(argparse.ArgumentParser):
         distributed.fail(f"{message} ({self.prog} --help lists the flags)")
 
 
+# flags renamed, old name -> new: the old one works, with a notice, until the release after next
+RENAMED = {"--rollout-batch-size": "--rollout-slots"}  # KV-cache rows, not prompts per rollout
+
+
+def _renamed(argv: list[str]) -> list[str]:
+    out = []
+    for arg in argv:
+        name, eq, value = arg.partition("=")
+        if name in RENAMED:
+            distributed.say(f"note: {name} is now {RENAMED[name]} (the old name works for one "
+                            "more release)")
+            arg = RENAMED[name] + eq + value
+        out.append(arg)
+    return out
+
+
 def parse_args(argv=None, description: str = "") -> Config:
+    argv = _renamed(sys.argv[1:] if argv is None else list(argv))
     parser = _Parser(usage="%(prog)s [--FLAG VALUE ...]",
                      description=f"{description.strip()}\n\n{DEFAULTS}".strip(),
                      formatter_class=argparse.RawDescriptionHelpFormatter)

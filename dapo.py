@@ -13,25 +13,23 @@ No KL term and no reference model. Entropy is measured and logged, never added t
 
     python dapo.py                  # the embedded demo: a tiny model learns the toy task on CPU
     python dapo.py --help           # every flag; the README has the paper's full command line
-    # AIME-2024 avg@32 as the paper measures it; the result also goes to runs/eval/eval.json
     python dapo.py --eval-only --model PATH --val-data aime-2024.parquet --out-dir runs/eval \\
         --max-prompt-len 2048 --max-response-len 20480 --eval-samples 32 --eval-top-p 0.7 \\
         --eval-prompts 0
 """
-import json
 import os
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 
 import torch
 
 import launch
-from batch import Batch
+from batch import Batch, Collected, PolicyLoss
 from config import Config, parse_args
 from data import PromptIterator, Tokenizer, encode_prompts
 from infra import checkpoint, distributed, health, metrics, precision, rollout_correction, trackers
 from model import response_logprobs
-from reward import overlong_penalty, score_response, take_reward_fn_errors
+from reward import overlong_penalty, score_responses, take_reward_fn_errors
 from sampler import generate
 
 
@@ -62,13 +60,6 @@ def keep_groups(acc, group_size):
     a = acc.float().view(-1, group_size)  # (N/G, G)
     return (a.std(1, unbiased=False) > 0) | (group_size == 1)
     # end exercise
-
-
-@dataclass
-class PolicyLoss:  # policy_loss's result; the loop reads its clip statistics from the tensors
-    loss: torch.Tensor  # (): sum_it w_it l_it mask_it / denom, to back-propagate
-    loss_tok: torch.Tensor  # (B, R): l_it, before the weight, the mask and the denominator
-    ratio: torch.Tensor  # (B, R): r_it, of the clamped log-ratio
 
 
 def policy_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom, dual_clip=0.0,
@@ -124,20 +115,17 @@ def loss_mask(batch: Batch, cfg):
 def rollout(model, rows, tok: Tokenizer, cfg, *, group_size, temperature, top_p, top_k,
             generator) -> Batch:
     """Sample group_size responses to each row's prompt and score them with the row's verifier;
-    --rollout-batch-size decode at a time (the KV cache's rows), a finished one making room."""
+    --rollout-slots decode at a time (the KV cache's rows), a finished one making room."""
     prompts, _ = encode_prompts(rows, tok, cfg.max_prompt_len)
     sequences = [p for p in prompts for _ in range(group_size)]
     with precision.autocast(cfg, sampler=True):  # --rollout-precision; never around a step
         out = generate(model, sequences, cfg.max_response_len, temperature=temperature,
                        top_p=top_p, top_k=top_k, eos_token_ids=tok.eos_token_ids,
                        pad_token_id=tok.pad_token_id, generator=generator,
-                       slots=cfg.rollout_batch_size or None, compile=cfg.compile)  # slots 0: all
-    # decoded only for the verifier, which reads text
-    scores = [score_response(row["data_source"], tok.decode(ids[:n].tolist()),
-                             row["reward_model"]["ground_truth"])
-              for row, ids, n in zip([r for r in rows for _ in range(group_size)],
-                                     out.response_ids, out.lengths.tolist())]
-    return Batch.from_rollout(out, scores, group_size)
+                       slots=cfg.rollout_slots or None, compile=cfg.compile)  # slots 0: all
+    texts = [tok.decode(ids[:n].tolist())  # decoded for the verifier alone, which reads text
+             for ids, n in zip(out.response_ids, out.lengths.tolist())]
+    return Batch.from_rollout(out, score_responses(rows, group_size, texts), group_size)
 
 
 def evaluate(model, rows, tok, cfg) -> dict:
@@ -159,19 +147,30 @@ def evaluate(model, rows, tok, cfg) -> dict:
 # ------------------------------------------------------------------------------------------------
 # Algorithm 1, lines 2-8: sample, reward and filter until the batch is full
 
-def collect_batch(model, prompt_iter, tok, cfg, generator) -> tuple[Batch | None, dict, Batch]:
+def groups_to_train(n_kept: int, cfg) -> int:
+    """All of --train-prompts, or, when dynamic sampling stopped at --max-gen-batches short of
+    them, the whole mini-batches kept (a partial one would take a full optimizer step; the progress
+    bar says so), or with --on-gen-cap error verl's error."""
+    if n_kept >= cfg.train_prompts:
+        return cfg.train_prompts
+    if cfg.on_gen_cap == "error":
+        raise RuntimeError(f"dynamic sampling found {n_kept} of {cfg.train_prompts} groups with "
+                           f"signal in --max-gen-batches {cfg.max_gen_batches} generation batches: "
+                           "raise the cap (0 = none), or train on them with --on-gen-cap train")
+    return n_kept - n_kept % cfg.mini_batch_prompts
+
+
+def collect_batch(model, prompt_iter, tok, cfg, generator) -> Collected:
     """Generation batches of prompts from pi_old (the current policy), scored, reward-shaped
-    (technique 4) and filtered (technique 2), until train_prompts groups with signal are kept
-    over all ranks, or max_gen_batches is reached. Returns this rank's share of the training
-    batch (None if nothing was kept), the rollout's metrics, summed over ranks, and every
-    response this rank generated (for the alarms' example)."""
+    (technique 4) and filtered (technique 2), until train_prompts groups with signal are kept over
+    all ranks, or max_gen_batches is reached; this rank's share of them is the training batch."""
     rank, world = distributed.rank(), distributed.world_size()
     kept: dict[int, Batch] = {}  # the groups with signal on this rank, by global group number
-    seen, n_gen, t_start, t_first = [], 0, time.time(), 0.0
+    seen, ends = [], []  # this rank's generation batches, and the time each ended
     while (n_all := distributed.all_reduce(len(kept), name="dynamic-sampling count")) \
             < cfg.train_prompts:
-        health.check_sampling(n_gen, n_all, cfg.train_prompts)
-        if cfg.max_gen_batches and n_gen == cfg.max_gen_batches:
+        health.check_sampling(len(seen), n_all, cfg.train_prompts)
+        if cfg.max_gen_batches and len(seen) == cfg.max_gen_batches:
             break
         # --- Rollout (Algorithm 1, lines 3-5): pi_old samples G responses per prompt ---
         prompts = prompt_iter.next_batch()
@@ -184,46 +183,41 @@ def collect_batch(model, prompt_iter, tok, cfg, generator) -> tuple[Batch | None
         # --- Algorithm 1, line 9: group advantages (paper Eq. 9), one per response: here, where
         # each group is whole (its responses may then train on several ranks) ---
         batch = replace(batch, adv=group_advantages(batch.reward, cfg.group_size))
-        seen.append(batch)
         # --- DAPO technique 2: dynamic sampling (paper Sec. 3.2): keep the groups with signal ---
         keep = keep_groups(batch.acc, cfg.group_size) if cfg.dynamic_sampling else \
             torch.ones(batch.num_groups, dtype=torch.bool)  # (groups,) bool
-        for i in keep.nonzero().flatten().tolist():  # this rank's i-th prompt is prompts[i W + r]
-            kept[n_gen * len(prompts) + i * world + rank] = batch.groups([i])
-        n_gen += 1
-        t_first = t_first or time.time() - t_start
+        kept |= {distributed.group_number(len(seen), len(prompts), i): batch.groups([i])
+                 for i in keep.nonzero().flatten().tolist()}
+        seen.append(batch)
+        ends.append(time.time())
     n_kept = distributed.all_reduce(len(kept))
     n_take = groups_to_train(n_kept, cfg)
-    # this rank's share of the responses of the first n_take, as one process would have kept them:
-    # each mini-batch's split evenly between the ranks
-    G = cfg.group_size
-    responses = {g * G + i: r for g, group in kept.items() for i, r in enumerate(group.split(1))}
-    shared = distributed.share_in_order(responses, n_take * G, cfg.mini_batch_prompts * G)
+    # this rank's share of the first n_take groups' responses, as one process would keep them
+    shared = distributed.share_responses(kept, n_take, cfg.mini_batch_prompts, cfg.group_size)
     trained, generated = Batch.cat(shared) if n_take else None, Batch.cat(seen)
-    return (trained,
-            metrics.rollout_metrics(generated, cfg.group_size)
-            | metrics.sampling_metrics(n_gen, n_kept, n_take, n_kept < cfg.train_prompts,
-                                       prompt_iter.batch_size)
-            | metrics.generation_cost(generated, trained, n_take, time.time() - t_start - t_first),
-            generated)
-
-
-def groups_to_train(n_kept: int, cfg) -> int:
-    """All of --train-prompts, or, when dynamic sampling stopped at --max-gen-batches short of
-    them, the whole mini-batches kept (a partial one would take a full optimizer step; the progress
-    bar says so), or with --on-gen-cap error verl's error."""
-    if n_kept >= cfg.train_prompts:
-        return cfg.train_prompts
-    if cfg.on_gen_cap == "error":
-        raise RuntimeError(
-            f"dynamic sampling found {n_kept} of {cfg.train_prompts} groups with signal in "
-            f"--max-gen-batches {cfg.max_gen_batches} generation batches; raise the cap (0 = "
-            "none), or --on-gen-cap train to train on the whole mini-batches kept")
-    return n_kept - n_kept % cfg.mini_batch_prompts
+    return Collected(trained, generated, metrics.collection_metrics(generated, trained, n_kept,
+                                                                    n_take, ends, cfg))
 
 
 # ------------------------------------------------------------------------------------------------
 # Algorithm 1, lines 10-11: the policy update
+
+@torch.no_grad()
+def old_logprobs(model, batch: Batch, cfg, stats: metrics.UpdateStats):
+    """log pi_old of every response token, in micro-batches: (N, R), 0 on padding; pi_old's
+    entropy and its distance to the sampler's log-probs go into stats."""
+    old_logp = None
+    for index, real in distributed.micro_batches(batch, cfg):
+        micro = batch.rows(index)
+        with precision.autocast(cfg):
+            logp, entropy = response_logprobs(model, micro, cfg.temperature, cfg.fused_head)
+        if old_logp is None:
+            old_logp = logp.new_zeros(batch.response_ids.shape)  # (N, R)
+        if real:
+            old_logp[index, :logp.shape[1]] = logp.masked_fill(~micro.response_mask, 0.0)
+        stats.add_old_policy(logp, entropy, micro, real)
+    return old_logp
+
 
 def update_policy(model, opt, batch: Batch, cfg, eps_high) -> dict:
     """One epoch over the batch in mini-batches (one optimizer step each) of micro-batches
@@ -234,8 +228,7 @@ def update_policy(model, opt, batch: Batch, cfg, eps_high) -> dict:
     mini_rows = cfg.mini_batch_prompts * cfg.group_size // world  # this rank's rows per step
     stats = metrics.UpdateStats()
     # pi_old (Algorithm 1, line 4): with several optimizer steps per rollout the policy moves
-    # between them, so the log-probs of the policy that sampled the batch are recomputed now by
-    # the training model. With one step, pi_old = pi_theta.detach() and this forward is skipped.
+    # between them, so the sampler's policy's log-probs are recomputed now (one step: pi_theta)
     if len(batch) > mini_rows:
         batch = replace(batch, old_logp=old_logprobs(model, batch, cfg, stats))
     for mini_batch in batch.split(mini_rows):
@@ -250,8 +243,8 @@ def update_policy(model, opt, batch: Batch, cfg, eps_high) -> dict:
             if mini_batch.old_logp is None:  # pi_old's entropy is logged whatever the loss mask
                 old_logprobs(model, mini_batch, cfg, stats)
             continue
-        for rows, real in distributed.micro_batches(mini_batch, cfg):
-            micro = mini_batch.rows(rows)
+        for index, real in distributed.micro_batches(mini_batch, cfg):
+            micro = mini_batch.rows(index)
             mask = loss_mask(micro, cfg) & real  # (B, R); a stand-in micro-batch trains nothing
             with precision.autocast(cfg):  # the forward only: backward and step outside
                 logp, entropy = response_logprobs(model, micro, cfg.temperature, cfg.fused_head)
@@ -273,25 +266,15 @@ def update_policy(model, opt, batch: Batch, cfg, eps_high) -> dict:
     return stats.result(batch)
 
 
-@torch.no_grad()
-def old_logprobs(model, batch: Batch, cfg, stats: metrics.UpdateStats):
-    """log pi_old of every response token, in micro-batches: (N, R), 0 on padding; pi_old's
-    entropy and its distance to the sampler's log-probs go into stats."""
-    old_logp = None
-    for rows, real in distributed.micro_batches(batch, cfg):
-        micro = batch.rows(rows)
-        with precision.autocast(cfg):
-            logp, entropy = response_logprobs(model, micro, cfg.temperature, cfg.fused_head)
-        if old_logp is None:
-            old_logp = logp.new_zeros(batch.response_ids.shape)  # (N, R)
-        if real:
-            old_logp[rows, :logp.shape[1]] = logp.masked_fill(~micro.response_mask, 0.0)
-        stats.add_old_policy(logp, entropy, micro, real)
-    return old_logp
-
-
 # ------------------------------------------------------------------------------------------------
 # The training loop (paper Algorithm 1)
+
+def set_lr(opt, cfg, step):
+    """A linear warm-up over the first rollout steps, then constant (paper Sec. 4.1), from 0 at
+    step 0 as verl's constant-with-warm-up schedule."""
+    for group in opt.param_groups:
+        group["lr"] = cfg.lr * min(1.0, step / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
+
 
 def train(cfg: Config):
     model, tok, tok_dir, resume_dir = launch.load_policy(cfg)
@@ -299,39 +282,32 @@ def train(cfg: Config):
     eps_high = cfg.eps_high if cfg.clip_higher else cfg.eps_low  # technique 1 off: PPO's clip
     if cfg.eval_only:
         result = evaluate(model, val_rows, tok, cfg)
-        distributed.say(f"written to {metrics.save_eval(cfg.out_dir, result, asdict(cfg))}:")
-        distributed.say(json.dumps(result))
-        for tracker in trackers.open_all(cfg):  # runs of their own, apart from the training run
-            tracker.log(result, 0)
+        metrics.report_eval(result, cfg.out_dir, asdict(cfg), trackers.open_all(cfg))
         return result
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.999),
-                            weight_decay=cfg.weight_decay)
-    prompt_iter = PromptIterator(train_rows, cfg.generation_batch, cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    prompt_iter = PromptIterator(train_rows, cfg.gen_batch_prompts, cfg.seed)
     generator = torch.Generator(cfg.device).manual_seed(cfg.seed + distributed.rank())
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
     start = checkpoint.resume(resume_dir, model, opt, prompt_iter, generator, metrics_path,
                               cfg.steps) if resume_dir else 0
     log = metrics.RunLog(metrics_path, start, cfg.steps,
                          trackers.open_all(cfg, start, metrics_path))
-    first_val = last_val = None
     alarms = health.Alarms(cfg.stop_when_stuck, cfg.reward_fn)
     for step in log.bar:  # Algorithm 1, line 1
         if cfg.eval_every and step % cfg.eval_every == 0:
-            last_val = evaluate(model, val_rows, tok, cfg)
-            first_val = first_val or last_val
-            log.write({"step": step, **last_val})
+            log.evaluated(step, evaluate(model, val_rows, tok, cfg))
         t0 = time.time()
         set_lr(opt, cfg, step)
         # --- Algorithm 1, lines 2-8: sample, reward, filter, until the batch is full ---
-        batch, row, generated = collect_batch(model, prompt_iter, tok, cfg, generator)
-        t_gen = time.time() - t0
-        if batch is not None:
-            row |= metrics.training_batch_metrics(batch)
+        collected = collect_batch(model, prompt_iter, tok, cfg, generator)
+        t_gen, logged = time.time() - t0, collected.metrics  # the step's row of metrics.jsonl
+        if collected.trained is not None:
+            logged |= metrics.training_batch_metrics(collected.trained)
             # --- Algorithm 1, lines 10-11: optimizer steps on the batch (Eq. 8) ---
-            row |= update_policy(model, opt, batch, cfg, eps_high)
-        log.step(step + 1, row, opt.param_groups[0]["lr"], t_gen, time.time() - t0 - t_gen)
+            logged |= update_policy(model, opt, collected.trained, cfg, eps_high)
+        log.step(step + 1, logged, opt.param_groups[0]["lr"], t_gen, time.time() - t0 - t_gen)
         # a dead run: warn, and stop with --stop-when-stuck
-        stuck = alarms.check(step + 1, row, generated, tok, take_reward_fn_errors())
+        stuck = alarms.check(step + 1, logged, collected.generated, tok, take_reward_fn_errors())
         if stuck or (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
             checkpoint.save(cfg.out_dir, step + 1, model, tok_dir, opt, prompt_iter, generator,
                             asdict(cfg), keep_last=cfg.keep_checkpoints)
@@ -339,18 +315,9 @@ def train(cfg: Config):
             raise alarms.error()
     alarms.finish()  # a run whose every update was skipped trained nothing: a non-zero exit
     if cfg.eval_every and start < cfg.steps:
-        last_val = evaluate(model, val_rows, tok, cfg)
-        log.write({"step": cfg.steps, **last_val})
-        if first_val:
-            log.say_eval_change(first_val, last_val, start, cfg.steps, cfg.eval_samples)
-    return last_val
-
-
-def set_lr(opt, cfg, step):
-    """A linear warm-up over the first rollout steps, then constant (paper Sec. 4.1), from 0 at
-    step 0 as verl's constant-with-warm-up schedule."""
-    for group in opt.param_groups:
-        group["lr"] = cfg.lr * min(1.0, step / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
+        log.evaluated(cfg.steps, evaluate(model, val_rows, tok, cfg))
+        log.say_eval_change(start, cfg.steps, cfg.eval_samples)
+    return log.last_val
 
 
 def main(cfg: Config):

@@ -20,14 +20,13 @@ from config import Config, check_flags
 from data import Tokenizer, check_data_file, check_vocab, load_rows, load_tokenizer
 from infra import checkpoint, distributed, health, hf_io, memory, precision, trackers
 from infra.files import need_file
-from model import PRESETS, ModelConfig, Qwen2
+from model import ModelConfig, Qwen2
 from reward import check_reward_fn, install_reward_fn, uninstall_reward_fn
-from toy import WARMUP, demo_model_config, demo_policy, toy_rows
 
 
 def run(train, cfg: Config):
     # --plan N: the flags are checked for the N processes the plan is for
-    check_flags(cfg, world=cfg.plan if cfg.plan > 0 else int(os.environ.get("WORLD_SIZE", "1")))
+    check_flags(cfg, world=cfg.plan if cfg.plan > 0 else distributed.launched_world())
     if not cfg.plan:  # --plan reads config.json alone
         check_files(cfg)  # before the processes meet and the weights load (minutes for 32B)
     rank, world, cfg.device = distributed.init(cfg.device, timeout_s=cfg.dist_timeout)
@@ -51,7 +50,7 @@ def run(train, cfg: Config):
 
 def plan_memory(cfg: Config, world: int) -> memory.Plan:
     """The memory plan per process (infra/memory.py) from the model's config.json and the flags,
-    printed by rank 0. A run that cannot fit the device stops with the numbers; --rollout-batch-size
+    printed by rank 0. A run that cannot fit the device stops with the numbers; --rollout-slots
     auto becomes the slots that fit. --plan N: the plan for N processes, against no device."""
     planned = cfg.plan if cfg.plan > 0 else world
     capacity = memory.device_capacity(cfg.device) if planned == world else 0
@@ -59,8 +58,8 @@ def plan_memory(cfg: Config, world: int) -> memory.Plan:
     distributed.say(plan.describe(cfg.device if capacity else "a device of any size"))
     if not cfg.plan:
         memory.refuse_if_too_big(plan, cfg.device)
-        cfg.rollout_batch_size = plan.slots if cfg.rollout_batch_size == "auto" else \
-            cfg.rollout_batch_size
+        cfg.rollout_slots = plan.slots if cfg.rollout_slots == "auto" else \
+            cfg.rollout_slots
     return plan
 
 
@@ -72,6 +71,7 @@ def model_config(cfg: Config) -> ModelConfig:
                                                             "model"), "config.json"))
     if cfg.model:
         return ModelConfig.from_json(need_file(cfg.model, "config.json"))
+    from toy import demo_model_config  # the demo's, imported only where it is chosen
     return demo_model_config()
 
 
@@ -101,6 +101,7 @@ def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:
         model = load_sharded(tok_dir, cfg) if sharded else \
             Qwen2.from_pretrained(tok_dir, dtype=torch.float32, device=cfg.device)
     else:
+        from toy import demo_policy
         tok_dir, model = demo_policy(cfg.out_dir, cfg.device, cfg.seed)
         if sharded:
             distributed.shard(model, mixed_precision=cfg.precision == "bf16")
@@ -134,7 +135,8 @@ def check_lengths(cfg: Config, model_dir: str | None):
     """A prompt and its response must fit the model's positions (RoPE past its trained range
     gives garbage, silently). model_dir None: the demo's model."""
     if model_dir is None:
-        limit, source = PRESETS[WARMUP["preset"]]["max_position_embeddings"], "the demo model"
+        from toy import demo_model_config
+        limit, source = demo_model_config().max_position_embeddings, "the demo model"
     else:
         config_json = need_file(model_dir, "config.json")
         limit = ModelConfig.from_json(config_json).max_position_embeddings
@@ -153,18 +155,16 @@ def load_data(cfg: Config, tok) -> tuple[list[dict], list[dict]]:
     if cfg.model and not cfg.train_data and not cfg.eval_only:
         distributed.say(f"warning: --model {cfg.model} without --train-data trains on the demo's "
                         "toy sums (pass --train-data, e.g. DAPO-Math-17k's parquet file)")
-    if cfg.train_data:
-        train_rows = load_rows(cfg.train_data, tok)
-    else:
-        train_rows = toy_rows(20000, seed=cfg.seed, split="train")
-    if cfg.val_data:
-        val_rows = load_rows(cfg.val_data, tok)
-    else:
-        val_rows = toy_rows(1000, seed=cfg.seed, split="test")
-    if not cfg.eval_only and len(train_rows) < cfg.generation_batch:
+    if not (cfg.train_data and cfg.val_data):
+        from toy import toy_rows  # the demo's task, where a file is not given
+    train_rows = load_rows(cfg.train_data, tok) if cfg.train_data else \
+        toy_rows(20000, seed=cfg.seed, split="train")
+    val_rows = load_rows(cfg.val_data, tok) if cfg.val_data else \
+        toy_rows(1000, seed=cfg.seed, split="test")
+    if not cfg.eval_only and len(train_rows) < cfg.gen_batch_prompts:
         flag = "--gen-prompts" if cfg.dynamic_sampling else "--train-prompts"
         raise ValueError(f"{cfg.train_data}: {len(train_rows)} usable rows, fewer than {flag} "
-                         f"{cfg.generation_batch} (the prompts of one generation batch)")
+                         f"{cfg.gen_batch_prompts} (the prompts of one generation batch)")
     if cfg.reward_fn:  # one call on a real ground truth: a wrong signature stops the run now
         check_reward_fn(train_rows[0]["reward_model"]["ground_truth"])
     return train_rows, val_rows[:cfg.eval_prompts or None]

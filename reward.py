@@ -178,6 +178,13 @@ def has_scorer(data_source: str) -> bool:
     return scorer_for(data_source) is not None
 
 
+def score_responses(rows: list[dict], group_size: int, texts: list[str]) -> list[dict]:
+    """The G = group_size responses to each row (texts, group after group), scored by the row's
+    verifier."""
+    return [score_response(row["data_source"], text, row["reward_model"]["ground_truth"])
+            for row, text in zip([r for r in rows for _ in range(group_size)], texts)]
+
+
 def score_response(data_source: str, response_text: str, ground_truth: str) -> dict:
     """Score one decoded response for its row's data_source: {"score", "acc", "pred"}."""
     scorer = scorer_for(data_source)

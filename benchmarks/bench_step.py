@@ -17,7 +17,7 @@ toy tokenizer, which both sides load.
 
 - ours: dapo.collect_batch (sampler.generate: continuous batching over KV-cache slots),
   group_advantages and update_policy, called directly, three ways, each on its own copy of the
-  model: "defaults" with dapo.py's flags (--rollout-batch-size 512, so all 256 sequences at once,
+  model: "defaults" with dapo.py's flags (--rollout-slots 512, so all 256 sequences at once,
   and micro-batches of 64 rows); "eager" and "compiled" (the torch.compile'd decode step) with
   --slots 64 and micro-batches by a budget of 1024 padded tokens (dapo.py's --micro-batch-tokens),
   the best measured here ("compiled" also trains with compiled decoder blocks, as dapo.py
@@ -49,7 +49,6 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import replace
 
 import torch
 
@@ -150,9 +149,8 @@ class OurSide:
         return int(batch.response_mask.sum())
 
     def rollout(self, rows):
-        batch, metrics, _ = dapo.collect_batch(self.model, Rows(rows), self.tok, self.cfg,
-                                               self.generator)
-        return replace(batch, adv=dapo.group_advantages(batch.reward, G)), metrics
+        collected = dapo.collect_batch(self.model, Rows(rows), self.tok, self.cfg, self.generator)
+        return collected.trained, collected.metrics  # its advantages computed
 
 
 def trl_trainer(base, rows, max_steps, micro, out_dir, phases, tokens):
@@ -293,7 +291,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first (compile, set-up)")
     # measured best on this CPU for the toy shape (64 of 32/64/128/256 slots, 1024 of 512-4096)
     ap.add_argument("--slots", type=int, default=64,
-                    help="ours, eager/compiled: KV-cache slots (dapo.py's --rollout-batch-size)")
+                    help="ours, eager/compiled: KV-cache slots (dapo.py's --rollout-slots)")
     ap.add_argument("--micro-batch-tokens", type=int, default=1024,
                     help="ours, eager/compiled: micro-batches by token budget (0: 64 rows each)")
     ap.add_argument("--trl-micro-batch", type=int, default=MICRO,
@@ -325,11 +323,11 @@ def main():
     phases, tokens, record = Phases(), [], Record(args)
     # dapo.py's own names for the sampler and the verifier, wrapped to count the phases
     dapo.generate = phases.wrap("generate", dapo.generate)
-    dapo.score_response = phases.wrap("reward", dapo.score_response)
+    dapo.score_responses = phases.wrap("reward", dapo.score_responses)
     with tempfile.TemporaryDirectory() as root:
         base = base_model_dir(root)
-        tuned = dict(rollout_batch_size=args.slots, micro_batch_tokens=args.micro_batch_tokens)
-        # dapo.py's own flags: --rollout-batch-size 512 (so 256 slots here), 64-row micro-batches
+        tuned = dict(rollout_slots=args.slots, micro_batch_tokens=args.micro_batch_tokens)
+        # dapo.py's own flags: --rollout-slots 512 (so 256 slots here), 64-row micro-batches
         ours = {OURS[0]: OurSide(base, phases),
                 OURS[1]: OurSide(base, phases, **tuned),
                 OURS[2]: OurSide(base, phases, **tuned, compile=True)}

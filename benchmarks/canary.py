@@ -135,7 +135,7 @@ def main():
     result = launch.run(canary, cfg)
     if int(os.environ.get("RANK", "0")) == 0:  # the process group is gone: rank() says 0
         print(f"learning canary ({args.precision}, {args.device}, "
-              f"{int(os.environ.get('WORLD_SIZE', '1'))} process(es)): sampler moved "
+              f"{distributed.launched_world()} process(es)): sampler moved "
               f"{result['sampler_move']:+.4f}, trainer {result['trainer_move']:+.4f} nats a "
               f"token (gap {result['gap']:.4f}, tolerance {result['tolerance']:.4f}; rows "
               f"{result['rows_compared']}): {'ok' if result['ok'] else 'FAILED'}")

@@ -154,7 +154,7 @@ def dapo_flags(args, d, model_dir) -> list[str]:
             "--group-size", str(args.group_size), "--max-response-len", str(args.max_response_len),
             "--overlong-buffer", str(args.max_response_len // 4), "--no-dynamic-sampling",
             "--eval-every", "0", "--lr", str(args.lr), "--warmup-steps", "0",
-            "--rollout-batch-size", str(P * args.group_size // args.nproc),
+            "--rollout-slots", str(P * args.group_size // args.nproc),
             "--micro-batch-tokens", str(args.micro_batch_tokens),
             "--reward-fn", os.path.join(d, "reward.py") + ":score", "--reward-fn-all-rows"]
 

@@ -151,13 +151,17 @@ def _read(path) -> str:
         return f.read().strip()
 
 
+def step_dirs(ckpts: str) -> list[str]:
+    """The names of the step_N directories in ckpts, oldest first."""
+    return sorted((n for n in os.listdir(ckpts) if re.fullmatch(r"step_\d+", n)),
+                  key=lambda n: int(n[5:]))
+
+
 def _delete_old(ckpts, keep_last):
     """Delete complete step_N directories beyond the newest keep_last, by step; never the one
     `latest` names."""
     current = _read(os.path.join(ckpts, "latest"))
-    steps = sorted((n for n in os.listdir(ckpts) if re.fullmatch(r"step_\d+", n)),
-                   key=lambda n: int(n[5:]))
-    for name in steps[:-keep_last]:
+    for name in step_dirs(ckpts)[:-keep_last]:
         if name != current:
             shutil.rmtree(os.path.join(ckpts, name))
 
@@ -213,9 +217,8 @@ def incomplete(ckpt) -> str | None:
 def _way_back(out_dir, broken: str | None = None) -> str:
     """How to resume from the newest complete checkpoint (before the broken one, if given)."""
     ckpts = os.path.join(out_dir, "checkpoints")
-    steps = sorted((n for n in os.listdir(ckpts) if re.fullmatch(r"step_\d+", n)),
-                   key=lambda n: int(n[5:]), reverse=True)
-    earlier = [n for n in steps if not broken or int(n[5:]) < int(os.path.basename(broken)[5:])]
+    earlier = [n for n in reversed(step_dirs(ckpts))
+               if not broken or int(n[5:]) < int(os.path.basename(broken)[5:])]
     for name in earlier:
         if incomplete(os.path.join(ckpts, name)) is None:
             remove = f"remove {broken} and " if broken else ""
@@ -401,7 +404,7 @@ def trim_metrics(path: str, step: int) -> int:
 
 # Flags a resumed run may change: what to run for, where and how often to log (and to which
 # trackers), evaluate and save, and memory knobs that change no number beyond rounding
-# (micro_batch_size) or which random samples are drawn (rollout_batch_size), and the time a
+# (micro_batch_size) or which random samples are drawn (rollout_slots), and the time a
 # --reward-fn call may take (a call that hangs is what makes one stop and resume). Every other field
 # (group size, lengths, lr, eps, batch sizes, seed, data, the technique switches, and any flag
 # added later) changes the algorithm: check_resume_config refuses a change to it.
@@ -409,7 +412,7 @@ MAY_CHANGE_ON_RESUME = {
     "steps", "out_dir", "resume", "overwrite", "eval_only", "device", "dist_timeout", "save_every",
     "keep_checkpoints", "eval_every", "eval_samples", "eval_temperature", "eval_top_p",
     "eval_prompts", "val_data",
-    "rollout_batch_size", "compile", "micro_batch_size", "micro_batch_tokens", "fused_head",
+    "rollout_slots", "compile", "micro_batch_size", "micro_batch_tokens", "fused_head",
     "activation_checkpointing", "report_to", "reward_timeout",
 }
 

@@ -34,11 +34,16 @@ _device = "cpu"  # this process's device, set by init(): where the collectives' 
 FAIL_WAIT_S = 30
 
 
+def launched_world() -> int:
+    """The processes torchrun started (its WORLD_SIZE), 1 without torchrun: known before init()."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def init(device: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int, str]:
     """-> (rank, world_size, this process's device). A collective that waits longer than timeout_s
     for another rank (stopped, swapping, stuck in I/O) raises instead of blocking forever."""
     global _timeout_s, _device
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = launched_world()
     _device = device
     if world == 1:
         return 0, 1, device
@@ -74,7 +79,7 @@ def exit_after_shutdown():
     (CPU) a process sometimes aborts there ("terminate called without an active exception", about
     1 run in 30 here), after its work is done and saved, and its exit code would then report a
     failure. Flushes the output first. A single process just returns."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if launched_world() > 1:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
@@ -123,7 +128,7 @@ def fail(message: str, status: int = 2):
     print(f"error: {message}" if rank == 0 else f"error: rank {rank}: {message}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if launched_world() > 1:
         os._exit(status)  # as exit_after_shutdown: gloo's teardown can abort after the work
     raise SystemExit(status)
 
@@ -244,6 +249,22 @@ def all_gather_object(obj, name: str | None = None) -> list:
     with _named("all_gather_object", name, sys._getframe(1)):
         dist.all_gather_object(out, obj)
     return out
+
+
+def group_number(n_gen: int, prompts_per_gen: int, i: int) -> int:
+    """The global number of this rank's i-th group of its n_gen-th generation batch: the order one
+    process would have generated it in (rank r samples prompts r, r + W, r + 2W, ...)."""
+    return n_gen * prompts_per_gen + i * world_size() + rank()
+
+
+def share_responses(kept: dict, n_take: int, mini_batch_prompts: int, group_size: int) -> list:
+    """This rank's share of the responses of the first n_take groups kept over all ranks (kept:
+    {global group number: its Batch of group_size responses}), each optimizer step's split evenly
+    between the ranks: whole groups where the share allows, the paper's 32 prompts on 128 ranks
+    included. 1-row Batches, in order."""
+    responses = {g * group_size + i: row for g, group in kept.items()
+                 for i, row in enumerate(group.split(1))}
+    return share_in_order(responses, n_take * group_size, mini_batch_prompts * group_size)
 
 
 def share_in_order(kept: dict, n_take: int, per_step: int) -> list:

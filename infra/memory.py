@@ -2,7 +2,7 @@
 The memory plan: what a run will hold per GPU (or in RAM on CPU), from the model's config.json and
 the flags alone, before any weight is loaded. A configuration that cannot fit is refused then,
 naming the numbers and the flag to change, instead of at the first rollout after minutes of
-loading; `--rollout-batch-size auto` takes the KV-cache slots from what is left.
+loading; `--rollout-slots auto` takes the KV-cache slots from what is left.
 
 A run has two phases, and its peak is the larger:
 
@@ -128,7 +128,7 @@ def _count(n: int) -> str:
 
 def plan(m, cfg, world: int, capacity: int = 0, slots: int | None = None) -> Plan:
     """The plan of a run of ModelConfig m with flags cfg (precision resolved) on world processes
-    of capacity bytes each; slots: the KV cache's rows (default: --rollout-batch-size, or, for
+    of capacity bytes each; slots: the KV cache's rows (default: --rollout-slots, or, for
     "auto", the most that fit)."""
     params = parameter_count(m)
     bf16, sharded = cfg.precision == "bf16", world > 1
@@ -156,7 +156,7 @@ def plan(m, cfg, world: int, capacity: int = 0, slots: int | None = None) -> Pla
         gathered_update=gathered_update, kv_cache=0, sampling=0, prefill=0,
         activations=int(micro_tokens * activation_bytes_per_token(
             m, mode, cfg.activation_checkpointing)), head=head, capacity=capacity)
-    wanted = slots if slots is not None else cfg.rollout_batch_size
+    wanted = slots if slots is not None else cfg.rollout_slots
     if wanted != "auto":
         return with_slots(result, m, cfg, int(wanted) or max_slots(cfg, world))  # 0: all
     if not capacity:
@@ -179,7 +179,7 @@ def with_slots(p: Plan, m, cfg, slots: int) -> Plan:
 
 def max_slots(cfg, world: int) -> int:
     """The most sequences a rank ever decodes at once: a generation batch's, or an evaluation's."""
-    per_rank = max(cfg.generation_batch * cfg.group_size,
+    per_rank = max(cfg.gen_batch_prompts * cfg.group_size,
                    (cfg.eval_prompts or 1024) * cfg.eval_samples if cfg.eval_every else 0)
     return max(1, math.ceil(per_rank / world))
 
@@ -211,7 +211,7 @@ def refuse_if_too_big(p: Plan, device: str):
     """A one-line reason, naming the numbers and the flags to change, when p cannot fit."""
     if p.fits:
         return
-    parts = {"the KV cache (--rollout-batch-size, --max-response-len)": p.kv_cache,
+    parts = {"the KV cache (--rollout-slots, --max-response-len)": p.kv_cache,
              "the gathered weights (a bigger card, or more of them)": p.gathered_rollout,
              "the activations (--micro-batch-tokens, --activation-checkpointing)": p.activations,
              "the fp32 shards (more processes)": p.shards + p.grads}

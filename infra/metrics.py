@@ -12,7 +12,6 @@ import torch
 from tqdm import tqdm
 
 from infra import distributed, files, rollout_correction
-from infra.trackers import close as close_trackers
 
 # sums over the loss's tokens (clip_stats), then pi_old's entropy and the tokens in the loss
 STAT_NAMES = ("pg_loss", "clip_high", "clip_low", "dual_clip", "kl", "up_clipped_prob",
@@ -193,6 +192,16 @@ def generation_cost(generated, trained, n_take: int, extra_s: float) -> dict:
     return out
 
 
+def collection_metrics(generated, trained, n_kept: int, n_take: int, ends: list[float],
+                       cfg) -> dict:
+    """A step's rollout metrics (every response generated), dynamic sampling's bookkeeping and
+    its cost; ends: when each generation batch ended."""
+    return (rollout_metrics(generated, cfg.group_size)
+            | sampling_metrics(len(ends), n_kept, n_take, n_kept < cfg.train_prompts,
+                               cfg.gen_batch_prompts)
+            | generation_cost(generated, trained, n_take, ends[-1] - ends[0] if ends else 0.0))
+
+
 def sampling_metrics(n_gen: int, n_kept: int, n_take: int, cap_hit: bool,
                      prompts_per_gen: int) -> dict:
     """Dynamic sampling's bookkeeping: generation batches drawn, groups kept, trained, left over
@@ -222,6 +231,7 @@ class RunLog:
     def __init__(self, path: str, start: int, steps: int, trackers: list = ()):
         self.path, self.trackers = path, list(trackers)
         self.capped = 0  # steps at which dynamic sampling stopped at --max-gen-batches
+        self.first_val = self.last_val = None  # the run's first and latest evaluation
         self.bar = tqdm(range(start, steps), initial=start, total=steps, desc="dapo",
                         dynamic_ncols=True, disable=distributed.rank() != 0)
 
@@ -231,9 +241,10 @@ class RunLog:
             for tracker in self.trackers:
                 tracker.log(row, row["step"])
 
-    def close(self):
-        """Flush and close the trackers (launch.run closes them too, on a crash)."""
-        close_trackers(self.trackers)
+    def evaluated(self, step: int, result: dict):
+        """An evaluation's row, before rollout step `step` (or after the last)."""
+        self.first_val, self.last_val = self.first_val or result, result
+        self.write({"step": step, **result})
 
     def step(self, step: int, row: dict, lr: float, t_gen: float, t_train: float):
         """The row of rollout step `step` (1-based), with its learning rate and timings."""
@@ -248,11 +259,12 @@ class RunLog:
         self.bar.set_postfix(progress_summary(row) | ({"capped": self.capped} if self.capped
                                                       else {}))
 
-    @staticmethod
-    def say_eval_change(first: dict, last: dict, start: int, steps: int, k: int):
-        distributed.say(f"val/acc (avg@{k}): {first['val/acc']:.3f} at step {start} -> "
-                        f"{last['val/acc']:.3f} at step {steps}; pass@{k}: "
-                        f"{first[f'val/pass@{k}']:.3f} -> {last[f'val/pass@{k}']:.3f}")
+    def say_eval_change(self, start: int, steps: int, k: int):
+        first, last = self.first_val, self.last_val
+        if first is not last:  # two evaluations or more
+            distributed.say(f"val/acc (avg@{k}): {first['val/acc']:.3f} at step {start} -> "
+                            f"{last['val/acc']:.3f} at step {steps}; pass@{k}: "
+                            f"{first[f'val/pass@{k}']:.3f} -> {last[f'val/pass@{k}']:.3f}")
 
 
 def json_line(row: dict) -> str:
@@ -261,6 +273,8 @@ def json_line(row: dict) -> str:
     readers. plot.py and the trackers skip a null as they skip a NaN."""
     return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
                        for k, v in row.items()})
+
+
 def cap_note(row: dict) -> str:
     kept = row["train/groups_kept"] + row["train/groups_surplus"]
     return (f"step {row['step']}: dynamic sampling stopped at --max-gen-batches "
@@ -270,14 +284,17 @@ def cap_note(row: dict) -> str:
             "(train/gen_cap_hit in metrics.jsonl)")
 
 
-def save_eval(out_dir: str, result: dict, config: dict) -> str:
-    """--eval-only's result beside the flags that produced it, as out_dir/eval.json (written by
-    rank 0; the next --eval-only there replaces it) -> its path."""
+def report_eval(result: dict, out_dir: str, config: dict, trackers: list):
+    """--eval-only's result: printed, written beside the flags that produced it as
+    out_dir/eval.json (by rank 0; the next --eval-only there replaces it), and logged to the
+    trackers (runs of their own, apart from any training run's)."""
     path = os.path.join(out_dir, "eval.json")
     if distributed.rank() == 0:
         os.makedirs(out_dir, exist_ok=True)
         files.write_atomic(path, json.dumps({**result, "config": config}, indent=2) + "\n")
-    return path
+    distributed.say(f"written to {path}:\n{json.dumps(result)}")
+    for tracker in trackers:
+        tracker.log(result, 0)
 
 
 def progress_summary(m: dict) -> dict:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import dapo
-import launch
+import toy
 from dapo import Config, group_advantages, keep_groups, policy_loss, update_policy
 from batches import indexed_rows, random_batch, scripted_rollout
 from data import PromptIterator
@@ -366,7 +366,7 @@ def test_dynamic_sampling_cap_trains_whole_mini_batches_and_says_so(tiny_model_d
                                                                      monkeypatch, capsys):
     # rows 0-3 in a generation batch of 2 prompts: all right, all wrong, right once, right once
     monkeypatch.setattr(dapo, "rollout", scripted_rollout)
-    monkeypatch.setattr(launch, "toy_rows", lambda n, seed, split: indexed_rows(8))
+    monkeypatch.setattr(toy, "toy_rows", lambda n, seed, split: indexed_rows(8))
     dapo.main(_cfg(tiny_model_dir, tmp_path, steps=1, eval_every=0, train_prompts=4,
                    gen_prompts=2, max_gen_batches=3, mini_batch_prompts=2))
     m = json.loads(open(tmp_path / "metrics.jsonl").readline())
@@ -394,10 +394,11 @@ def test_filtered_counts_groups_without_signal_not_the_surplus(monkeypatch):
     monkeypatch.setattr(dapo, "rollout", scripted_rollout)
     rows = [indexed_rows(8)[k] for k in (0, 2, 3, 6)]  # all right, right once (x3)
     cfg = Config(train_prompts=2, gen_prompts=4, group_size=2, mini_batch_prompts=2)
-    batch, m, _ = dapo.collect_batch(torch.nn.Linear(1, 1), PromptIterator(rows, 4, 0), None,
-                                     cfg, None)
+    collected = dapo.collect_batch(torch.nn.Linear(1, 1), PromptIterator(rows, 4, 0), None, cfg,
+                                   None)
+    m = collected.metrics
     assert m["train/groups_filtered"] == 1 and m["train/groups_surplus"] == 1
-    assert m["train/groups_kept"] == batch.num_groups == 2
+    assert m["train/groups_kept"] == collected.trained.num_groups == 2
 
 
 @pytest.mark.needs("keep_groups", "overlong_penalty", "group_advantages")

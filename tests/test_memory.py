@@ -85,7 +85,7 @@ def test_activations_are_what_autograd_keeps(name, mode, checkpointing):
 @pytest.mark.parametrize("precision,dtype_bytes", [("fp32", 4), ("bf16", 2)])
 def test_the_kv_cache_and_the_optimizer_state_are_what_gets_allocated(precision, dtype_bytes):
     m = small("a")
-    cfg = Config(precision=precision, rollout_batch_size=5, max_prompt_len=20,
+    cfg = Config(precision=precision, rollout_slots=5, max_prompt_len=20,
                  max_response_len=11)
     plan = memory.plan(m, cfg, world=1)
     model = Qwen2(m)
@@ -124,7 +124,7 @@ def test_plan_prints_from_a_config_json_alone(tmp_path, name, parameters):
     out = dapo_cli("--plan", "8", "--precision", "bf16", "--model", model_dir,
                    "--max-prompt-len", "2048", "--max-response-len", "20480",
                    "--overlong-buffer", "4096",
-                   "--rollout-batch-size", "8", "--micro-batch-tokens", "22528")
+                   "--rollout-slots", "8", "--micro-batch-tokens", "22528")
     assert out.returncode == 0, out.stderr
     assert f"({parameters} parameters, 8 process(es), bf16" in out.stdout, out.stdout
     assert "KV cache" in out.stdout and "activations" in out.stdout and "peak" in out.stdout
@@ -135,16 +135,16 @@ def test_a_run_that_cannot_fit_stops_before_loading(tmp_path):
     (absent) weights are looked for."""
     model_dir = write_config(tmp_path / "32b", "qwen2.5-32b")
     out = dapo_cli("--model", model_dir, "--out-dir", str(tmp_path / "run"),
-                   "--rollout-batch-size", "4096", "--max-response-len", "4096",
+                   "--rollout-slots", "4096", "--max-response-len", "4096",
                    "--overlong-buffer", "1024")
     assert out.returncode != 0
-    assert "the memory plan needs" in out.stderr and "--rollout-batch-size" in out.stderr
+    assert "the memory plan needs" in out.stderr and "--rollout-slots" in out.stderr
     assert "safetensors" not in out.stderr  # it never got to the weights
 
 
 def test_auto_slots_fill_what_is_left_and_no_more_than_a_rank_decodes():
     m = preset("qwen2.5-7b")
-    cfg = Config(precision="bf16", rollout_batch_size="auto", max_prompt_len=2048,
+    cfg = Config(precision="bf16", rollout_slots="auto", max_prompt_len=2048,
                  max_response_len=8192, gen_prompts=1536, group_size=16)
     big = memory.plan(m, cfg, world=8, capacity=80 * memory.GB)
     assert 1 <= big.slots <= memory.max_slots(cfg, 8) and big.fits

@@ -140,7 +140,7 @@ def _bf16_flags(model_dir, out_dir, reward_file):
             "--steps", "2", "--train-prompts", "4", "--gen-prompts", "4", "--group-size", "4",
             "--mini-batch-prompts", "2", "--max-response-len", "12", "--overlong-buffer", "4",
             "--eval-every", "0", "--lr", "1e-3", "--reward-fn", f"{reward_file}:score",
-            "--reward-fn-all-rows", "--rollout-batch-size", "8"]
+            "--reward-fn-all-rows", "--rollout-slots", "8"]
 
 
 def _trained(out_dir) -> list[dict]:
