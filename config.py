@@ -219,7 +219,8 @@ def _device_problems(device: str) -> list[str]:
 DEFAULTS = """\
 Every default below runs the embedded CPU demo (a tiny Qwen2 on a toy task: `make run`).
 (paper: X) is the setting of the paper's run, or of its verl script where the paper gives none;
-the README has that run's whole command line. --device is cuda where torch sees a GPU, else cpu."""
+the README has that run's whole command line. --device is cuda where torch sees a GPU, else cpu;
+--precision auto is bf16 on CUDA (fp32 master weights), fp32 on CPU."""
 
 
 class _Parser(argparse.ArgumentParser):
