@@ -426,7 +426,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: 
     try:
         table.refill(model, logits)  # every rank has a prompt, so every rank runs this forward
         for step in itertools.count():
-            # 1) sample: a token for every row (a free one draws into the scratch row)
+            # 1) sample: a token for every row (a free one too, drawn into the scratch row)
             token, logp = sample(logits, temperature, top_k, top_p, generator)  # (B,), (B,)
             # 2) record: each at its sequence's next response index
             response_ids[table.seq, table.n_new] = token
@@ -444,9 +444,9 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: 
             # 5) resort: now and then, the rows of like length side by side, in spans
             if spans and step % RESORT_EVERY == 0:
                 token = token[torch.tensor(table.resort(), device=device)]
-            # 6) decode: each row's token at its position; the keys read, up to the furthest
-            # row's (in spans: each span's own furthest), and the rows after the last busy one
-            # skip the step (their logits go stale: a free row draws into the scratch row)
+            # 6) decode: each row feeds its token at its position and reads the keys up to the
+            # furthest row's (SPANS: each span up to its own furthest row's); SKIP_FREE_ROWS: the
+            # rows after the last busy one skip the step (stale logits, drawn into the scratch row)
             S = max(table.position) + 1
             R = max((s + 1 for s in table.busy()), default=1) if skip_free else B
             view = kv_cache.upto(S, table.spans(R) if spans else ())
