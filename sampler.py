@@ -10,7 +10,7 @@ small functions that compose:
     decode_one_token()  one forward of one new token per slot against the cache
     filter_logits()     top-k, then top-p (nucleus) truncation
     sample()            temperature, truncation, the draw, and the log-prob of the drawn token
-    generate()          runs them in a loop of named phases over a table of the slots (Slots):
+    generate()          runs them in a loop of named phases over a table of the slots (SlotTable):
                         sample, record, retire, agree across ranks, resort, decode, refill
 
 Continuous batching: the KV cache has B rows ("slots") of max_len positions, however many sequences
@@ -276,7 +276,7 @@ def compiled_decode_step(B, max_len, device):
     return _compiled_decode
 
 
-class Slots:
+class SlotTable:
     """The KV cache's B rows ("slots") as the host sees them, and the sequences waiting for one; its
     methods are the moves of the diagrams above. Sequences are numbered 0..N-1; N means none: a
     free slot feeds a dummy token at position 0, and its draw lands in a scratch row."""
@@ -289,22 +289,22 @@ class Slots:
         self.n_new = [0] * B  # (B,) the response tokens the slot's sequence has so far
         self.span_ends = [B]  # the row where each span of rows ends (resort() plans them)
         self.waiting = deque(range(N))
-        first = {}  # a prompt is keyed by the first sequence that has it (or each by its own)
-        self.key = [first.setdefault(tuple(p), i) if share_prompts else i
-                    for i, p in enumerate(prompts)]
-        self.left = Counter(self.key)  # per prompt, its sequences not yet given a slot
+        first = {}  # per sequence, its prompt: the first sequence that has it (or itself)
+        self.prompt_of = [first.setdefault(tuple(p), i) if share_prompts else i
+                          for i, p in enumerate(prompts)]
+        self.left = Counter(self.prompt_of)  # per prompt, its sequences not yet given a slot
         self.prompt_logits = {}  # per prompt with sequences left: its next-token logits (V,)
 
     def busy(self) -> list[int]:
         return [s for s, i in enumerate(self.seq) if i < self.N]
 
     def holders(self) -> dict[int, int]:  # prompt -> a slot whose positions [0, len) hold it
-        return {self.key[self.seq[s]]: s for s in self.busy()}
+        return {self.prompt_of[self.seq[s]]: s for s in self.busy()}
 
     def needs_prefill(self) -> bool:  # will the next refill meet a prompt that no slot holds
         free = min(self.seq.count(self.N), len(self.waiting))
         held = self.holders() if free else {}
-        return any(self.key[self.waiting[i]] not in held for i in range(free))
+        return any(self.prompt_of[self.waiting[i]] not in held for i in range(free))
 
     def refill(self, model, logits) -> bool:
         """The next waiting sequences into the free slots, their prompts' next-token logits into
@@ -316,23 +316,23 @@ class Slots:
         for s in free:
             self.seq[s] = self.waiting.popleft()
             self.position[s] = len(self.prompts[self.seq[s]])
-            if self.key[self.seq[s]] not in held:
-                new.setdefault(self.key[self.seq[s]], s)
+            if self.prompt_of[self.seq[s]] not in held:
+                new.setdefault(self.prompt_of[self.seq[s]], s)
         if new:  # the prompts that no slot holds, once each, in one forward
             firsts = prefill_slots(model, [self.prompts[self.seq[s]] for s in new.values()],
                                    list(new.values()), self.kv_cache)  # (len(new), V)
             self.prompt_logits.update(zip(new, firsts))
             held.update(new)
-        keys = [self.key[self.seq[s]] for s in free]
-        copies = [(held[k], s) for k, s in zip(keys, free) if held[k] != s]  # the rest: copied
+        wanted = [self.prompt_of[self.seq[s]] for s in free]  # each refilled slot's prompt
+        copies = [(held[p], s) for p, s in zip(wanted, free) if held[p] != s]  # the rest: copied
         # keys past a prompt's end come along too: stale, as a query sees up to its position only
         self.kv_cache.copy_rows([h for h, _ in copies], [s for _, s in copies],
                                 max((self.position[s] for _, s in copies), default=0))
-        logits[free] = torch.stack([self.prompt_logits[k] for k in keys])  # (len(free), V)
-        for k in keys:
-            self.left[k] -= 1
-            if not self.left[k]:
-                del self.prompt_logits[k]
+        logits[free] = torch.stack([self.prompt_logits[p] for p in wanted])  # (len(free), V)
+        for p in wanted:
+            self.left[p] -= 1
+            if not self.left[p]:
+                del self.prompt_logits[p]
         return bool(new)
 
     def retire(self, ended: list[bool], max_new_tokens: int) -> list[tuple[int, int, bool]]:
@@ -410,7 +410,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: 
     max_len = max(len(p) for p in prompts) + max_new_tokens
     # the one big allocation: B rows, however many prompts
     kv_cache = model.new_kv_cache(B, max_len)
-    table = Slots(prompts, kv_cache, SHARE_PROMPTS)
+    table = SlotTable(prompts, kv_cache, SHARE_PROMPTS)
     decode = compiled_decode_step(B, max_len, device) if compile else decode_one_token
     # the compiled step keeps one shape: all B rows, one span
     spans, skip_free = SPANS and not compile, SKIP_FREE_ROWS and not compile
