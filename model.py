@@ -145,8 +145,9 @@ class Attention(nn.Module):
         else:  # store this step's keys/values at their positions, attend over the cached rows:
             k, v = kv_cache.update(self.layer_idx, k, v, positions, cache_rows)  # (B, Hkv, S, D)
             # each span of rows (first, end, S) that the cache view names reads its keys [0, S)
-            ys = [self.attend(q[a:b], k[a:b, :, :S], v[a:b, :, :S], mask[a:b, ..., :S], T == 1)
-                  for a, b, S in kv_cache.spans or [(0, B, k.shape[2])]]  # one by default
+            spans = kv_cache.spans or [(0, B, k.shape[2])]  # none named: one, every row and key
+            ys = [self.attend(q[a:b], k[a:b, :, :S], v[a:b, :, :S], mask[a:b, ..., :S],
+                              decoding=T == 1) for a, b, S in spans]
             y = torch.cat(ys) if len(ys) > 1 else ys[0]  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
 
