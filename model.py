@@ -140,17 +140,15 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if kv_cache is not None:
-            # store this step's keys/values at their positions, attend over the cached rows
+        if kv_cache is None:
+            y = self.attend(q, k, v, mask, decoding=False)
+        else:  # store this step's keys/values at their positions, attend over the cached rows:
             k, v = kv_cache.update(self.layer_idx, k, v, positions, cache_rows)  # (B, Hkv, S, D)
-        if T == 1 and kv_cache is not None and kv_cache.spans:
-            # a decode step over rows sorted by length: each span of rows reads its keys only up to
-            # its own furthest position, not the furthest row's
-            y = torch.cat([self.attend(q[a:b], k[a:b, :, :S], v[a:b, :, :S],
-                                       mask[a:b, ..., :S], decoding=True)
-                           for a, b, S in kv_cache.spans])  # (B, H, 1, D)
-        else:
-            y = self.attend(q, k, v, mask, decoding=T == 1 and kv_cache is not None)
+            # each span of rows (first, end, S) that the cache view names reads its keys [0, S)
+            spans = kv_cache.spans or [(0, B, k.shape[2])]  # none named: one, every row and key
+            ys = [self.attend(q[a:b], k[a:b, :, :S], v[a:b, :, :S], mask[a:b, ..., :S],
+                              decoding=T == 1) for a, b, S in spans]
+            y = torch.cat(ys) if len(ys) > 1 else ys[0]  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
 
     def attend(self, q, k, v, mask, decoding: bool):
@@ -209,7 +207,8 @@ class KVCache:
     k: list[torch.Tensor]  # per layer (B, Hkv, max_len, D)
     v: list[torch.Tensor]  # per layer (B, Hkv, max_len, D)
     length: int = 0  # the positions a step reads; 0 = max_len
-    # a decode step's (first row, end row, S) per span of rows: each span reads positions [0, S)
+    # (first row, end row, S) per span of a step's rows, each reading positions [0, S) only (the
+    # caller's plan: the sampler groups rows of like length); empty: one span, every row, length
     spans: tuple[tuple[int, int, int], ...] = ()
 
     def upto(self, n: int, spans: tuple[tuple[int, int, int], ...] = ()) -> "KVCache":

@@ -10,8 +10,8 @@ small functions that compose:
     decode_one_token()  one forward of one new token per slot against the cache
     filter_logits()     top-k, then top-p (nucleus) truncation
     sample()            temperature, truncation, the draw, and the log-prob of the drawn token
-    generate()          runs them: fills the slots, decodes, and gives a slot whose sequence ended
-                        to the next waiting sequence
+    generate()          runs them in a loop of named phases over a table of the slots (SlotTable):
+                        sample, record, retire, agree across ranks, resort, decode, refill
 
 Continuous batching: the KV cache has B rows ("slots") of max_len positions, however many sequences
 there are. A token's index in its slot is its RoPE position, and a query sees the keys of its own
@@ -20,20 +20,20 @@ a, b, c, d, e wait in this order (lower case: prompt tokens, upper case: respons
 stale keys that no query can see):
 
     position:   0  1  2  3  4  5  6
-    slot 0:     a  a  a  A  A  A             a samples an EOS: its slot is free ...
+    slot 0:     a  a  a  A  A  A             a samples an EOS: its slot is retired ...
     slot 1:     b  b  B  B  B
     slot 2:     c  c  c  c  C
 
-    slot 0:     d  d  d  d  .  .             ... and d's prompt is prefilled into it, while b and c
-    slot 1:     b  b  B  B  B  B                 decode on
+    slot 0:     d  d  d  d  .  .             ... and refilled: d's prompt is prefilled into it,
+    slot 1:     b  b  B  B  B  B                 while b and c decode on
     slot 2:     c  c  c  c  C  C
 
-Spans: a decode step's cost is in attention, and a row need not read keys past its own position.
-Every RESORT_EVERY steps the rows, ranked furthest first, are cut into a few spans (plan_spans:
-fewest keys read, plus SPAN_COST per extra attention call), and a row that lies outside its span
-is copied into it (group_rows; within a span rows keep any order, so few rows move); each span
-reads keys up to its own furthest row. The free slots go last, into a span of their own, and the
-rows after the last busy one skip the step (on the CPU benchmark ~8% faster):
+Spans (SPANS): a decode step's cost is in attention, and a row need not read keys past its own
+position. Every RESORT_EVERY steps the rows, ranked furthest first, are cut into a few spans
+(plan_spans: fewest keys read, plus SPAN_COST per extra attention call), and a row that lies
+outside its span is copied into it (group_rows; within a span rows keep any order, so few rows
+move); each span reads keys up to its own furthest row. The free slots go last, into a span of
+their own, and the rows after the last busy one skip the step (SKIP_FREE_ROWS):
 
     slot 0:     a  a  a  A  A  A  A  A     } span 1 reads 8 positions
     slot 1:     b  b  b  B  B  B  B        }
@@ -44,23 +44,22 @@ rows after the last busy one skip the step (on the CPU benchmark ~8% faster):
 On a GPU each span is one more kernel launch (inside a CUDA graph, a few microseconds); the
 compiled step keeps one span and all B rows, so that its shapes do not change.
 
-Shared prompts: the G samples of a group have one prompt, and any slot decoding it holds its keys
-at positions [0, len(prompt)). A slot that takes a prompt another slot holds copies those positions
-(and the prompt's next-token logits, kept until its last sample has a slot) instead of prefilling;
-the prompts no slot holds are prefilled once each, in one forward for the step's free slots:
+Shared prompts (SHARE_PROMPTS): the G samples of a group have one prompt, and any slot decoding it
+holds its keys at positions [0, len(prompt)). A slot that takes a prompt another slot holds copies
+those positions (and the prompt's next-token logits, kept until its last sample has a slot)
+instead of prefilling; the prompts no slot holds are prefilled once each, in one forward for the
+step's free slots:
 
     slot 0:     e  e  e  E  E  E  E
     slot 1:     e  e  e                  the next sample of e: slot 0's positions 0-2 copied
 
-On the RL-shaped CPU benchmark (64 prompts x 8 samples in 64 slots, bench seed) 57 prefill
-forwards remain of 342, and 64 prompts are prefilled, not 512 (in other draws a prompt whose
-slots had all ended before its next sample is prefilled again).
-
-The cache is allocated once, B x max_len. Lockstep batching (every row decodes until the longest
-one ends) spends most of a long-tailed rollout decoding padding; here a slot is busy as long as
-sequences wait.
+Each speed-up is a module flag: with all three False and slots=None, generate is plain batched
+decoding (docs/performance.md measures what each one buys). The cache is allocated once,
+B x max_len. Lockstep batching (every row decodes until the longest one ends) spends most of a
+long-tailed rollout decoding padding; here a slot is busy as long as sequences wait.
 """
 import bisect
+import itertools
 import math
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -134,7 +133,10 @@ def decode_one_token(model, tokens, positions, kv_cache):
 # about as much as reading this many more (row, position) keys (~22 us a call, ~0.026 us a row-key)
 SPAN_COST = 850
 RESORT_EVERY = 16  # decode steps between two sorts of the slots by length
-SHARE_PROMPTS = True  # False: every sequence prefills its own prompt (the tests' reference)
+# The speed-ups, each switchable (False: the loop without it, for reading or as a reference)
+SHARE_PROMPTS = True  # a prompt a slot holds is copied, not prefilled (False: a prefill each)
+SPANS = True  # eager: rows sorted into spans by length (False: all read the furthest row's keys)
+SKIP_FREE_ROWS = True  # eager: the rows after the last busy one skip the decode step
 
 
 def plan_spans(positions: list[int]) -> list[int]:
@@ -274,6 +276,98 @@ def compiled_decode_step(B, max_len, device):
     return _compiled_decode
 
 
+class SlotTable:
+    """The KV cache's B rows ("slots") as the host sees them, and the sequences waiting for one; its
+    methods are the moves of the diagrams above. Sequences are numbered 0..N-1; N means none: a
+    free slot feeds a dummy token at position 0, and its draw lands in a scratch row."""
+
+    def __init__(self, prompts: list[list[int]], kv_cache, share_prompts: bool):
+        B, N = kv_cache.k[0].shape[0], len(prompts)
+        self.prompts, self.kv_cache, self.N = prompts, kv_cache, N
+        self.seq = [N] * B  # (B,) the sequence each slot holds
+        self.position = [0] * B  # (B,) where the slot's next token goes: its RoPE position
+        self.n_new = [0] * B  # (B,) the response tokens the slot's sequence has so far
+        self.span_ends = [B]  # the row where each span of rows ends (resort() plans them)
+        self.waiting = deque(range(N))
+        first = {}  # per sequence, its prompt: the first sequence that has it (or itself)
+        self.prompt_of = [first.setdefault(tuple(p), i) if share_prompts else i
+                          for i, p in enumerate(prompts)]
+        self.left = Counter(self.prompt_of)  # per prompt, its sequences not yet given a slot
+        self.prompt_logits = {}  # per prompt with sequences left: its next-token logits (V,)
+
+    def busy(self) -> list[int]:
+        return [s for s, i in enumerate(self.seq) if i < self.N]
+
+    def holders(self) -> dict[int, int]:  # prompt -> a slot whose positions [0, len) hold it
+        return {self.prompt_of[self.seq[s]]: s for s in self.busy()}
+
+    def needs_prefill(self) -> bool:  # will the next refill meet a prompt that no slot holds
+        free = min(self.seq.count(self.N), len(self.waiting))
+        held = self.holders() if free else {}
+        return any(self.prompt_of[self.waiting[i]] not in held for i in range(free))
+
+    def refill(self, model, logits) -> bool:
+        """The next waiting sequences into the free slots, their prompts' next-token logits into
+        those rows of logits (B, V) -> whether it ran a forward (a prefill)."""
+        free = [s for s, i in enumerate(self.seq) if i == self.N][:len(self.waiting)]
+        if not free:
+            return False
+        held, new = self.holders(), {}  # new: prompt -> the slot it is prefilled into
+        for s in free:
+            self.seq[s] = self.waiting.popleft()
+            self.position[s] = len(self.prompts[self.seq[s]])
+            if self.prompt_of[self.seq[s]] not in held:
+                new.setdefault(self.prompt_of[self.seq[s]], s)
+        if new:  # the prompts that no slot holds, once each, in one forward
+            firsts = prefill_slots(model, [self.prompts[self.seq[s]] for s in new.values()],
+                                   list(new.values()), self.kv_cache)  # (len(new), V)
+            self.prompt_logits.update(zip(new, firsts))
+            held.update(new)
+        wanted = [self.prompt_of[self.seq[s]] for s in free]  # each refilled slot's prompt
+        copies = [(held[p], s) for p, s in zip(wanted, free) if held[p] != s]  # the rest: copied
+        # keys past a prompt's end come along too: stale, as a query sees up to its position only
+        self.kv_cache.copy_rows([h for h, _ in copies], [s for _, s in copies],
+                                max((self.position[s] for _, s in copies), default=0))
+        logits[free] = torch.stack([self.prompt_logits[p] for p in wanted])  # (len(free), V)
+        for p in wanted:
+            self.left[p] -= 1
+            if not self.left[p]:
+                del self.prompt_logits[p]
+        return bool(new)
+
+    def retire(self, ended: list[bool], max_new_tokens: int) -> list[tuple[int, int, bool]]:
+        """Count each busy slot's new token; free the slots whose sequence drew an EOS (ended[s])
+        or reached max_new_tokens -> (sequence, length, truncated) of each."""
+        done = []
+        for s in self.busy():
+            self.n_new[s] += 1
+            if ended[s] or self.n_new[s] == max_new_tokens:
+                done.append((self.seq[s], self.n_new[s], not ended[s]))
+                self.seq[s], self.position[s], self.n_new[s] = self.N, 0, 0
+        return done
+
+    def resort(self) -> list[int]:
+        """Cut the rows, ranked furthest first, into spans (the free rows last, in a span of their
+        own), and copy the rows that lie outside their span into it -> order: row order[i] went
+        to row i."""
+        B, busy = len(self.seq), len(self.busy())
+        self.span_ends = (plan_spans(sorted(self.position, reverse=True)[:busy]) if busy else
+                          []) + [B] * (busy < B)
+        order = group_rows(self.position, self.span_ends)
+        moved = [i for i, s in enumerate(order) if i != s]  # copy only these
+        self.kv_cache.copy_rows([order[i] for i in moved], moved, max(self.position) + 1)
+        for column in (self.seq, self.position, self.n_new):
+            column[:] = [column[s] for s in order]
+        return order
+
+    def spans(self, rows: int) -> tuple[tuple[int, int, int], ...]:
+        """(first row, end row, S) of each span among the first `rows` rows: S is one past the
+        position of its own furthest row (refills land unsorted until the next sort)."""
+        ends = [min(b, rows) for b in self.span_ends]
+        return tuple((a, b, max(self.position[a:b]) + 1)
+                     for a, b in zip([0] + ends[:-1], ends) if a < b)
+
+
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
              top_p: float = 1.0, top_k: int = 0, eos_token_ids=None, pad_token_id: int = 0,
@@ -316,106 +410,53 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: 
     max_len = max(len(p) for p in prompts) + max_new_tokens
     # the one big allocation: B rows, however many prompts
     kv_cache = model.new_kv_cache(B, max_len)
+    table = SlotTable(prompts, kv_cache, SHARE_PROMPTS)
     decode = compiled_decode_step(B, max_len, device) if compile else decode_one_token
+    # the compiled step keeps one shape: all B rows, one span
+    spans, skip_free = SPANS and not compile, SKIP_FREE_ROWS and not compile
     eos = torch.tensor(eos_token_ids, dtype=torch.long, device=device)
     # per sequence, filled as tokens come; row N is scratch for the slots that hold no sequence
     response_ids = torch.full((N + 1, max_new_tokens), pad_token_id, dtype=torch.long,
                               device=device)
     logprobs = torch.zeros(N + 1, max_new_tokens, dtype=torch.float32, device=device)
     lengths, truncated = [0] * N, [False] * N
-    # per slot, on the host: the sequence it holds (N: none), its next position, its tokens so far
-    holds, position, n_new = [N] * B, [0] * B, [0] * B
-    waiting = deque(range(N))
     logits = torch.zeros(B, model.config.vocab_size, device=device)  # (B, V): next-token logits
-    step, span_ends = 0, [B]  # decode steps so far; the rows where each span of rows ends
-
-    # the G samples of a group share their prompt: its keys/values are computed once and copied
-    # from a slot that holds it (positions [0, len(prompt)) of any slot decoding it) into the next
-    first = {}  # prompt -> the first sequence that has it
-    key = [first.setdefault(tuple(p), i) if SHARE_PROMPTS else i for i, p in enumerate(prompts)]
-    left = Counter(key)  # per prompt (by its first sequence), its sequences not yet given a slot
-    prompt_logits = {}  # per prompt with sequences left: its next-token logits (V,)
-
-    def holders():  # prompt -> a slot whose positions [0, len(prompt)) hold its keys/values
-        return {key[holds[s]]: s for s in range(B) if holds[s] < N}
-
-    def needs_prefill():  # will the next refill meet a prompt that no slot holds
-        free = min(holds.count(N), len(waiting))
-        held = holders() if free else {}
-        return any(key[waiting[i]] not in held for i in range(free))
-
-    def refill():  # the next waiting sequences into the free slots -> whether it ran a forward
-        held = holders()
-        free = [s for s in range(B) if holds[s] == N][:len(waiting)]
-        new = {}  # prompt -> the slot it is prefilled into
-        for s in free:
-            holds[s] = waiting.popleft()
-            position[s], n_new[s] = len(prompts[holds[s]]), 0
-            if key[holds[s]] not in held:
-                new.setdefault(key[holds[s]], s)
-        if new:  # the prompts that no slot holds, once each, in one forward
-            firsts = prefill_slots(model, [prompts[holds[s]] for s in new.values()],
-                                   list(new.values()), kv_cache)  # (len(new), V)
-            prompt_logits.update(zip(new, firsts))
-            held.update(new)
-        copies = [s for s in free if held[key[holds[s]]] != s]
-        # keys past a prompt's end come along too: stale, as a query sees up to its position only
-        kv_cache.copy_rows([held[key[holds[s]]] for s in copies], copies,
-                           max((position[s] for s in copies), default=0))
-        logits[free] = torch.stack([prompt_logits[key[holds[s]]] for s in free])  # (n, V)
-        for s in free:
-            left[key[holds[s]]] -= 1
-            if not left[key[holds[s]]]:
-                del prompt_logits[key[holds[s]]]
-        return bool(new)
 
     bar = tqdm(total=N, desc="generate", unit="seq", disable=not progress)
     try:
-        refill()  # every rank has a prompt, so every rank runs this first forward
-        while True:
+        table.refill(model, logits)  # every rank has a prompt, so every rank runs this forward
+        for step in itertools.count():
+            # 1) sample: a token for every row (a free one too, drawn into the scratch row)
             token, logp = sample(logits, temperature, top_k, top_p, generator)  # (B,), (B,)
-            response_ids[holds, n_new] = token  # a free slot writes its draw to the scratch row
-            logprobs[holds, n_new] = logp
+            # 2) record: each at its sequence's next response index
+            response_ids[table.seq, table.n_new] = token
+            logprobs[table.seq, table.n_new] = logp
+            # 3) retire: the sequences that drew an EOS or reached max_new_tokens leave their slots
             ended = torch.isin(token, eos).tolist()  # the host learns which rows ended: one sync
-            for s in range(B):
-                if holds[s] < N:
-                    n_new[s] += 1
-                    if ended[s] or n_new[s] == max_new_tokens:
-                        lengths[holds[s]], truncated[holds[s]] = n_new[s], not ended[s]
-                        holds[s], n_new[s] = N, 0
-                        bar.update(1)
-            working, prefilling = agree_across_ranks(bool(waiting) or any(h < N for h in holds),
-                                                    needs_prefill())
+            for i, length, cut in table.retire(ended, max_new_tokens):
+                lengths[i], truncated[i] = length, cut
+                bar.update(1)
+            # 4) agree across ranks: go on while any rank works; prefill when any rank does
+            working, prefilling = agree_across_ranks(bool(table.waiting or table.busy()),
+                                                    table.needs_prefill())
             if not working:
                 break
-            # a free slot feeds its draw at position 0, which the next prefill into it overwrites
-            positions = [position[s] if holds[s] < N else 0 for s in range(B)]
-            S = max(positions) + 1  # the keys this step reads: up to the furthest slot's position
-            spans, R = (), B  # R: the rows that decode; the compiled step keeps one shape, all B
-            if not compile:  # and every row reads S keys
-                if step % RESORT_EVERY == 0:  # rows of like length side by side, in spans, and
-                    busy = B - holds.count(N)  # the free rows last, in a span of their own
-                    span_ends = (plan_spans(sorted(positions, reverse=True)[:busy]) if busy else
-                                 []) + [B] * (busy < B)
-                    order = group_rows(positions, span_ends)
-                    moved = [i for i, s in enumerate(order) if i != s]  # copy only these
-                    kv_cache.copy_rows([order[i] for i in moved], moved, S)
-                    token = token[torch.tensor(order, device=device)]
-                    for per_slot in (holds, position, n_new, positions):
-                        per_slot[:] = [per_slot[s] for s in order]
-                # the rows after the last busy one skip the step (their logits go stale: free rows
-                # draw into the scratch row); each span reads up to its own furthest row, and
-                # refills land unsorted until the next sort
-                R = max((s + 1 for s in range(B) if holds[s] < N), default=1)
-                spans = tuple((a, min(b, R), max(positions[a:min(b, R)]) + 1)
-                              for a, b in zip([0] + span_ends[:-1], span_ends) if a < R)
-            step += 1
-            logits[:R] = decode(model, token[:R], torch.tensor(positions[:R], device=device),
-                                kv_cache.upto(S, spans))  # (R, V)
-            for s in range(B):
-                position[s] += holds[s] < N
-            prefilled = refill() if waiting and N in holds else False
-            if prefilling and not prefilled:  # another rank prefills: as many forwards, on a dummy
+            # 5) resort: now and then, the rows of like length side by side, in spans
+            if spans and step % RESORT_EVERY == 0:
+                token = token[torch.tensor(table.resort(), device=device)]
+            # 6) decode: each row feeds its token at its position and reads the keys up to the
+            # furthest row's (SPANS: each span up to its own furthest row's); SKIP_FREE_ROWS: the
+            # rows after the last busy one skip the step (stale logits, drawn into the scratch row)
+            S = max(table.position) + 1
+            R = max((s + 1 for s in table.busy()), default=1) if skip_free else B
+            view = kv_cache.upto(S, table.spans(R) if spans else ())
+            logits[:R] = decode(model, token[:R], torch.tensor(table.position[:R], device=device),
+                                view)  # (R, V)
+            for s in table.busy():
+                table.position[s] += 1
+            # 7) refill: the free slots take the next waiting sequences
+            if not table.refill(model, logits) and prefilling:
+                # another rank prefills: as many forwards, on a dummy
                 model(torch.zeros(1, 1, dtype=torch.long, device=device), head=last_token_logits)
     finally:
         bar.close()

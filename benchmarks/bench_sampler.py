@@ -8,6 +8,8 @@ of rounds).
     .venv/bin/python benchmarks/bench_sampler.py --parts rl
     # this sampler against an earlier revision's (default 015f0be; about 2 minutes)
     .venv/bin/python benchmarks/bench_sampler.py --parts against --rl-rounds 4
+    # what each of the sampler's speed-ups buys (each switched off, against all on)
+    .venv/bin/python benchmarks/bench_sampler.py --parts switches --rl-rounds 4
     # both cores: only on an otherwise idle machine
     .venv/bin/python benchmarks/bench_sampler.py --threads 2
 
@@ -34,6 +36,8 @@ of rounds).
    rounds (at least 2); per-round tok/s and ratios. On a shared machine one process can run much
    faster or slower than the next, so look at the spread, not one round. Skipped in a copy that
    lacks REV (no git history).
+5. switches (not in the default parts): the same, this tree's sampler with all its speed-ups on
+   (sampler.SHARE_PROMPTS, SPANS, SKIP_FREE_ROWS) against each one switched off.
 
 CPU time of the process on one thread: the other tenants of a shared machine disturb it far less
 than wall time. One thread by default: on a 2-core machine a second OpenMP thread helps only while
@@ -288,62 +292,100 @@ def rl(rounds, parts):
                 print(f"{name:>32} {rise:7.0f} ({kv_mib:5.0f})", flush=True)
 
 
-# 4. against another revision
+# 4. against another revision, and 5. each of the sampler's speed-ups switched off
 
 BASELINE = "015f0be"  # the sampler before its spans (plan_spans) and its prompt sharing
 
-# one rollout by the sampler and model in directory argv[1] of the sequences (JSON) on stdin:
-# prints tokens, CPU s
+# one rollout by the sampler and model in directory argv[1] of the sequences (JSON) on stdin, the
+# sampler's flags named in argv[3:] set False: prints tokens, CPU s, forwards, prefill forwards and
+# the prompts they prefilled
 ONE_ROLLOUT = """
 import json, sys, time, torch
 sys.path.insert(0, sys.argv[1])
+import sampler
 from model import ModelConfig, Qwen2
-from sampler import generate
 torch.set_num_threads(1)
 torch.manual_seed(0)
 model = Qwen2(ModelConfig(**{demo}, max_position_embeddings=1024, torch_dtype="float32")).eval()
+for flag in sys.argv[3:]:
+    setattr(sampler, flag, False)
+forwards, prefills, prefill = [], [], getattr(sampler, "prefill_slots", None)
+model.register_forward_pre_hook(lambda *_: forwards.append(1))
+if prefill:  # not in the oldest samplers
+    sampler.prefill_slots = lambda m, ps, *a: prefills.append(len(ps)) or prefill(m, ps, *a)
 seqs = json.load(sys.stdin)
 t0 = time.process_time()
-out = generate(model, seqs, {new}, temperature=1.0, eos_token_ids={eos}, slots={slots},
-               generator=torch.Generator().manual_seed(int(sys.argv[2])))
-print(int(out.lengths.sum()), time.process_time() - t0)
+out = sampler.generate(model, seqs, {new}, temperature=1.0, eos_token_ids={eos}, slots={slots},
+                       generator=torch.Generator().manual_seed(int(sys.argv[2])))
+print(int(out.lengths.sum()), time.process_time() - t0, len(forwards),
+      len(prefills) if prefill else "-", sum(prefills) if prefill else "-")
 """
 
 
+def alternate(variants, rounds):
+    """The rl case in 64 slots by each of variants {name: (source directory, sampler flags set
+    False)}, one fresh process a rollout, the variants in turn (each round in the other order, so
+    that none always runs on a warmer machine): tok/s per round, and each one's ratio to the
+    first."""
+    code = ONE_ROLLOUT.format(demo=DEMO, new=RL_NEW, eos=RL_EOS, slots=RL_SLOTS)
+    # the rl part's sequences
+    seqs = [p for p in ragged_prompts(RL_PROMPTS, DEMO["vocab_size"], seed=1) for _ in range(RL_G)]
+    names = list(variants)
+    width = max(10, *map(len, names))
+    print(f"{'round':>5} " + " ".join(f"{n:>{width}}" for n in names) + "  ratios to the first")
+    ratios, totals = {n: [] for n in names[1:]}, {n: [0, 0.0] for n in names}
+    counts = {}  # the first round's forwards, prefill forwards and prompts prefilled
+    for r in range(max(rounds, 2)):
+        tps = {}
+        for name in (names if r % 2 == 0 else names[::-1]):
+            directory, flags = variants[name]
+            out = subprocess.run([sys.executable, "-c", code, directory, str(r), *flags],
+                                 input=json.dumps(seqs), capture_output=True, text=True,
+                                 check=True)
+            tokens, seconds, *counted = out.stdout.split()
+            counts.setdefault(name, counted)
+            totals[name][0] += int(tokens)
+            totals[name][1] += float(seconds)
+            tps[name] = int(tokens) / float(seconds)
+        for n in names[1:]:
+            ratios[n].append(tps[n] / tps[names[0]])
+        print(f"{r:5d} " + " ".join(f"{tps[n]:{width}.0f}" for n in names) + "  " +
+              " ".join(f"{ratios[n][-1]:.2f}x" for n in names[1:]), flush=True)
+    for n in names[1:]:
+        total = (totals[n][0] / totals[n][1]) / (totals[names[0]][0] / totals[names[0]][1])
+        print(f"{n} / {names[0]}: {total:.2f}x over all rounds (median round "
+              f"{statistics.median(ratios[n]):.2f}x, {min(ratios[n]):.2f}-{max(ratios[n]):.2f}x)")
+    for n in names:
+        print(f"{n}, round 0: forwards, prefill forwards, prompts prefilled: "
+              f"{', '.join(counts[n])}")
+
+
 def against(rev, rounds):
-    """The rl case in 64 slots: this tree's sampler against revision rev's, alternating."""
+    """The rl case in 64 slots: revision rev's sampler against this tree's, alternating."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if subprocess.run(["git", "-C", here, "cat-file", "-e", f"{rev}^{{commit}}"],
                       capture_output=True).returncode:  # no history here (an archive, a shallow
         print(f"\n4. against {rev}: skipped, not a commit of this checkout")  # clone)
         return
-    code = ONE_ROLLOUT.format(demo=DEMO, new=RL_NEW, eos=RL_EOS, slots=RL_SLOTS)
-    # the rl part's sequences
-    seqs = [p for p in ragged_prompts(RL_PROMPTS, DEMO["vocab_size"], seed=1) for _ in range(RL_G)]
     with tempfile.TemporaryDirectory() as old:
         archive = subprocess.run(["git", "-C", here, "archive", rev], capture_output=True,
                                  check=True).stdout
         subprocess.run(["tar", "-x", "-C", old], input=archive, check=True)
         print(f"\n4. against {rev}: the rl case in 64 slots, one fresh process a rollout, "
               f"1 thread, CPU time; tok/s")
-        print(f"{'round':>5} {rev:>10} {'this tree':>10} {'ratio':>6}")
-        ratios, totals = [], {"old": [0, 0.0], "new": [0, 0.0]}
-        for r in range(max(rounds, 2)):
-            tps = {}
-            # which side goes first alternates, so neither always runs on a warmer machine
-            for side in (("old", "new") if r % 2 == 0 else ("new", "old")):
-                out = subprocess.run([sys.executable, "-c", code, old if side == "old" else here,
-                                      str(r)], input=json.dumps(seqs), capture_output=True,
-                                     text=True, check=True)
-                tokens, seconds = out.stdout.split()
-                totals[side][0] += int(tokens)
-                totals[side][1] += float(seconds)
-                tps[side] = int(tokens) / float(seconds)
-            ratios.append(tps["new"] / tps["old"])
-            print(f"{r:5d} {tps['old']:10.0f} {tps['new']:10.0f} {ratios[-1]:5.2f}x", flush=True)
-        total = (totals["new"][0] / totals["new"][1]) / (totals["old"][0] / totals["old"][1])
-        print(f"this tree / {rev}: {total:.2f}x over all rounds (median round "
-              f"{statistics.median(ratios):.2f}x, {min(ratios):.2f}-{max(ratios):.2f}x)")
+        alternate({rev: (old, []), "this tree": (here, [])}, rounds)
+
+
+SPEED_UPS = ["SHARE_PROMPTS", "SPANS", "SKIP_FREE_ROWS"]  # the sampler's flags
+
+
+def switches(rounds):
+    """The rl case in 64 slots with every speed-up on, against each one switched off."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    print("\n5. switches: the rl case in 64 slots, each of the sampler's speed-ups off against all "
+          "on; one fresh process a rollout, 1 thread, CPU time; tok/s")
+    alternate({"all on": (here, []), **{f"{flag} off": (here, [flag]) for flag in SPEED_UPS}},
+              rounds)
 
 
 def main():
@@ -355,7 +397,7 @@ def main():
     ap.add_argument("--rl-rounds", type=int, default=1,
                     help="the same for the rl part (about 75 s CPU a round)")
     ap.add_argument("--parts", default="uniform,rl,memory,against",
-                    help="comma-separated, from: uniform, rl, memory, against")
+                    help="comma-separated, from: uniform, rl, memory, against, switches")
     ap.add_argument("--against", default=BASELINE,
                     help="a git revision whose sampler the against part runs (see above; default "
                          "the sampler before its spans and prompt sharing, which the README's "
@@ -374,6 +416,8 @@ def main():
         if not args.against:
             ap.error("--parts against needs --against REV (a git revision)")
         against(args.against, args.rl_rounds)
+    if "switches" in parts:
+        switches(args.rl_rounds)
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 

@@ -214,9 +214,17 @@ def test_greedy_cached_decoding_matches_a_full_forward_at_every_step():
     assert len(set(r.response_ids[:, 0].tolist())) > 1
 
 
+# the sampler's speed-ups, each a module flag (with all False the loop is plain batched decoding)
+SPEED_UPS = ["SHARE_PROMPTS", "SPANS", "SKIP_FREE_ROWS"]
+
+
 @pytest.mark.needs("filter_logits", "sample", "rope", "attention", "kv_cache")
+@pytest.mark.parametrize("speed_ups", ["on", "off"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_logprobs_are_those_of_a_full_forward_at_the_temperature_before_truncation(temperature):
+def test_logprobs_are_those_of_a_full_forward_at_the_temperature_before_truncation(
+        monkeypatch, temperature, speed_ups):
+    for name in SPEED_UPS if speed_ups == "off" else []:
+        monkeypatch.setattr(sampler, name, False)
     model = tiny_model(head_scale=4.0)  # broad enough that EOS ids come up
     r = generate(model, PROMPTS * 3, max_new_tokens=16, temperature=temperature, top_k=20,
                  top_p=0.9, eos_token_ids=[3, 9, 11], generator=torch.Generator().manual_seed(0),
@@ -399,6 +407,52 @@ def test_greedy_rows_of_repeated_prompts_equal_transformers(hf_and_ours):
                  eos_token_ids=[eos], slots=3)
     for row, i in enumerate(which):
         assert r.response_ids[row, :r.lengths[row]].tolist() == alone[i]
+
+
+@pytest.mark.needs("sample", "rope", "attention", "kv_cache")
+@pytest.mark.parametrize("off", [SPEED_UPS] + [[name] for name in SPEED_UPS],
+                         ids=["all"] + SPEED_UPS)
+def test_greedy_rows_equal_transformers_with_speed_ups_switched_off(hf_and_ours, monkeypatch, off):
+    """All three off (plain batched decoding), or each one alone: the same greedy tokens (sampled
+    ones would differ with SPANS off: a resort moves rows, and so which random number a sequence
+    draws). Repeated prompts in fewer slots than sequences, so that refills share prompts and
+    resorts move rows; and each switch switches: prefills, spans, rows in the decode step."""
+    for name in off:
+        monkeypatch.setattr(sampler, name, False)
+    steps, prefilled = [], []  # per decode step (rows, spans); per prefill its prompts
+    decode_one_token, prefill_slots = sampler.decode_one_token, sampler.prefill_slots
+    monkeypatch.setattr(sampler, "decode_one_token", lambda model, tokens, positions, kv: (
+        steps.append((len(tokens), kv.spans)), decode_one_token(model, tokens, positions, kv))[1])
+    monkeypatch.setattr(sampler, "prefill_slots", lambda model, ps, slots, kv: (
+        prefilled.append(len(ps)), prefill_slots(model, ps, slots, kv))[1])
+    ours, eos, alone = hf_and_ours
+    which = [0, 0, 1, 3, 3, 3, 5, 0, 6, 6, 1, 2, 4]
+    r = generate(ours, [RAGGED[i] for i in which], max_new_tokens=12, temperature=0,
+                 eos_token_ids=[eos], slots=4)
+    for row, i in enumerate(which):
+        assert r.response_ids[row, :r.lengths[row]].tolist() == alone[i]
+    assert (sum(prefilled) == len(which)) == ("SHARE_PROMPTS" in off)
+    assert all(spans == () for _, spans in steps) == ("SPANS" in off)
+    assert all(rows == 4 for rows, _ in steps) == ("SKIP_FREE_ROWS" in off)
+
+
+@pytest.mark.needs("filter_logits", "sample", "rope", "attention", "kv_cache")
+def test_skipping_the_free_rows_changes_no_draw(monkeypatch):
+    """The rows after the last busy one skip the decode step (their logits go stale), but still
+    draw, into the scratch row: every sequence keeps its random numbers, and samples as it would
+    with every row decoding (float64, so that fewer rows in a matmul cannot flip a draw)."""
+    model = tiny_model(head_scale=4.0).double()
+
+    def run():
+        return generate(model, PROMPTS * 4, max_new_tokens=16, eos_token_ids=[3, 9, 11], slots=6,
+                        generator=torch.Generator().manual_seed(0))
+    skipping = run()
+    monkeypatch.setattr(sampler, "SKIP_FREE_ROWS", False)
+    every_row = run()
+    assert skipping.lengths.min() < skipping.lengths.max()  # slots were refilled mid-way
+    assert torch.equal(skipping.response_ids, every_row.response_ids)
+    tol = 8 * torch.finfo(torch.float32).eps * every_row.logprobs.abs().max().clamp(min=1)
+    assert (skipping.logprobs - every_row.logprobs).abs().max() < tol
 
 
 @pytest.mark.needs("filter_logits", "sample", "rope", "attention", "kv_cache")
