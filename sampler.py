@@ -60,7 +60,6 @@ long-tailed rollout decoding padding; here a slot is busy as long as sequences w
 """
 import bisect
 import itertools
-import math
 from collections import Counter, deque
 from dataclasses import dataclass
 
@@ -69,6 +68,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from infra import distributed
+from infra.cuda_graphs import CUDAGraphDecode
 
 
 @dataclass
@@ -224,41 +224,6 @@ def agree_across_ranks(working: bool, prefilling: bool) -> tuple[bool, bool]:
     any_working, any_prefilling = distributed.all_reduce([working, prefilling], op="max",
                                                          name="sampler's decode-loop flags")
     return bool(any_working), bool(any_prefilling)
-
-
-class CUDAGraphDecode:
-    """The compiled decode step replayed as CUDA graphs, one per key-length bucket (powers of two):
-    a step is one launch instead of a few hundred kernels. torch.compile's mode="reduce-overhead"
-    records graphs too, but for a cache at one address for the whole run (gpt-fast keeps it as a
-    model buffer); ours is allocated per call and freed for training, so the graphs are recorded
-    here, per call."""
-
-    def __init__(self, step, B, max_len, device):
-        self.step, self.max_len = step, max_len
-        self.tokens = torch.zeros(B, dtype=torch.long, device=device)  # the inputs the graphs read
-        self.positions = torch.zeros(B, dtype=torch.long, device=device)
-        # one memory pool for all: the graphs never run at once, and each output is cloned at once
-        self.graphs, self.pool = {}, torch.cuda.graph_pool_handle()  # bucket -> (graph, logits)
-
-    def __call__(self, model, tokens, positions, kv_cache):
-        S = min(self.max_len, max(64, 2 ** math.ceil(math.log2(kv_cache.length))))
-        self.tokens.copy_(tokens)
-        self.positions.copy_(positions)
-        if S not in self.graphs:
-            # the graph reads and writes this call's cache, at its addresses
-            view = kv_cache.upto(S)
-            side = torch.cuda.Stream()  # warm up (compile, allocate) outside the capture
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # this step's keys are written twice: the same values
-                self.step(model, self.tokens, self.positions, view)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                logits = self.step(model, self.tokens, self.positions, view)  # (B, V)
-            self.graphs[S] = graph, logits
-        graph, logits = self.graphs[S]
-        graph.replay()
-        return logits.clone()  # the next replay overwrites the graph's output
 
 
 # one torch.compile per process: it caches the compiled code per shape guard
