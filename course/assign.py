@@ -430,11 +430,11 @@ def student_readme(readme: str, root: str, regions: dict[str, list[Region]]) -> 
 
 def student_makefile(makefile: str, root: str, regions) -> str:
     """The Makefile whose `make run` first stops, in one line, while an exercise is not written."""
-    return (re.sub(r"^(run:.*\n)", r"\1\t$(if $(TODO),$(error $(TODO)))\n", makefile, count=1,
-                   flags=re.M) +
+    return (re.sub(r"^(run:.*\n)", r"\1\t$(if $(UNWRITTEN),$(error $(UNWRITTEN)))\n", makefile,
+                   count=1, flags=re.M) +
             "\n# The student copy: make run runs every exercise, so while some still raise it "
             "says which\n# (one line) instead of a traceback\n"
-            "TODO = $(shell $(PYTHON) course/assign.py todo)\n")
+            "UNWRITTEN = $(shell $(PYTHON) course/assign.py todo)\n")
 
 
 # The files a handout rewrites: {path: (text, root, regions) -> the student's text}
