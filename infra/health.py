@@ -115,7 +115,7 @@ class Alarms:
 
     def __init__(self, stop_when_stuck: int, reward_fn: str = ""):
         self.stop_when_stuck, self.dead_run, self.reward_fn = stop_when_stuck, 0, reward_fn
-        self.updates = self.skipped = 0  # optimizer steps of the run, taken and skipped
+        self.updates = self.skipped = self.steps = 0  # optimizer steps taken and skipped; steps
 
     def check(self, step: int, row: dict, generated=None, tok=None,
               reward_fn_error: str = "") -> bool:
@@ -124,6 +124,7 @@ class Alarms:
         example; reward_fn_error: the first error --reward-fn raised this step."""
         self.updates += row.get("train/updates", 0)
         self.skipped += row.get("train/skipped_updates", 0)
+        self.steps += 1
         causes = dead_step_causes(row, self.reward_fn)
         self.dead_run = self.dead_run + 1 if causes else 0
         example = ""
@@ -138,12 +139,17 @@ class Alarms:
         return bool(self.stop_when_stuck) and self.dead_run >= self.stop_when_stuck
 
     def finish(self):
-        """At the end of the run: one whose every update was skipped trained nothing, and says so
-        with a non-zero exit (RunStuck) however few steps it had."""
+        """At the end of the run: one that took no optimizer step (every update skipped, or no
+        step with a group to train on) trained nothing, and says so with a non-zero exit
+        (RunStuck) however few steps it had."""
         if self.skipped and not self.updates:
             raise RunStuck(f"all {self.skipped} optimizer steps of this run were skipped (a NaN "
                            "or inf gradient norm): it trained nothing; the warnings above name "
                            "the steps; the checkpoint saved holds the weights it started from")
+        if self.steps and not self.updates:
+            raise RunStuck(f"none of this run's {self.steps} steps had a group to train on: it "
+                           "trained nothing; the warnings above name the cause; the checkpoint "
+                           "saved holds the weights it started from")
 
     def error(self) -> RunStuck:
         return RunStuck(f"stopping: {self.dead_run} consecutive steps trained on nothing or on a "

@@ -322,10 +322,13 @@ def test_non_finite_gradient_skips_the_update(monkeypatch):
 # --- the loop, end to end on a tiny random model ---
 
 def _cfg(model_dir, out_dir, **kw):
+    """A few tiny steps of the random model. It never answers right, so every group has zero
+    advantage: without dynamic sampling each step still trains (a run that takes no optimizer
+    step exits non-zero, having trained nothing); the tests of dynamic sampling turn it on."""
     small = dict(model=model_dir, out_dir=str(out_dir), steps=3, train_prompts=4, gen_prompts=4,
                  group_size=4, max_gen_batches=2, max_response_len=12, overlong_buffer=4,
                  mini_batch_prompts=2, micro_batch_size=8, eval_every=2, eval_prompts=4,
-                 eval_samples=2, lr=1e-3)
+                 eval_samples=2, lr=1e-3, dynamic_sampling=False)
     return Config(**{**small, **kw})
 
 
@@ -368,7 +371,7 @@ def test_dynamic_sampling_cap_trains_whole_mini_batches_and_says_so(tiny_model_d
     monkeypatch.setattr(dapo, "rollout", scripted_rollout)
     monkeypatch.setattr(toy, "toy_rows", lambda n, seed, split: indexed_rows(8))
     dapo.main(_cfg(tiny_model_dir, tmp_path, steps=1, eval_every=0, train_prompts=4,
-                   gen_prompts=2, max_gen_batches=3, mini_batch_prompts=2))
+                   gen_prompts=2, max_gen_batches=3, mini_batch_prompts=2, dynamic_sampling=True))
     m = json.loads(open(tmp_path / "metrics.jsonl").readline())
     assert m["train/num_gen_batches"] == 3 and m["train/gen_cap_hit"] == 1
     kept = 6 - m["train/groups_filtered"]  # groups with signal among the 3 x 2 generated

@@ -77,8 +77,9 @@ def _dead_run(model_dir, out_dir, **kw):
     """The demo's failure mode on a random model: it never writes "Answer:", so every group is
     all wrong, and at --max-response-len 2 every response is truncated."""
     from test_dapo import _cfg
-    return _cfg(model_dir, out_dir, max_response_len=2, overlong_buffer=2, eval_every=0,
-                steps=6, **kw)
+    return _cfg(model_dir, out_dir, **{"max_response_len": 2, "overlong_buffer": 2,
+                                       "eval_every": 0, "steps": 6, "dynamic_sampling": True,
+                                       **kw})
 
 
 @pytest.mark.needs("all")
@@ -95,6 +96,20 @@ def test_a_run_that_trains_on_nothing_warns_and_stops_with_a_checkpoint(
     assert "warning: step 2: no group with signal" in out
     saved = tmp_path / "checkpoints"
     assert (saved / "step_000002").is_dir() and not (saved / "step_000003").exists()
+
+
+@pytest.mark.needs("all")
+def test_a_run_that_never_had_a_group_to_train_on_exits_non_zero(tiny_model_dir, tmp_path,
+                                                                 capsys):
+    """Fewer steps than --stop-when-stuck, none with a group with signal: it trained nothing, so
+    it must not exit 0 as a run that trained does (before: exit 0 after two warnings)."""
+    import dapo
+    with pytest.raises(SystemExit) as stopped:
+        dapo.main(_dead_run(tiny_model_dir, tmp_path, steps=2, max_gen_batches=1,
+                            train_prompts=2, gen_prompts=2, mini_batch_prompts=2))
+    assert stopped.value.code == 1
+    assert "error: none of this run's 2 steps had a group to train on: it trained nothing" in \
+        capsys.readouterr().out
 
 
 @pytest.mark.needs("all")

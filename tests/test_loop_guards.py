@@ -68,7 +68,8 @@ def few_rows(tmp_path):
 
 def test_fewer_rows_than_a_generation_batch_names_the_flag(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="3 usable rows, fewer than --gen-prompts 4"):
-        dapo.main(_cfg(tiny_model_dir, tmp_path / "run", train_data=str(few_rows(tmp_path))))
+        dapo.main(_cfg(tiny_model_dir, tmp_path / "run", train_data=str(few_rows(tmp_path)),
+                       dynamic_sampling=True))
 
 
 
