@@ -30,8 +30,8 @@ import os
 import numpy as np
 from tokenizers import Tokenizer as _HFTokenizer
 
-from infra import templates
-from infra.files import need_file
+from infra import datafiles, templates
+from infra.files import need_file, read_json
 from reward import CUSTOM_DATA_SOURCE, SCORERS, has_scorer
 
 log = logging.getLogger("data")
@@ -107,18 +107,6 @@ class Tokenizer:
         return self.encode(self.render_chat(messages, add_generation_prompt))
 
 
-def _read_json(path: str, required: bool = True) -> dict:
-    if not os.path.isfile(path):
-        if required:
-            need_file(*os.path.split(path))
-        return {}
-    with open(path, encoding="utf-8") as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from None
-
-
 def _token_text(value) -> str | None:
     # "<|im_end|>" or {"content": "<|im_end|>", ...}
     return value.get("content") if isinstance(value, dict) else value
@@ -146,8 +134,9 @@ def load_tokenizer(path: str) -> Tokenizer:
     <|endoftext|> in its generation config, but a response formatted by its ChatML template ends
     with <|im_end|>: both must stop generation."""
     tok = _HFTokenizer.from_file(need_file(path, "tokenizer.json"))
-    config = _read_json(os.path.join(path, "tokenizer_config.json"))
-    gen = _read_json(os.path.join(path, "generation_config.json"), required=False)
+    config = read_json(need_file(path, "tokenizer_config.json"))
+    gen_file = os.path.join(path, "generation_config.json")
+    gen = read_json(gen_file) if os.path.isfile(gen_file) else {}
     template, template_source = _chat_template(path, config)
     special = {name: _token_text(config[name]) for name in SPECIAL_TOKEN_NAMES
                if _token_text(config.get(name))}
@@ -207,56 +196,10 @@ def check_data_file(path: str, flag: str):
     with pyarrow installed). Raises naming the flag and the file."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{flag} {path}: no such file")
-    if path.endswith(".parquet"):
-        _import_pyarrow(path)
-    elif not path.endswith(".jsonl"):
-        raise ValueError(f"{flag} {path}: unknown data format (expected .parquet or .jsonl)")
-
-
-def _import_pyarrow(path: str):
     try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ImportError(f"reading {path} needs pyarrow, an optional extra: pip install -r "
-                          "requirements-extra.txt (or convert the file to JSONL with the same "
-                          "columns)") from None
-    return pa, pq
-
-
-def _parquet_rows(path: str):
-    pa, pq = _import_pyarrow(path)
-    index = 0
-    try:
-        # Python objects for one batch at a time
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=65536):
-            for row in batch.to_pylist():
-                yield f"{path}: row {index}", row
-                index += 1
-    except pa.ArrowException as e:
-        # ArrowInvalid, ArrowIOError...: the file, not one row, is broken
-        raise ValueError(f"{path}: not a readable parquet file after {index} rows; truncated (an "
-                         f"interrupted download?) or corrupt: {e}") from None
-
-
-def _jsonl_rows(path: str):
-    # bytes, decoded line by line: a bad byte is then reported with its line
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                # -sig: a BOM some editors write
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: the file is not UTF-8 text (byte "
-                                 f"0x{raw[e.start]:02x} at byte {e.start + 1} of the line); JSONL "
-                                 "must be UTF-8: re-encode it, e.g. with iconv") from None
-            if not line.strip():
-                continue
-            try:
-                yield f"{path}:{lineno}", json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg} at column "
-                                 f"{e.colno})") from None
+        datafiles.need_reader(path)
+    except ValueError as e:
+        raise ValueError(f"{flag} {e}") from None
 
 
 def _from_plain(row, where: str):
@@ -328,12 +271,7 @@ def load_rows(path: str, tokenizer: Tokenizer | None = None, dedupe: bool = True
     avg@k. Reading the 1.79M-row DAPO-Math-17k parquet this way takes a minute or so (200k rows:
     ~17 s on a busy 2-core machine): it happens once per run, and a deduplicated JSONL copy loads in
     a second."""
-    if path.endswith(".parquet"):
-        source = _parquet_rows(path)
-    elif path.endswith(".jsonl"):
-        source = _jsonl_rows(path)
-    else:
-        raise ValueError(f"{path}: unknown data format (expected .parquet or .jsonl)")
+    source = datafiles.read_rows(path)
     rows, wheres, seen, skipped = [], [], {}, {}
     n_read = n_dup = n_conflict = 0
     for where, row in source:
