@@ -313,7 +313,7 @@ def train(cfg: Config):
                             asdict(cfg), keep_last=cfg.keep_checkpoints)
         if stuck:
             raise alarms.error()
-    alarms.finish()  # a run whose every update was skipped trained nothing: a non-zero exit
+    alarms.finish()  # a run that took no optimizer step trained nothing: a non-zero exit
     if cfg.eval_every and start < cfg.steps:
         log.evaluated(cfg.steps, evaluate(model, val_rows, tok, cfg))
         log.say_eval_change(start, cfg.steps, cfg.eval_samples)
