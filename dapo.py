@@ -139,9 +139,9 @@ def evaluate(model, rows, tok, cfg) -> dict:
         batch = rollout(model, mine or rows[:1], tok, cfg, group_size=k,
                         temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, top_k=0,
                         generator=generator)
-    acc = batch.acc.float().view(-1, k)[:len(mine)]  # (problems, k)
-    right, any_right = distributed.all_reduce([acc.sum().item(), acc.amax(1).sum().item()])
-    return {"val/acc": right / (len(rows) * k), f"val/pass@{k}": any_right / len(rows)}
+    result = metrics.eval_metrics(batch, len(mine), len(rows), k)
+    health.warn_evaluation(result, cfg.reward_fn, take_reward_fn_errors(), batch)  # as a step
+    return result
 
 
 # ------------------------------------------------------------------------------------------------
@@ -316,7 +316,7 @@ def train(cfg: Config):
     alarms.finish()  # a run that took no optimizer step trained nothing: a non-zero exit
     if cfg.eval_every and start < cfg.steps:
         log.evaluated(cfg.steps, evaluate(model, val_rows, tok, cfg))
-        log.say_eval_change(start, cfg.steps, cfg.eval_samples)
+        log.say_eval_change(cfg.eval_samples)
     return log.last_val
 
 

@@ -94,6 +94,14 @@ def reward_fn_warning(share: float, reward_fn: str, first_error: str, generated=
             f"wrong answer (-1); the first: {first_error or '(on another rank)'}")
 
 
+def warn_evaluation(result: dict, reward_fn: str, first_error: str, generated):
+    """An evaluation's line on --reward-fn raising (result: evaluate()'s val/ metrics; generated:
+    this rank's responses), as a step's: else the evaluation's accuracy would fall unexplained."""
+    if result.get("val/reward_fn_error"):
+        distributed.say("warning: evaluation: " + reward_fn_warning(
+            result["val/reward_fn_error"], reward_fn, first_error, generated))
+
+
 def _flag(reward_fn: str) -> str:
     return f"--reward-fn {reward_fn}" if reward_fn else "--reward-fn"
 

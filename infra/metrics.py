@@ -232,6 +232,7 @@ class RunLog:
         self.path, self.trackers = path, list(trackers)
         self.capped = 0  # steps at which dynamic sampling stopped at --max-gen-batches
         self.first_val = self.last_val = None  # the run's first and latest evaluation
+        self.first_step = self.last_step = 0  # the rollout steps they came before
         self.bar = tqdm(range(start, steps), initial=start, total=steps, desc="dapo",
                         dynamic_ncols=True, disable=distributed.rank() != 0)
 
@@ -243,7 +244,9 @@ class RunLog:
 
     def evaluated(self, step: int, result: dict):
         """An evaluation's row, before rollout step `step` (or after the last)."""
-        self.first_val, self.last_val = self.first_val or result, result
+        if self.first_val is None:  # a resumed run's first is its own, not step `start`'s
+            self.first_step, self.first_val = step, result
+        self.last_step, self.last_val = step, result
         self.write({"step": step, **result})
 
     def step(self, step: int, row: dict, lr: float, t_gen: float, t_train: float):
@@ -259,11 +262,12 @@ class RunLog:
         self.bar.set_postfix(progress_summary(row) | ({"capped": self.capped} if self.capped
                                                       else {}))
 
-    def say_eval_change(self, start: int, steps: int, k: int):
+    def say_eval_change(self, k: int):
         first, last = self.first_val, self.last_val
         if first is not last:  # two evaluations or more
-            distributed.say(f"val/acc (avg@{k}): {first['val/acc']:.3f} at step {start} -> "
-                            f"{last['val/acc']:.3f} at step {steps}; pass@{k}: "
+            distributed.say(f"val/acc (avg@{k}): {first['val/acc']:.3f} at step "
+                            f"{self.first_step} -> {last['val/acc']:.3f} at step "
+                            f"{self.last_step}; pass@{k}: "
                             f"{first[f'val/pass@{k}']:.3f} -> {last[f'val/pass@{k}']:.3f}")
 
 
@@ -282,6 +286,21 @@ def cap_note(row: dict) -> str:
             f"signal, fewer than --train-prompts; trained on the {row['train/groups_kept']} of "
             "whole mini-batches. Said once: 'capped' in the bar counts such steps "
             "(train/gen_cap_hit in metrics.jsonl)")
+
+
+def eval_metrics(batch, n_mine: int, n_rows: int, k: int) -> dict:
+    """val/acc (avg@k) and val/pass@k over every rank's problems, n_rows in all: this rank's are
+    the first n_mine groups of k responses of batch (a rank without a problem sampled one to
+    ignore). With --reward-fn, val/reward_fn_error: the share of responses it raised on."""
+    acc = batch.acc.float().view(-1, k)[:n_mine]  # (problems, k)
+    raised = 0 if batch.reward_error is None else \
+        batch.reward_error.view(-1, k)[:n_mine].sum().item()
+    right, any_right, raised = distributed.all_reduce(
+        [acc.sum().item(), acc.amax(1).sum().item(), raised])
+    out = {"val/acc": right / (n_rows * k), f"val/pass@{k}": any_right / n_rows}
+    if batch.reward_error is not None:
+        out["val/reward_fn_error"] = raised / (n_rows * k)
+    return out
 
 
 def report_eval(result: dict, out_dir: str, config: dict, trackers: list):

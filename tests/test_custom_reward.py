@@ -9,6 +9,7 @@ import shlex
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -253,6 +254,21 @@ def test_a_few_dapo_steps_on_countdown_with_a_raising_reward_fn(tiny_model_dir, 
                                "responses (4 of 16), each scored as a wrong answer (-1); the "
                                "first: RuntimeError: planted, on a row of data_source "
                                "'custom'"), line
+
+
+@pytest.mark.needs("all")
+def test_an_evaluation_says_when_the_reward_fn_raised(tiny_model_dir, tmp_path, capsys):
+    # before: --eval-only with a verifier raising on every response said val/acc 0.0, and no why
+    path = write(tmp_path / "mine.py", "def f(r, g):\n    if r == g:\n        return 1.0\n"
+                                       "    raise RuntimeError('planted')\n")  # passes its check
+    cfg = replace(countdown_run(tiny_model_dir, tmp_path, f"{path}:f"), eval_only=True)
+    result = dapo.main(cfg)
+    assert result["val/acc"] == 0.0 and result["val/reward_fn_error"] == 1.0
+    said = [line for line in capsys.readouterr().out.splitlines() if "raised" in line]
+    assert len(said) == 1, said
+    assert said[0].startswith(f"warning: evaluation: --reward-fn {path}:f raised on 100% of the "
+                              "responses (8 of 8), each scored as a wrong answer (-1); the "
+                              "first: RuntimeError: planted, on a row of data_source 'custom'")
 
 
 @pytest.mark.needs("all")

@@ -87,3 +87,16 @@ def test_the_gen_cap_is_said_once_then_counted_in_the_bar(tmp_path, capsys):
                     "steps (train/gen_cap_hit in metrics.jsonl)"]
     assert log.bar.postfix.endswith("capped=2")
     log.bar.close()
+
+
+def test_the_eval_change_names_the_steps_of_the_first_and_last_evaluations(tmp_path, capsys):
+    # before: "at step {start}": a run resumed at step 5 with --eval-every 10 first evaluates at
+    # step 10, and was said to have done so at step 5
+    log = RunLog(str(tmp_path / "metrics.jsonl"), 5, 20)
+    for step, acc in [(10, 0.25), (20, 0.5), (20, 0.75)]:
+        log.evaluated(step, {"val/acc": acc, "val/pass@4": acc})
+    log.say_eval_change(4)
+    out = capsys.readouterr()
+    assert "val/acc (avg@4): 0.250 at step 10 -> 0.750 at step 20; pass@4: 0.250 -> 0.750" in \
+        out.out + out.err
+    log.bar.close()
