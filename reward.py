@@ -300,15 +300,11 @@ def _say_slow(ran: float, timeout_s: float):
         _custom["spec"], ran, limit)
 
 
-def install_reward_fn(spec: str, every_row: bool, example_ground_truth: str | None = None,
-                      timeout_s: float = 0.0):
+def install_reward_fn(spec: str, every_row: bool, timeout_s: float = 0.0):
     """Load --reward-fn and make it the verifier of rows whose data_source has none built in (or
-    of every row); a call longer than timeout_s seconds (0: no limit) is a wrong answer. With
-    example_ground_truth, check_reward_fn() first."""
-    fn = load_reward_fn(spec)
-    if example_ground_truth is not None:
-        _check_call(fn, spec, example_ground_truth, timeout_s)
-    _custom.update(fn=fn, spec=spec, every_row=every_row, timeout_s=timeout_s)
+    of every row); a call longer than timeout_s seconds (0: no limit) is a wrong answer.
+    check_reward_fn() calls it once, when a row's ground truth is at hand."""
+    _custom.update(fn=load_reward_fn(spec), spec=spec, every_row=every_row, timeout_s=timeout_s)
 
 
 def check_reward_fn(example_ground_truth: str):

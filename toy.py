@@ -94,12 +94,12 @@ def _toy_vocab() -> tuple[dict[str, int], list[tuple[str, str]]]:
     return vocab, merges
 
 
-TOY_SPECIAL_TOKENS = 3  # <|endoftext|>, <|im_start|>, <|im_end|>
+TOY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # after the BPE vocabulary
 
 
 def demo_model_config() -> ModelConfig:
     """The demo's base model's shape (its vocabulary is the toy tokenizer's), built from nothing."""
-    return preset(WARMUP["preset"], vocab_size=len(_toy_vocab()[0]) + TOY_SPECIAL_TOKENS)
+    return preset(WARMUP["preset"], vocab_size=len(_toy_vocab()[0]) + len(TOY_SPECIAL_TOKENS))
 
 
 def make_toy_tokenizer(out_dir: str) -> Tokenizer:
@@ -115,11 +115,11 @@ def make_toy_tokenizer(out_dir: str) -> Tokenizer:
         pre_tokenizers.Split(Regex(QWEN_SPLIT_REGEX), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in TOY_SPECIAL_TOKENS])
     os.makedirs(out_dir, exist_ok=True)
     tok.save(os.path.join(out_dir, "tokenizer.json"))
-    ids = {t: tok.token_to_id(t) for t in specials}
+    ids = {t: tok.token_to_id(t) for t in TOY_SPECIAL_TOKENS}
     config = {"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
               "pad_token": "<|endoftext|>", "unk_token": None, "model_max_length": 1024,
               "chat_template": TOY_CHAT_TEMPLATE}

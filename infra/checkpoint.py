@@ -44,7 +44,7 @@ def check_finite(model, where: str):
     torch.distributed, one all-reduce of the first bad index."""
     params = dict(model.named_parameters())  # a tied weight once
     # FSDP shards
-    local = {n: (p.to_local() if hasattr(p, "to_local") else p).detach() for n, p in params.items()}
+    local = {n: distributed.local_shard(p).detach() for n, p in params.items()}
     names = list(local)
     bad = first_nonfinite(local)
     index = names.index(bad) if bad else len(names)
@@ -151,10 +151,14 @@ def _read(path) -> str:
         return f.read().strip()
 
 
+def step_number(name: str) -> int | None:
+    """N of a directory named step_N, else None."""
+    return int(name[5:]) if re.fullmatch(r"step_\d+", name) else None
+
+
 def step_dirs(ckpts: str) -> list[str]:
     """The names of the step_N directories in ckpts, oldest first."""
-    return sorted((n for n in os.listdir(ckpts) if re.fullmatch(r"step_\d+", n)),
-                  key=lambda n: int(n[5:]))
+    return sorted((n for n in os.listdir(ckpts) if step_number(n) is not None), key=step_number)
 
 
 def _delete_old(ckpts, keep_last):
@@ -176,7 +180,7 @@ def latest(out_dir) -> str:
                                 "--overwrite if the directory holds a run)")
     name = _read(pointer)
     # a path (absolute, or ../other-run/...) would resume another run's checkpoint, silently
-    if not re.fullmatch(r"step_\d+", name):
+    if step_number(name) is None:
         raise ValueError(f"--resume: {pointer} holds {name!r}, not the name of a checkpoint of "
                          f"this run (a step_N directory beside it). {_way_back(out_dir)}")
     ckpt = os.path.join(out_dir, "checkpoints", name)
@@ -218,7 +222,7 @@ def _way_back(out_dir, broken: str | None = None) -> str:
     """How to resume from the newest complete checkpoint (before the broken one, if given)."""
     ckpts = os.path.join(out_dir, "checkpoints")
     earlier = [n for n in reversed(step_dirs(ckpts))
-               if not broken or int(n[5:]) < int(os.path.basename(broken)[5:])]
+               if not broken or step_number(n) < step_number(os.path.basename(broken))]
     for name in earlier:
         if incomplete(os.path.join(ckpts, name)) is None:
             remove = f"remove {broken} and " if broken else ""
@@ -276,7 +280,7 @@ def check_optimizer_state(saved: dict, opt, file: str, model=None):
                          f"{len(params)}: the checkpoint's model/ and its optimizer state are of "
                          "different models")
     for number, (i, p) in enumerate(zip(saved_ids, params)):
-        local = p.to_local() if hasattr(p, "to_local") else p
+        local = distributed.local_shard(p)
         for key, t in saved["state"].get(i, {}).items():
             if torch.is_tensor(t) and t.dim() > 0 and t.shape != local.shape:
                 name = names.get(id(p), f"number {number}")

@@ -110,27 +110,38 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def launched_rank() -> int:
+    """This process's rank as torchrun set it: also before the process group exists."""
+    return rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
 def say(text: str):
-    """Print a line on rank 0 only, above the progress bar."""
-    if rank() == 0:
+    """Print a line on rank 0 only, above the progress bar (also while the flags are parsed,
+    before the process group exists: then every rank would be rank 0)."""
+    if launched_rank() == 0:
         tqdm.write(text)
 
 
-def fail(message: str, status: int = 2):
+def local_shard(t):
+    """A sharded tensor (DTensor) as this rank's shard; a plain tensor as is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def fail(message: str):
     """Stop on a user's mistake (a flag, a path, a file): one line `error: ...` on stderr and exit
     status 2, as argparse's own errors. Under torchrun every rank finds the same mistake, and rank
     0 alone says it: the others wait, and torchrun ends them once rank 0 has exited. A rank still
     there after the wait found a mistake rank 0 did not, and says it itself. (The rank is read from
     RANK: this may run before the process group exists.)"""
-    rank = int(os.environ.get("RANK", "0"))
+    rank = launched_rank()
     if rank > 0:
         time.sleep(FAIL_WAIT_S)
     print(f"error: {message}" if rank == 0 else f"error: rank {rank}: {message}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     if launched_world() > 1:
-        os._exit(status)  # as exit_after_shutdown: gloo's teardown can abort after the work
-    raise SystemExit(status)
+        os._exit(2)  # as exit_after_shutdown: gloo's teardown can abort after the work
+    raise SystemExit(2)
 
 
 def all_reduce(values, op="sum", name: str | None = None):
@@ -261,7 +272,10 @@ def share_responses(kept: dict, n_take: int, mini_batch_prompts: int, group_size
     """This rank's share of the responses of the first n_take groups kept over all ranks (kept:
     {global group number: its Batch of group_size responses}), each optimizer step's split evenly
     between the ranks: whole groups where the share allows, the paper's 32 prompts on 128 ranks
-    included. 1-row Batches, in order."""
+    included. Batches in order: whole groups when each rank's share of a step is whole groups,
+    else single responses (splitting every group costs ~1 s a step at 512 x 16)."""
+    if mini_batch_prompts % world_size() == 0:  # then share_in_order keeps groups whole anyway
+        return share_in_order(kept, n_take, mini_batch_prompts)
     responses = {g * group_size + i: row for g, group in kept.items()
                  for i, row in enumerate(group.split(1))}
     return share_in_order(responses, n_take * group_size, mini_batch_prompts * group_size)

@@ -1,9 +1,9 @@
 """Alarms for a run that has gone dead: after each rollout step, one line naming the cause and
 the flag that fixes it; with --stop-when-stuck N the run stops (checkpoint, non-zero exit) after
-N consecutive dead steps, and a run whose every update was skipped never exits 0. Three more
-warnings, for a run that trains on something wrong: responses without an answer the verifier can
-read, sampler log-probs that disagree with the trainer's, and a --reward-fn that raised. And a
-bound on dynamic sampling that finds no signal at all."""
+N consecutive dead steps, and a run that took no optimizer step (every update skipped, or none
+to take) never exits 0. Three more warnings, for a run that trains on something wrong: responses
+without an answer the verifier can read, sampler log-probs that disagree with the trainer's, and
+a --reward-fn that raised. And a bound on dynamic sampling that finds no signal at all."""
 from infra import distributed
 
 TRUNCATED_ALARM = 0.9  # almost every response truncated
@@ -147,17 +147,18 @@ class Alarms:
         return bool(self.stop_when_stuck) and self.dead_run >= self.stop_when_stuck
 
     def finish(self):
-        """At the end of the run: one that took no optimizer step (every update skipped, or no
-        step with a group to train on) trained nothing, and says so with a non-zero exit
-        (RunStuck) however few steps it had."""
+        """At the end of the run: one that took no optimizer step (every update skipped, or none
+        to take: no group with signal, or no token in the loss) trained nothing, and says so with
+        a non-zero exit (RunStuck) however few steps it had."""
         if self.skipped and not self.updates:
             raise RunStuck(f"all {self.skipped} optimizer steps of this run were skipped (a NaN "
                            "or inf gradient norm): it trained nothing; the warnings above name "
                            "the steps; the checkpoint saved holds the weights it started from")
         if self.steps and not self.updates:
-            raise RunStuck(f"none of this run's {self.steps} steps had a group to train on: it "
-                           "trained nothing; the warnings above name the cause; the checkpoint "
-                           "saved holds the weights it started from")
+            raise RunStuck(f"none of this run's {self.steps} steps took an optimizer step (no "
+                           "group with signal, or no token in the loss): it trained nothing; the "
+                           "warnings above name the cause; the checkpoint saved holds the "
+                           "weights it started from")
 
     def error(self) -> RunStuck:
         return RunStuck(f"stopping: {self.dead_run} consecutive steps trained on nothing or on a "

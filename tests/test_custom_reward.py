@@ -54,7 +54,8 @@ def plain_jsonl(path, rows):
 def test_a_bad_reward_file_stops_the_run_naming_the_flag(tmp_path, body, spec_name, error):
     path = str(tmp_path / "mine.py") if body is None else write(tmp_path / "mine.py", body)
     with pytest.raises(ValueError, match=f"--reward-fn .*{error}"):
-        reward.install_reward_fn(f"{path}:{spec_name}", False, example_ground_truth="7")
+        reward.install_reward_fn(f"{path}:{spec_name}", False)
+        reward.check_reward_fn("7")
 
 
 @pytest.mark.parametrize("spec", ["mine.py", "mine:score", "mine.py:not a name"])
@@ -79,7 +80,8 @@ def test_floats_and_dicts_are_scores_and_acc_follows_the_sign(tmp_path):
 
 def test_an_exception_during_the_run_is_a_wrong_answer_the_step_reports_once(tmp_path, caplog):
     path = write(tmp_path / "mine.py", "def f(r, g):\n    return 1.0 if r == g else int(r)\n")
-    reward.install_reward_fn(f"{path}:f", False, example_ground_truth="7")
+    reward.install_reward_fn(f"{path}:f", False)
+    reward.check_reward_fn("7")
     with caplog.at_level(logging.WARNING):
         outs = [reward.score_response("custom", r, "7") for r in ("seven", "7", "eight")]
     assert [(o["score"], o["acc"], o.get("reward_fn_error")) for o in outs] == [
@@ -94,7 +96,8 @@ def test_an_exception_during_the_run_is_a_wrong_answer_the_step_reports_once(tmp
 @pytest.mark.parametrize("bad", ["float('nan')", "float('inf')", "{'score': float('nan')}"])
 def test_a_nan_or_inf_score_stops_the_run_naming_the_function_and_the_response(tmp_path, bad):
     path = write(tmp_path / "mine.py", f"def f(r, g):\n    return 1.0 if r == g else {bad}\n")
-    reward.install_reward_fn(f"{path}:f", False, example_ground_truth="7")  # 1.0 on its check
+    reward.install_reward_fn(f"{path}:f", False)
+    reward.check_reward_fn("7")  # 1.0 on its check
     value = "inf" if "inf" in bad else "nan"
     with pytest.raises(ValueError, match=rf"--reward-fn .*mine\.py:f returned {value} for the "
                                          r"response 'Answer: 8' \(ground truth '7'\): a score "
@@ -103,7 +106,8 @@ def test_a_nan_or_inf_score_stops_the_run_naming_the_function_and_the_response(t
     always = write(tmp_path / "always.py", f"def f(r, g):\n    return {bad}\n")
     with pytest.raises(ValueError, match=rf"the check call f\('7', '7'\) failed: ValueError: "
                                          rf"--reward-fn .*:f returned {value}"):
-        reward.install_reward_fn(f"{always}:f", False, example_ground_truth="7")
+        reward.install_reward_fn(f"{always}:f", False)
+        reward.check_reward_fn("7")
 
 
 def test_a_slow_call_is_said_and_one_past_the_timeout_is_a_wrong_answer(tmp_path, caplog,

@@ -524,6 +524,18 @@ def test_help_lists_the_flags():
     assert "--device is cuda where torch sees a GPU, else cpu" in header
 
 
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_renamed_flag_works_with_a_notice_from_rank_0_alone(rank, monkeypatch, capsys):
+    # the flags are parsed before the process group exists: before, every rank of a torchrun
+    # launch printed the notice, as every rank was rank 0 then
+    from config import parse_args
+    monkeypatch.setenv("RANK", rank)
+    assert parse_args(["--rollout-batch-size", "12"]).rollout_slots == 12
+    out = capsys.readouterr()
+    said = "note: --rollout-batch-size is now --rollout-slots" in out.out + out.err
+    assert said == (rank == "0")
+
+
 # Every flag that the paper's run sets (paper Sec. 4.1, or verl's recipe/dapo script)
 PAPER_FLAGS = ["model", "train_data", "val_data", "steps", "train_prompts", "gen_prompts",
                "group_size", "max_gen_batches", "on_gen_cap", "max_prompt_len",

@@ -108,8 +108,8 @@ def test_a_run_that_never_had_a_group_to_train_on_exits_non_zero(tiny_model_dir,
         dapo.main(_dead_run(tiny_model_dir, tmp_path, steps=2, max_gen_batches=1,
                             train_prompts=2, gen_prompts=2, mini_batch_prompts=2))
     assert stopped.value.code == 1
-    assert "error: none of this run's 2 steps had a group to train on: it trained nothing" in \
-        capsys.readouterr().out
+    assert ("error: none of this run's 2 steps took an optimizer step (no group with signal, or "
+            "no token in the loss): it trained nothing") in capsys.readouterr().out
 
 
 @pytest.mark.needs("all")
