@@ -29,16 +29,25 @@ SAMPLING_BYTES = 24  # per slot and vocabulary entry: logits, tempered, softmax,
 
 def parameter_count(m) -> int:
     """Parameters of a ModelConfig's Qwen2 (a tied head counted once)."""
-    C, F, V = m.hidden_size, m.intermediate_size, m.vocab_size  # F: the MLP's width
-    q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
-    block = C * q + q + 2 * (C * kv + kv) + q * C + 3 * C * F + 2 * C
-    return V * C * (1 if m.tie_word_embeddings else 2) + m.num_hidden_layers * block + C
+    return root_parameter_count(m) + m.num_hidden_layers * block_parameter_count(m)
+
+
+def root_parameter_count(m) -> int:
+    """Parameters outside the blocks: the embeddings, the output layer unless tied to them, the
+    final norm."""
+    return m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2) + m.hidden_size
 
 
 def block_parameter_count(m) -> int:
-    return (parameter_count(m) - m.hidden_size
-            - m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)) \
-        // m.num_hidden_layers
+    """Parameters of one block: q, k, v (with biases) and o, the SwiGLU MLP, the two norms."""
+    C, F = m.hidden_size, m.intermediate_size  # F: the MLP's width
+    q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    return C * q + q + 2 * (C * kv + kv) + q * C + 3 * C * F + 2 * C
+
+
+def dtype_bytes(precision: str) -> int:
+    """Bytes of a tensor element computed in a resolved precision: bf16 2, fp32 4."""
+    return 2 if precision == "bf16" else 4
 
 
 def kv_bytes_per_token(m, dtype_bytes: int) -> int:
@@ -133,11 +142,10 @@ def plan(m, cfg, world: int, capacity: int = 0, slots: int | None = None) -> Pla
     params = parameter_count(m)
     bf16, sharded = cfg.precision == "bf16", world > 1
     mode = "bf16" if bf16 and sharded else "autocast" if bf16 else "fp32"
-    act_bytes = 2 if bf16 else 4
-    root = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2) + m.hidden_size
+    act_bytes = dtype_bytes(cfg.precision)
     if sharded:  # FSDP2: all weights gathered for the rollout; root and ~2 blocks in a forward
         gathered_rollout = params * act_bytes
-        gathered_update = (root + 2 * block_parameter_count(m)) * act_bytes
+        gathered_update = (root_parameter_count(m) + 2 * block_parameter_count(m)) * act_bytes
     else:  # one process: autocast's bf16 copy of each weight it casts (fp32: the weights as is)
         gathered_rollout = gathered_update = params * 2 if bf16 else 0
     positions = cfg.max_prompt_len + cfg.max_response_len
@@ -148,7 +156,6 @@ def plan(m, cfg, world: int, capacity: int = 0, slots: int | None = None) -> Pla
                                                        else 0)
     else:  # the micro-batch's logits, their log-softmax and gradient
         head = micro_tokens * m.vocab_size * (act_bytes + 8)
-    per_slot = positions * kv_bytes_per_token(m, act_bytes) + SAMPLING_BYTES * m.vocab_size
     result = Plan(
         params=params, world=world, precision=cfg.precision, slots=1, positions=positions,
         micro_tokens=micro_tokens, shards=math.ceil(params / world) * 12,
@@ -161,6 +168,8 @@ def plan(m, cfg, world: int, capacity: int = 0, slots: int | None = None) -> Pla
         return with_slots(result, m, cfg, int(wanted) or max_slots(cfg, world))  # 0: all
     if not capacity:
         return with_slots(result, m, cfg, 64)  # the default, for a plan against no device
+    one = with_slots(result, m, cfg, 1)
+    per_slot = one.kv_cache + one.sampling  # the prefill, which grows slower: the loop below
     room = MARGIN * capacity - OVERHEAD_GB * GB - result.shards - gathered_rollout
     guess = max(1, min(int(room // per_slot), max_slots(cfg, world)))
     while guess > 1 and not with_slots(result, m, cfg, guess).fits:  # the prefill grows too
@@ -170,7 +179,7 @@ def plan(m, cfg, world: int, capacity: int = 0, slots: int | None = None) -> Pla
 
 def with_slots(p: Plan, m, cfg, slots: int) -> Plan:
     """p with the rollout's parts for this many KV-cache slots."""
-    act_bytes = 2 if p.precision == "bf16" else 4
+    act_bytes = dtype_bytes(p.precision)
     return replace(p, slots=slots,
                    kv_cache=slots * p.positions * kv_bytes_per_token(m, act_bytes),
                    sampling=slots * SAMPLING_BYTES * m.vocab_size,
