@@ -142,6 +142,12 @@ class Config:
         it trains on), else the training batch."""
         return self.gen_prompts if self.dynamic_sampling else self.train_prompts
 
+    @property
+    def sampler_precision(self) -> str:
+        """The rollout's compute precision (an evaluation's too): --rollout-precision, or with
+        "same" --precision's."""
+        return self.precision if self.rollout_precision == "same" else self.rollout_precision
+
 
 def check_flags(cfg: Config, world: int = 1):
     """Refuse flags that make no sense before anything is loaded, naming the flag."""

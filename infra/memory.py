@@ -7,7 +7,8 @@ loading; `--rollout-slots auto` takes the KV-cache slots from what is left.
 A run has two phases, and its peak is the larger:
 
     rollout   fp32 shards (weights, AdamW moments) + the gathered weights (bf16: the sampler's
-              copy) + the KV cache (slots x positions x bytes per token) + sampling + a prefill
+              copy) + the KV cache (slots x positions x bytes per token) + sampling + a prefill,
+              all in the sampler's precision (--rollout-precision, where not --precision's)
     update    fp32 shards with their gradients + the weights gathered for compute + one
               micro-batch's activations + the output layer's working memory
 
@@ -83,7 +84,8 @@ class Plan:
     """Bytes per GPU (per process on CPU) of each part, and what they add up to."""
     params: int
     world: int
-    precision: str
+    precision: str  # the trainer's
+    sampler_precision: str  # the rollout's (--rollout-precision)
     eval_only: bool  # no update: its parts stay 0
     positions: int  # per slot: --max-prompt-len + --max-response-len
     shards: int  # fp32 weights and (a run that trains) AdamW moments, this rank's share
@@ -122,9 +124,11 @@ class Plan:
             return "0" if n == 0 else f"{n / GB:.1f} GiB" if n >= GB / 10 else \
                 f"{n / 2**20:.1f} MiB"
         where = f"{gb(self.capacity)} on {device}" if self.capacity else device
+        sampler = "" if self.sampler_precision == self.precision else \
+            f", rollout {self.sampler_precision}"
         return "\n".join([
             f"memory plan per process ({_count(self.params)} parameters, {self.world} "
-            f"process(es), {self.precision}; {where}):",
+            f"process(es), {self.precision}{sampler}; {where}):",
             f"  rollout  {gb(self.rollout):>6} = fp32 shards {gb(self.shards)} + gathered weights "
             f"{gb(self.gathered_rollout)} + KV cache {gb(self.kv_cache)} ({self.slots} slots x "
             f"{self.positions} positions) + sampling {gb(self.sampling)} + prefill "
@@ -147,14 +151,14 @@ def plan(m, cfg, world: int, capacity: int = 0, slots: int | None = None) -> Pla
     """The plan of a run of ModelConfig m with flags cfg (precision resolved) on world processes
     of capacity bytes each; slots: the KV cache's rows (default: --rollout-slots, or, for
     "auto", the most that fit)."""
-    params = parameter_count(m)
+    params, sampler = parameter_count(m), cfg.sampler_precision
     if world > 1:  # FSDP2: all weights gathered for the rollout
-        gathered_rollout = params * dtype_bytes(cfg.precision)
+        gathered_rollout = params * dtype_bytes(sampler)
     else:  # one process: autocast's bf16 copy of each weight it casts (fp32: the weights as is)
-        gathered_rollout = params * 2 if cfg.precision == "bf16" else 0
+        gathered_rollout = params * 2 if sampler == "bf16" else 0
     weight_bytes = 4 if cfg.eval_only else 12  # fp32 weights, and AdamW's moments if it trains
-    result = Plan(params=params, world=world, precision=cfg.precision, eval_only=cfg.eval_only,
-                  positions=cfg.max_prompt_len + cfg.max_response_len,
+    result = Plan(params=params, world=world, precision=cfg.precision, sampler_precision=sampler,
+                  eval_only=cfg.eval_only, positions=cfg.max_prompt_len + cfg.max_response_len,
                   shards=math.ceil(params / world) * weight_bytes,
                   gathered_rollout=gathered_rollout, capacity=capacity)
     if not cfg.eval_only:
@@ -174,8 +178,8 @@ def plan(m, cfg, world: int, capacity: int = 0, slots: int | None = None) -> Pla
 
 
 def with_slots(p: Plan, m, cfg, slots: int) -> Plan:
-    """p with the rollout's parts for this many KV-cache slots."""
-    act_bytes = dtype_bytes(p.precision)
+    """p with the rollout's parts for this many KV-cache slots, in the sampler's precision."""
+    act_bytes = dtype_bytes(p.sampler_precision)
     return replace(p, slots=slots,
                    kv_cache=slots * p.positions * kv_bytes_per_token(m, act_bytes),
                    sampling=slots * SAMPLING_BYTES * m.vocab_size,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from config import Config
-from infra import memory
+from infra import memory, precision
 from model import ModelConfig, Qwen2, num_params, preset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -102,6 +102,25 @@ def test_the_kv_cache_and_the_optimizer_state_are_what_gets_allocated(precision,
     assert plan.grads == sum(p.grad.numel() * p.grad.element_size()
                              for p in model.parameters())
 
+
+
+@pytest.mark.parametrize("trainer,sampler", [("fp32", "bf16"), ("bf16", "fp32")])
+def test_the_rollout_is_planned_in_the_samplers_precision(trainer, sampler):
+    """--rollout-precision: the KV cache is what the sampler's autocast allocates, and the
+    rollout's parts those of a --precision {sampler} run (bf16: autocast's copy of each weight;
+    fp32: none, and 4 bytes a value); the update stays the trainer's."""
+    m = small("a")
+    cfg = Config(precision=trainer, rollout_precision=sampler, rollout_slots=5, max_prompt_len=20,
+                 max_response_len=11)
+    plan = memory.plan(m, cfg, world=1)
+    with precision.autocast(cfg, sampler=True):
+        cache = Qwen2(m).new_kv_cache(5, 31)
+    assert plan.kv_cache == sum(t.numel() * t.element_size() for t in cache.k + cache.v)
+    as_sampler = memory.plan(m, replace(cfg, precision=sampler, rollout_precision="same"), 1)
+    assert plan.rollout - plan.shards == as_sampler.rollout - as_sampler.shards
+    assert plan.gathered_rollout == (memory.parameter_count(m) * 2 if sampler == "bf16" else 0)
+    as_trainer = memory.plan(m, replace(cfg, rollout_precision="same"), 1)
+    assert plan.update == as_trainer.update
 
 def write_config(directory, name) -> str:
     os.makedirs(directory, exist_ok=True)
