@@ -26,8 +26,14 @@ def _flag(default, help_text, choices=None, **argparse_extra):
 
 
 def slots_value(text: str) -> int | str:
-    """--rollout-slots: a number, or auto."""
-    return text if text == "auto" else int(text)
+    """--rollout-slots: a number, or auto. argparse shows an ArgumentTypeError's message as it is
+    (a ValueError's as "invalid slots_value value")."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number or auto, got {text!r}") from None
 
 
 @dataclass
@@ -47,8 +53,8 @@ class Config:
     resume: bool = _flag(False, "continue from out_dir's latest checkpoint")
     eval_only: bool = _flag(False, "evaluate --model on --val-data and exit")
     plan: int = _flag(0, "print the memory plan per process (weights, KV cache, activations...) "
-                         "for N processes (default: this launch's) and exit", nargs="?", const=-1,
-                      metavar="N")
+                         "for N processes (without N: this launch's) and exit; 0 = off",
+                      nargs="?", const=-1, metavar="N")
     seed: int = _flag(0, "seeds the model init, the data order and the sampling")
     device: str = _flag("cuda" if torch.cuda.is_available() else "cpu",
                         "cpu, cuda or cuda:N; the default is cuda where torch sees a GPU, else cpu")
