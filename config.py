@@ -149,6 +149,11 @@ class Config:
         return self.gen_prompts if self.dynamic_sampling else self.train_prompts
 
     @property
+    def gen_batch_flag(self) -> str:
+        """The flag that sets gen_batch_prompts, for the errors that name it."""
+        return "--gen-prompts" if self.dynamic_sampling else "--train-prompts"
+
+    @property
     def sampler_precision(self) -> str:
         """The rollout's compute precision (an evaluation's too): --rollout-precision, or with
         "same" --precision's."""
@@ -197,8 +202,7 @@ def check_flags(cfg: Config, world: int = 1):
         problems.append(f"--compile runs in one process only, got {world}: the compiled decode "
                         "step is one graph, and FSDP2's hooks in each block cannot be traced")
     if cfg.gen_batch_prompts % world:  # each rank samples its share of every generation batch
-        flag = "--gen-prompts" if cfg.dynamic_sampling else "--train-prompts"
-        problems.append(f"{flag} must be a multiple of the {world} processes, got "
+        problems.append(f"{cfg.gen_batch_flag} must be a multiple of the {world} processes, got "
                         f"{cfg.gen_batch_prompts}")
     if cfg.mini_batch_prompts * cfg.group_size % world:  # each rank trains its share of a step
         problems.append(f"--mini-batch-prompts x --group-size must be a multiple of the {world} "

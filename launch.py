@@ -162,9 +162,9 @@ def load_data(cfg: Config, tok) -> tuple[list[dict], list[dict]]:
     val_rows = load_rows(cfg.val_data, tok) if cfg.val_data else \
         toy_rows(1000, seed=cfg.seed, split="test")
     if not cfg.eval_only and len(train_rows) < cfg.gen_batch_prompts:
-        flag = "--gen-prompts" if cfg.dynamic_sampling else "--train-prompts"
-        raise ValueError(f"{cfg.train_data}: {len(train_rows)} usable rows, fewer than {flag} "
-                         f"{cfg.gen_batch_prompts} (the prompts of one generation batch)")
+        raise ValueError(f"{cfg.train_data}: {len(train_rows)} usable rows, fewer than "
+                         f"{cfg.gen_batch_flag} {cfg.gen_batch_prompts} (the prompts of one "
+                         "generation batch)")
     if cfg.reward_fn:  # one call on a real ground truth: a wrong signature stops the run now
         check_reward_fn(train_rows[0]["reward_model"]["ground_truth"])
     return train_rows, val_rows[:cfg.eval_prompts or None]
