@@ -7,8 +7,8 @@ loading; `--rollout-slots auto` takes the KV-cache slots from what is left.
 A run has two phases, and its peak is the larger:
 
     rollout   fp32 shards (weights, AdamW moments) + the gathered weights (bf16: the sampler's
-              copy) + the KV cache (slots x positions x bytes per token) + sampling + a prefill,
-              all in the sampler's precision (--rollout-precision, where not --precision's)
+              copy) + the KV cache (slots x positions x bytes per token) + sampling + a prefill;
+              the weights, cache and prefill in the sampler's precision (--rollout-precision)
     update    fp32 shards with their gradients + the weights gathered for compute + one
               micro-batch's activations + the output layer's working memory
 
