@@ -26,8 +26,14 @@ def _flag(default, help_text, choices=None, **argparse_extra):
 
 
 def slots_value(text: str) -> int | str:
-    """--rollout-slots: a number, or auto."""
-    return text if text == "auto" else int(text)
+    """--rollout-slots: a number, or auto. argparse shows an ArgumentTypeError's message as it is
+    (a ValueError's as "invalid slots_value value")."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number or auto, got {text!r}") from None
 
 
 @dataclass
@@ -47,8 +53,8 @@ class Config:
     resume: bool = _flag(False, "continue from out_dir's latest checkpoint")
     eval_only: bool = _flag(False, "evaluate --model on --val-data and exit")
     plan: int = _flag(0, "print the memory plan per process (weights, KV cache, activations...) "
-                         "for N processes (default: this launch's) and exit", nargs="?", const=-1,
-                      metavar="N")
+                         "for N processes (without N: this launch's) and exit; 0 = off",
+                      nargs="?", const=-1, metavar="N")
     seed: int = _flag(0, "seeds the model init, the data order and the sampling")
     device: str = _flag("cuda" if torch.cuda.is_available() else "cpu",
                         "cpu, cuda or cuda:N; the default is cuda where torch sees a GPU, else cpu")
@@ -142,6 +148,17 @@ class Config:
         it trains on), else the training batch."""
         return self.gen_prompts if self.dynamic_sampling else self.train_prompts
 
+    @property
+    def gen_batch_flag(self) -> str:
+        """The flag that sets gen_batch_prompts, for the errors that name it."""
+        return "--gen-prompts" if self.dynamic_sampling else "--train-prompts"
+
+    @property
+    def sampler_precision(self) -> str:
+        """The rollout's compute precision (an evaluation's too): --rollout-precision, or with
+        "same" --precision's."""
+        return self.precision if self.rollout_precision == "same" else self.rollout_precision
+
 
 def check_flags(cfg: Config, world: int = 1):
     """Refuse flags that make no sense before anything is loaded, naming the flag."""
@@ -185,8 +202,7 @@ def check_flags(cfg: Config, world: int = 1):
         problems.append(f"--compile runs in one process only, got {world}: the compiled decode "
                         "step is one graph, and FSDP2's hooks in each block cannot be traced")
     if cfg.gen_batch_prompts % world:  # each rank samples its share of every generation batch
-        flag = "--gen-prompts" if cfg.dynamic_sampling else "--train-prompts"
-        problems.append(f"{flag} must be a multiple of the {world} processes, got "
+        problems.append(f"{cfg.gen_batch_flag} must be a multiple of the {world} processes, got "
                         f"{cfg.gen_batch_prompts}")
     if cfg.mini_batch_prompts * cfg.group_size % world:  # each rank trains its share of a step
         problems.append(f"--mini-batch-prompts x --group-size must be a multiple of the {world} "

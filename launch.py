@@ -3,7 +3,9 @@ Set-up for dapo.py's loop: the processes, the policy, the tokenizer and the data
 DAPO; it is what a run needs before Algorithm 1 starts.
 
     run(train, cfg)        checks the flags and the files they name, starts torch.distributed
-                           under torchrun, picks the compute dtype, calls train(cfg), shuts down
+                           under torchrun, picks the compute dtype, prints the memory plan from
+                           the model's config.json (--plan: then exits, status 0), checks the
+                           lengths against its positions, calls train(cfg), shuts down
     load_policy(cfg)       the policy from --model, from a checkpoint (--resume) or the demo's
     load_data(cfg, tok)    training and held-out rows, from files or the toy task's
     user_errors_in_one_line()  the command line's way to report a user's mistake
@@ -25,8 +27,9 @@ from reward import check_reward_fn, install_reward_fn, uninstall_reward_fn
 
 
 def run(train, cfg: Config):
-    # --plan N: the flags are checked for the N processes the plan is for
-    check_flags(cfg, world=cfg.plan if cfg.plan > 0 else distributed.launched_world())
+    # --plan N: the flags are checked, and the memory planned, for the N processes the plan is for
+    planned = cfg.plan if cfg.plan > 0 else distributed.launched_world()
+    check_flags(cfg, world=planned)
     if not cfg.plan:  # --plan reads config.json alone
         check_files(cfg)  # before the processes meet and the weights load (minutes for 32B)
     rank, world, cfg.device = distributed.init(cfg.device, timeout_s=cfg.dist_timeout)
@@ -36,9 +39,11 @@ def run(train, cfg: Config):
     # data.py reports through logging: rank 0 shows it, the others only warnings
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     try:
-        plan_memory(cfg, world)  # before anything loads: a run that cannot fit stops here
+        m, config_json = model_config(cfg)  # from config.json alone, before anything loads
+        plan_memory(cfg, m, planned, world)  # a run that cannot fit stops here
         if cfg.plan:
             return None
+        check_lengths(cfg, m, config_json)  # before train (open_run) writes anything
         return train(cfg)
     except health.RunStuck as stuck:  # the warnings above name the cause: one line, no traceback
         distributed.say(f"error: {stuck}")
@@ -48,31 +53,30 @@ def run(train, cfg: Config):
         distributed.shutdown(after_error=sys.exc_info()[0] is not None)  # an exception in flight
 
 
-def plan_memory(cfg: Config, world: int) -> memory.Plan:
-    """The memory plan per process (infra/memory.py) from the model's config.json and the flags,
-    printed by rank 0. A run that cannot fit the device stops with the numbers; --rollout-slots
-    auto becomes the slots that fit. --plan N: the plan for N processes, against no device."""
-    planned = cfg.plan if cfg.plan > 0 else world
+def plan_memory(cfg: Config, m: ModelConfig, planned: int, world: int):
+    """The memory plan per process (infra/memory.py) of model m with these flags on `planned`
+    processes, printed by rank 0: against this device when they are this launch's `world`, else
+    (--plan N) against no device. A run that cannot fit the device stops with the numbers;
+    --rollout-slots auto becomes the slots that fit."""
     capacity = memory.device_capacity(cfg.device) if planned == world else 0
-    plan = memory.plan(model_config(cfg), cfg, planned, capacity)
+    plan = memory.plan(m, cfg, planned, capacity)
     distributed.say(plan.describe(cfg.device if capacity else "a device of any size"))
     if not cfg.plan:
         memory.refuse_if_too_big(plan, cfg.device)
-        cfg.rollout_slots = plan.slots if cfg.rollout_slots == "auto" else \
-            cfg.rollout_slots
-    return plan
+        if cfg.rollout_slots == "auto":
+            cfg.rollout_slots = plan.slots
 
 
-def model_config(cfg: Config) -> ModelConfig:
-    """The shape of the policy a run will load: --model's, the checkpoint's (--resume) or the
-    demo's; from config.json alone."""
-    if cfg.resume:
-        return ModelConfig.from_json(need_file(os.path.join(checkpoint.latest(cfg.out_dir),
-                                                            "model"), "config.json"))
-    if cfg.model:
-        return ModelConfig.from_json(need_file(cfg.model, "config.json"))
+def model_config(cfg: Config) -> tuple[ModelConfig, str | None]:
+    """The shape of the policy a run will load, from config.json alone: the checkpoint's
+    (--resume), --model's or the demo's. Returns (it, the config.json read, None for the demo)."""
+    if cfg.resume or cfg.model:
+        model_dir = os.path.join(checkpoint.latest(cfg.out_dir), "model") if cfg.resume else \
+            cfg.model
+        config_json = need_file(model_dir, "config.json")
+        return ModelConfig.from_json(config_json), config_json
     from toy import demo_model_config  # the demo's, imported only where it is chosen
-    return demo_model_config()
+    return demo_model_config(), None
 
 
 def check_files(cfg: Config):
@@ -90,11 +94,7 @@ def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:
     checkpoint with --resume, or the demo's base model; sharded with FSDP2 on several processes.
     Returns (model, tokenizer, the tokenizer's directory, the checkpoint to resume or None)."""
     torch.manual_seed(cfg.seed)
-    if not cfg.resume:  # before open_run writes anything (a resume was checked when it started)
-        check_lengths(cfg, cfg.model or None)
     resume_dir = checkpoint.open_run(cfg)
-    if resume_dir:
-        check_lengths(cfg, os.path.join(resume_dir, "model"))
     sharded = distributed.world_size() > 1
     if resume_dir or cfg.model:
         tok_dir = os.path.join(resume_dir, "model") if resume_dir else cfg.model
@@ -131,16 +131,12 @@ def load_sharded(model_dir: str, cfg: Config) -> Qwen2:
     return model
 
 
-def check_lengths(cfg: Config, model_dir: str | None):
-    """A prompt and its response must fit the model's positions (RoPE past its trained range
-    gives garbage, silently). model_dir None: the demo's model."""
-    if model_dir is None:
-        from toy import demo_model_config
-        limit, source = demo_model_config().max_position_embeddings, "the demo model"
-    else:
-        config_json = need_file(model_dir, "config.json")
-        limit = ModelConfig.from_json(config_json).max_position_embeddings
-        source = f"{config_json} (max_position_embeddings)"
+def check_lengths(cfg: Config, m: ModelConfig, config_json: str | None):
+    """A prompt and its response must fit the positions of model m, read from config_json (None:
+    the demo's), before anything is written (RoPE past its trained range gives garbage,
+    silently)."""
+    limit = m.max_position_embeddings
+    source = f"{config_json} (max_position_embeddings)" if config_json else "the demo model"
     total = cfg.max_prompt_len + cfg.max_response_len
     if total > limit:
         raise ValueError(f"--max-prompt-len {cfg.max_prompt_len} + --max-response-len "
@@ -162,9 +158,9 @@ def load_data(cfg: Config, tok) -> tuple[list[dict], list[dict]]:
     val_rows = load_rows(cfg.val_data, tok) if cfg.val_data else \
         toy_rows(1000, seed=cfg.seed, split="test")
     if not cfg.eval_only and len(train_rows) < cfg.gen_batch_prompts:
-        flag = "--gen-prompts" if cfg.dynamic_sampling else "--train-prompts"
-        raise ValueError(f"{cfg.train_data}: {len(train_rows)} usable rows, fewer than {flag} "
-                         f"{cfg.gen_batch_prompts} (the prompts of one generation batch)")
+        raise ValueError(f"{cfg.train_data}: {len(train_rows)} usable rows, fewer than "
+                         f"{cfg.gen_batch_flag} {cfg.gen_batch_prompts} (the prompts of one "
+                         "generation batch)")
     if cfg.reward_fn:  # one call on a real ground truth: a wrong signature stops the run now
         check_reward_fn(train_rows[0]["reward_model"]["ground_truth"])
     return train_rows, val_rows[:cfg.eval_prompts or None]

@@ -39,10 +39,11 @@ def load_state_dict(path: str, expected: dict, dtype, device, skip=()) -> dict:
 
 def load_rows_into(path: str, into: dict, device, skip=()):
     """Copy rows of each tensor of model directory `path` into the tensors of `into` ({key:
-    (rows: a slice of dim 0, destination tensor)}: a rank's FSDP shards), converting the dtype as
-    they are copied. The files are memory-mapped and only those rows are read, so a rank never
-    holds more than its shards and one key's rows. Checked as load_state_dict, but for the NaN
-    (the caller checks its shards, on every rank at once)."""
+    (rows: a slice of dim 0, the full shape, destination tensor)}: a rank's FSDP shards, as
+    distributed.local_rows gives them), converting the dtype as they are copied. The files are
+    memory-mapped and only those rows are read, so a rank never holds more than its shards and
+    one key's rows. Checked as load_state_dict, but for the NaN (the caller checks its shards, on
+    every rank at once)."""
     expected = {key: shape for key, (_, shape, _) in into.items()}
     for _, key, tensor in _checked_tensors(path, expected, device, skip):
         rows, _, destination = into[key]
@@ -146,8 +147,9 @@ def save_hf_checkpoint(state_dict: dict, cfg, path: str, max_shard_bytes: int = 
     transformers writes, and the TOKENIZER_FILES of tokenizer_dir: a complete model directory.
     Everything goes to a temporary directory first, is flushed to disk and renamed into place, so
     a crash (or a full disk) never leaves half a checkpoint under `path`. Saving into an existing
-    model directory replaces its weights and config (and tokenizer, from tokenizer_dir) and keeps
-    everything else there (tokenizer files, generation_config.json, a README...).
+    model directory replaces its weights and config, and those of its TOKENIZER_FILES that
+    tokenizer_dir has, and keeps every other file there (a README, its tokenizer's files when no
+    tokenizer_dir is given...).
     Refuses weights that hold a NaN or an inf, naming the tensor."""
     tied = tied_keys(cfg)
     state = {k: v.detach().contiguous().cpu() for k, v in state_dict.items() if k not in tied}
@@ -205,6 +207,8 @@ def _save_safetensors(tensors: dict, file: str):
 
 
 def _copy_tokenizer(tokenizer_dir: str, dst_dir: str):
+    # copies, not _link_or_copy's hard links: those files leave the directory being replaced,
+    # these stay in another one (--model's), which a shared inode would tie to this checkpoint
     for name in TOKENIZER_FILES:
         src, dst = os.path.join(tokenizer_dir, name), os.path.join(dst_dir, name)
         if os.path.isfile(src):

@@ -7,9 +7,13 @@ loading; `--rollout-slots auto` takes the KV-cache slots from what is left.
 A run has two phases, and its peak is the larger:
 
     rollout   fp32 shards (weights, AdamW moments) + the gathered weights (bf16: the sampler's
-              copy) + the KV cache (slots x positions x bytes per token) + sampling + a prefill
+              copy) + the KV cache (slots x positions x bytes per token) + sampling + a prefill;
+              the weights, cache and prefill in the sampler's precision (--rollout-precision)
     update    fp32 shards with their gradients + the weights gathered for compute + one
               micro-batch's activations + the output layer's working memory
+
+An --eval-only run builds no optimizer and takes no update: the rollout alone, its shards the fp32
+weights.
 
 The activations are what autograd keeps for the backward, per token and layer, counted on CPU
 with torch.autograd.graph.saved_tensors_hooks for every op of a Qwen2 block (tests/test_memory.py
@@ -29,16 +33,25 @@ SAMPLING_BYTES = 24  # per slot and vocabulary entry: logits, tempered, softmax,
 
 def parameter_count(m) -> int:
     """Parameters of a ModelConfig's Qwen2 (a tied head counted once)."""
-    C, F, V = m.hidden_size, m.intermediate_size, m.vocab_size  # F: the MLP's width
-    q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
-    block = C * q + q + 2 * (C * kv + kv) + q * C + 3 * C * F + 2 * C
-    return V * C * (1 if m.tie_word_embeddings else 2) + m.num_hidden_layers * block + C
+    return root_parameter_count(m) + m.num_hidden_layers * block_parameter_count(m)
+
+
+def root_parameter_count(m) -> int:
+    """Parameters outside the blocks: the embeddings, the output layer unless tied to them, the
+    final norm."""
+    return m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2) + m.hidden_size
 
 
 def block_parameter_count(m) -> int:
-    return (parameter_count(m) - m.hidden_size
-            - m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)) \
-        // m.num_hidden_layers
+    """Parameters of one block: q, k, v (with biases) and o, the SwiGLU MLP, the two norms."""
+    C, F = m.hidden_size, m.intermediate_size  # F: the MLP's width
+    q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    return C * q + q + 2 * (C * kv + kv) + q * C + 3 * C * F + 2 * C
+
+
+def dtype_bytes(precision: str) -> int:
+    """Bytes of a tensor element computed in a resolved precision: bf16 2, fp32 4."""
+    return 2 if precision == "bf16" else 4
 
 
 def kv_bytes_per_token(m, dtype_bytes: int) -> int:
@@ -71,20 +84,24 @@ class Plan:
     """Bytes per GPU (per process on CPU) of each part, and what they add up to."""
     params: int
     world: int
-    precision: str
-    slots: int
+    precision: str  # the trainer's
+    sampler_precision: str  # the rollout's (--rollout-precision)
+    eval_only: bool  # no update: its parts stay 0
     positions: int  # per slot: --max-prompt-len + --max-response-len
-    micro_tokens: int  # padded tokens of a training micro-batch
-    shards: int  # fp32 weights and AdamW moments, this rank's share
-    grads: int  # fp32 gradients, this rank's share (during the update)
+    shards: int  # fp32 weights and (a run that trains) AdamW moments, this rank's share
     gathered_rollout: int  # the weights the rollout computes with, beyond the shards
-    gathered_update: int  # the weights the training forward computes with, beyond the shards
-    kv_cache: int
-    sampling: int
-    prefill: int
-    activations: int
-    head: int
     capacity: int  # what the device has (0: unknown)
+    # the rollout's KV cache and what grows with it (with_slots)
+    slots: int = 0
+    kv_cache: int = 0
+    sampling: int = 0
+    prefill: int = 0
+    # the update's parts (with_update)
+    micro_tokens: int = 0  # padded tokens of a training micro-batch
+    grads: int = 0  # fp32 gradients, this rank's share
+    gathered_update: int = 0  # the weights the training forward computes with, beyond the shards
+    activations: int = 0
+    head: int = 0
 
     @property
     def rollout(self) -> int:
@@ -107,13 +124,17 @@ class Plan:
             return "0" if n == 0 else f"{n / GB:.1f} GiB" if n >= GB / 10 else \
                 f"{n / 2**20:.1f} MiB"
         where = f"{gb(self.capacity)} on {device}" if self.capacity else device
+        sampler = "" if self.sampler_precision == self.precision else \
+            f", rollout {self.sampler_precision}"
         return "\n".join([
             f"memory plan per process ({_count(self.params)} parameters, {self.world} "
-            f"process(es), {self.precision}; {where}):",
+            f"process(es), {self.precision}{sampler}; {where}):",
             f"  rollout  {gb(self.rollout):>6} = fp32 shards {gb(self.shards)} + gathered weights "
             f"{gb(self.gathered_rollout)} + KV cache {gb(self.kv_cache)} ({self.slots} slots x "
             f"{self.positions} positions) + sampling {gb(self.sampling)} + prefill "
             f"{gb(self.prefill)}",
+            "  update     none: --eval-only builds no optimizer and takes no update" if
+            self.eval_only else
             f"  update   {gb(self.update):>6} = fp32 shards {gb(self.shards)} + gradients "
             f"{gb(self.grads)} + gathered weights {gb(self.gathered_update)} + activations "
             f"{gb(self.activations)} ({self.micro_tokens} tokens) + output layer {gb(self.head)}",
@@ -130,38 +151,26 @@ def plan(m, cfg, world: int, capacity: int = 0, slots: int | None = None) -> Pla
     """The plan of a run of ModelConfig m with flags cfg (precision resolved) on world processes
     of capacity bytes each; slots: the KV cache's rows (default: --rollout-slots, or, for
     "auto", the most that fit)."""
-    params = parameter_count(m)
-    bf16, sharded = cfg.precision == "bf16", world > 1
-    mode = "bf16" if bf16 and sharded else "autocast" if bf16 else "fp32"
-    act_bytes = 2 if bf16 else 4
-    root = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2) + m.hidden_size
-    if sharded:  # FSDP2: all weights gathered for the rollout; root and ~2 blocks in a forward
-        gathered_rollout = params * act_bytes
-        gathered_update = (root + 2 * block_parameter_count(m)) * act_bytes
+    params, sampler = parameter_count(m), cfg.sampler_precision
+    if world > 1:  # FSDP2: all weights gathered for the rollout
+        gathered_rollout = params * dtype_bytes(sampler)
     else:  # one process: autocast's bf16 copy of each weight it casts (fp32: the weights as is)
-        gathered_rollout = gathered_update = params * 2 if bf16 else 0
-    positions = cfg.max_prompt_len + cfg.max_response_len
-    micro_tokens = cfg.micro_batch_tokens or cfg.micro_batch_size * positions
-    if cfg.fused_head:  # a chunk's logits and their gradient; the head's gradient summed in fp32
-        chunk = min(micro_tokens, max(1, 2**25 // m.vocab_size))  # dapo_kernels/linear.py's
-        head = 2 * chunk * m.vocab_size * act_bytes + (m.vocab_size * m.hidden_size * 4 if bf16
-                                                       else 0)
-    else:  # the micro-batch's logits, their log-softmax and gradient
-        head = micro_tokens * m.vocab_size * (act_bytes + 8)
-    per_slot = positions * kv_bytes_per_token(m, act_bytes) + SAMPLING_BYTES * m.vocab_size
-    result = Plan(
-        params=params, world=world, precision=cfg.precision, slots=1, positions=positions,
-        micro_tokens=micro_tokens, shards=math.ceil(params / world) * 12,
-        grads=math.ceil(params / world) * 4, gathered_rollout=gathered_rollout,
-        gathered_update=gathered_update, kv_cache=0, sampling=0, prefill=0,
-        activations=int(micro_tokens * activation_bytes_per_token(
-            m, mode, cfg.activation_checkpointing)), head=head, capacity=capacity)
+        gathered_rollout = params * 2 if sampler == "bf16" else 0
+    weight_bytes = 4 if cfg.eval_only else 12  # fp32 weights, and AdamW's moments if it trains
+    result = Plan(params=params, world=world, precision=cfg.precision, sampler_precision=sampler,
+                  eval_only=cfg.eval_only, positions=cfg.max_prompt_len + cfg.max_response_len,
+                  shards=math.ceil(params / world) * weight_bytes,
+                  gathered_rollout=gathered_rollout, capacity=capacity)
+    if not cfg.eval_only:
+        result = with_update(result, m, cfg)
     wanted = slots if slots is not None else cfg.rollout_slots
     if wanted != "auto":
         return with_slots(result, m, cfg, int(wanted) or max_slots(cfg, world))  # 0: all
     if not capacity:
         return with_slots(result, m, cfg, 64)  # the default, for a plan against no device
-    room = MARGIN * capacity - OVERHEAD_GB * GB - result.shards - gathered_rollout
+    one = with_slots(result, m, cfg, 1)
+    per_slot = one.kv_cache + one.sampling  # the prefill, which grows slower: the loop below
+    room = MARGIN * capacity - OVERHEAD_GB * GB - result.shards - result.gathered_rollout
     guess = max(1, min(int(room // per_slot), max_slots(cfg, world)))
     while guess > 1 and not with_slots(result, m, cfg, guess).fits:  # the prefill grows too
         guess -= max(1, guess // 16)
@@ -169,19 +178,43 @@ def plan(m, cfg, world: int, capacity: int = 0, slots: int | None = None) -> Pla
 
 
 def with_slots(p: Plan, m, cfg, slots: int) -> Plan:
-    """p with the rollout's parts for this many KV-cache slots."""
-    act_bytes = 2 if p.precision == "bf16" else 4
+    """p with the rollout's parts for this many KV-cache slots, in the sampler's precision."""
+    act_bytes = dtype_bytes(p.sampler_precision)
     return replace(p, slots=slots,
                    kv_cache=slots * p.positions * kv_bytes_per_token(m, act_bytes),
                    sampling=slots * SAMPLING_BYTES * m.vocab_size,
                    prefill=prefill_bytes(m, cfg, slots, act_bytes))
 
 
+def with_update(p: Plan, m, cfg) -> Plan:
+    """p with the update's parts: the gradients, the weights the training forward computes with,
+    one micro-batch's activations and the output layer's working memory."""
+    bf16, sharded = p.precision == "bf16", p.world > 1
+    mode = "bf16" if bf16 and sharded else "autocast" if bf16 else "fp32"
+    act_bytes = dtype_bytes(p.precision)
+    if sharded:  # FSDP2: the root and ~2 blocks gathered at a time in a forward
+        gathered = (root_parameter_count(m) + 2 * block_parameter_count(m)) * act_bytes
+    else:  # one process: autocast's bf16 copy of each weight it casts (fp32: the weights as is)
+        gathered = p.params * 2 if bf16 else 0
+    micro_tokens = cfg.micro_batch_tokens or cfg.micro_batch_size * p.positions
+    if cfg.fused_head:  # a chunk's logits and their gradient; the head's gradient summed in fp32
+        chunk = min(micro_tokens, max(1, 2**25 // m.vocab_size))  # dapo_kernels/linear.py's
+        head = 2 * chunk * m.vocab_size * act_bytes + (m.vocab_size * m.hidden_size * 4 if bf16
+                                                       else 0)
+    else:  # the micro-batch's logits, their log-softmax and gradient
+        head = micro_tokens * m.vocab_size * (act_bytes + 8)
+    per_token = activation_bytes_per_token(m, mode, cfg.activation_checkpointing)
+    return replace(p, micro_tokens=micro_tokens, grads=math.ceil(p.params / p.world) * 4,
+                   gathered_update=gathered, activations=int(micro_tokens * per_token), head=head)
+
+
 def max_slots(cfg, world: int) -> int:
-    """The most sequences a rank ever decodes at once: a generation batch's, or an evaluation's."""
-    per_rank = max(cfg.gen_batch_prompts * cfg.group_size,
-                   (cfg.eval_prompts or 1024) * cfg.eval_samples if cfg.eval_every else 0)
-    return max(1, math.ceil(per_rank / world))
+    """The most sequences a rank ever decodes at once: a generation batch's (a run that trains),
+    or an evaluation's (every --eval-every steps, or --eval-only's one)."""
+    generation = 0 if cfg.eval_only else cfg.gen_batch_prompts * cfg.group_size
+    evaluation = (cfg.eval_prompts or 1024) * cfg.eval_samples \
+        if cfg.eval_every or cfg.eval_only else 0
+    return max(1, math.ceil(max(generation, evaluation) / world))
 
 
 def prefill_bytes(m, cfg, slots: int, act_bytes: int) -> int:

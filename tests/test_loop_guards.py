@@ -192,7 +192,9 @@ def command_line(argv):
     (["--train-data", "no/such.jsonl"], "error: --train-data no/such.jsonl: no such file"),
     (["--reward-fn", "no/such.py:score"], "error: --reward-fn 'no/such.py:score': no file "
                                            "no/such.py"),
-], ids=["argparse", "check_flags", "train-data", "reward-fn"])
+    (["--rollout-slots", "many"], "error: argument --rollout-slots: a number or auto, got 'many' "
+                                  "(dapo.py --help lists the flags)"),
+], ids=["argparse", "check_flags", "train-data", "reward-fn", "rollout-slots"])
 def test_a_users_mistake_is_one_line_and_exit_status_2(tmp_path, capsys, monkeypatch, argv,
                                                        message):
     monkeypatch.setattr(sys, "argv", ["dapo.py"])  # argparse names the program after argv[0]

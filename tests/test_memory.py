@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from config import Config
-from infra import memory
+from infra import memory, precision
 from model import ModelConfig, Qwen2, num_params, preset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -103,6 +103,25 @@ def test_the_kv_cache_and_the_optimizer_state_are_what_gets_allocated(precision,
                              for p in model.parameters())
 
 
+
+@pytest.mark.parametrize("trainer,sampler", [("fp32", "bf16"), ("bf16", "fp32")])
+def test_the_rollout_is_planned_in_the_samplers_precision(trainer, sampler):
+    """--rollout-precision: the KV cache is what the sampler's autocast allocates, and the
+    rollout's parts those of a --precision {sampler} run (bf16: autocast's copy of each weight;
+    fp32: none, and 4 bytes a value); the update stays the trainer's."""
+    m = small("a")
+    cfg = Config(precision=trainer, rollout_precision=sampler, rollout_slots=5, max_prompt_len=20,
+                 max_response_len=11)
+    plan = memory.plan(m, cfg, world=1)
+    with precision.autocast(cfg, sampler=True):
+        cache = Qwen2(m).new_kv_cache(5, 31)
+    assert plan.kv_cache == sum(t.numel() * t.element_size() for t in cache.k + cache.v)
+    as_sampler = memory.plan(m, replace(cfg, precision=sampler, rollout_precision="same"), 1)
+    assert plan.rollout - plan.shards == as_sampler.rollout - as_sampler.shards
+    assert plan.gathered_rollout == (memory.parameter_count(m) * 2 if sampler == "bf16" else 0)
+    as_trainer = memory.plan(m, replace(cfg, rollout_precision="same"), 1)
+    assert plan.update == as_trainer.update
+
 def write_config(directory, name) -> str:
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w") as f:
@@ -180,3 +199,30 @@ def test_two_ranks_load_a_shard_each_and_the_same_weights(tmp_path):
     gathered = torch.load(out_dir / "weights.pt", weights_only=True)
     assert gathered.keys() == whole.keys()
     assert all(torch.equal(gathered[k], whole[k]) for k in whole)
+
+
+def test_an_eval_only_plan_holds_the_weights_and_nothing_of_training():
+    """--eval-only builds no optimizer and takes no update: the weights in fp32 (what the model's
+    parameters take), no AdamW moments, no gradients, no update phase. A 7B evaluation then fits
+    one 80 GB card (before: planned as a training run, 137.8 GiB, refused)."""
+    m = small("a")
+    plan = memory.plan(m, Config(eval_only=True, precision="fp32", rollout_slots=5), world=1)
+    assert plan.shards == sum(p.numel() * p.element_size() for p in Qwen2(m).parameters())
+    assert plan.grads == plan.gathered_update == plan.activations == plan.head == 0
+    assert plan.peak == plan.rollout + int(memory.OVERHEAD_GB * memory.GB)
+    cfg = Config(eval_only=True, precision="bf16", rollout_slots="auto", max_prompt_len=2048,
+                 max_response_len=20480)
+    seven = memory.plan(preset("qwen2.5-7b"), cfg, world=1, capacity=80 * memory.GB)
+    assert seven.fits and seven.slots >= 1, seven.describe("80 GB")
+
+
+def test_eval_only_decodes_the_evaluation_whatever_eval_every():
+    """The KV cache's most slots: the evaluation's (--eval-prompts x --eval-samples per rank)
+    under --eval-only, even with --eval-every 0, never a generation batch's."""
+    cfg = Config(eval_only=True, eval_every=0, eval_prompts=30, eval_samples=32, gen_prompts=1536,
+                 group_size=16)
+    assert memory.max_slots(cfg, 2) == memory.max_slots(replace(cfg, eval_every=5), 2) == 480
+    training = replace(cfg, eval_only=False, eval_every=5)
+    assert memory.max_slots(training, 2) == 1536 * 16 // 2
+    assert memory.max_slots(replace(training, gen_prompts=2), 2) == 480
+    assert memory.max_slots(replace(training, gen_prompts=2, eval_every=0), 2) == 2 * 16 // 2
