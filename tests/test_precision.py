@@ -24,7 +24,7 @@ from model import Qwen2, preset, response_logprobs
 from test_dapo import _cfg
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-U = 2.0 ** -8  # bf16's unit round-off
+U = precision.BF16_UNIT_ROUNDOFF
 BF16 = torch.autocast("cpu", torch.bfloat16)
 
 
