@@ -115,7 +115,7 @@ def test_a_bf16_update_is_the_fp32_one_within_bf16_rounding():
 
 def test_a_bf16_weight_gradient_sums_its_chunks_in_fp32():
     """The fused head's weight gradient: bf16 products summed into an fp32 buffer, on CPU by
-    upcasting each chunk (this torch has no bf16 x bf16 -> fp32 addmm there; on CUDA, when it has
+    upcasting each chunk (torch 2.13 has no bf16 x bf16 -> fp32 addmm there; on CUDA, when it has
     one, the GPU check runs it). Either way the products are exact in fp32: the sum equals the
     fp32 matmul of the bf16 values to fp32 round-off."""
     g = torch.Generator().manual_seed(0)
@@ -125,7 +125,8 @@ def test_a_bf16_weight_gradient_sums_its_chunks_in_fp32():
     for rows in (slice(0, 4), slice(4, 7)):  # two chunks
         accumulate_weight_grad(grad_weight, grad_logits[rows], hidden[rows])
     want = grad_logits.double().T @ hidden.double()
-    assert not has_mixed_addmm(torch.device("cpu"))  # probed, not crashed
+    # probed, not crashed (whether CPU torch has the mixed addmm is torch's business, not ours)
+    assert isinstance(has_mixed_addmm(torch.device("cpu")), bool)
     assert (grad_weight.double() - want).abs().max() <= 8 * torch.finfo(torch.float32).eps * \
         want.abs().max()
 
