@@ -137,6 +137,7 @@ RESORT_EVERY = 16  # decode steps between two sorts of the slots by length
 SHARE_PROMPTS = True  # a prompt a slot holds is copied, not prefilled (False: a prefill each)
 SPANS = True  # eager: rows sorted into spans by length (False: all read the furthest row's keys)
 SKIP_FREE_ROWS = True  # eager: the rows after the last busy one skip the decode step
+SPEED_UPS = ("SHARE_PROMPTS", "SPANS", "SKIP_FREE_ROWS")  # the names (all False: plain batching)
 
 
 def plan_spans(positions: list[int]) -> list[int]:
