@@ -58,7 +58,7 @@ $(BENCH_VENV)/.bench: requirements-bench.txt requirements-test.txt requirements-
 bench-step: $(BENCH_VENV)/.bench
 	$(BENCH_VENV)/bin/python benchmarks/bench_step.py
 
-# On one GPU (~7 minutes, timeouts 9.5): the learning canary, dapo.py's steps with real advantages
+# On one GPU (~7 minutes, timeouts 560 s): the learning canary, dapo.py's steps with real advantages
 # and a resume, a transformers-made bf16 checkpoint, the rollout engine (eager vs CUDA graphs),
 # FSDP2, the fused kernels; with 2 GPUs the canary and dapo.py on 2 processes too. One report,
 # runs/gpu_check.md. SMOKE=1: the same on CPU with tiny shapes, bf16 by autocast.

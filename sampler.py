@@ -137,6 +137,7 @@ RESORT_EVERY = 16  # decode steps between two sorts of the slots by length
 SHARE_PROMPTS = True  # a prompt a slot holds is copied, not prefilled (False: a prefill each)
 SPANS = True  # eager: rows sorted into spans by length (False: all read the furthest row's keys)
 SKIP_FREE_ROWS = True  # eager: the rows after the last busy one skip the decode step
+SPEED_UPS = ("SHARE_PROMPTS", "SPANS", "SKIP_FREE_ROWS")  # the names (all False: plain batching)
 
 
 def plan_spans(positions: list[int]) -> list[int]:
@@ -413,11 +414,12 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: 
             # furthest row's (SPANS: each span up to its own furthest row's); SKIP_FREE_ROWS: the
             # rows after the last busy one skip the step (stale logits, drawn into the scratch row)
             S = max(table.position) + 1
-            R = max((s + 1 for s in table.busy()), default=1) if skip_free else B
+            busy = table.busy()  # the slots holding a sequence, the same until the refill (7)
+            R = max((s + 1 for s in busy), default=1) if skip_free else B
             view = kv_cache.upto(S, table.spans(R) if spans else ())
             logits[:R] = decode(model, token[:R], torch.tensor(table.position[:R], device=device),
                                 view)  # (R, V)
-            for s in table.busy():
+            for s in busy:
                 table.position[s] += 1
             # 7) refill: the free slots take the next waiting sequences
             if not table.refill(model, logits) and prefilling:

@@ -58,7 +58,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import ModelConfig, Qwen2, num_params  # noqa: E402
-from sampler import generate  # noqa: E402
+from sampler import SPEED_UPS, generate  # noqa: E402
 
 DEMO = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512)
@@ -374,9 +374,6 @@ def against(rev, rounds):
         print(f"\n4. against {rev}: the rl case in 64 slots, one fresh process a rollout, "
               f"1 thread, CPU time; tok/s")
         alternate({rev: (old, []), "this tree": (here, [])}, rounds)
-
-
-SPEED_UPS = ["SHARE_PROMPTS", "SPANS", "SKIP_FREE_ROWS"]  # the sampler's flags
 
 
 def switches(rounds):

@@ -35,8 +35,10 @@ import dapo  # noqa: E402
 import launch  # noqa: E402
 from config import Config  # noqa: E402
 from infra import distributed  # noqa: E402
+from infra.precision import BF16_UNIT_ROUNDOFF  # noqa: E402
 from model import Qwen2, preset, response_logprobs  # noqa: E402
 from toy import make_toy_tokenizer, toy_rows  # noqa: E402
+
 
 # bf16 keeps 8 significant bits: a rounding is off by at most u = 2^-8 of the value. A log-prob of
 # a random model is about -log(V) (-5.7 for the toy tokenizer's V = 287), whose last bit in bf16 is
@@ -44,9 +46,6 @@ from toy import make_toy_tokenizer, toy_rows  # noqa: E402
 # one process: a gap of 0.001-0.002 (a token mean cancels most rounding) against moves of 0.41;
 # with an autocast region around the whole run (the rollout on the weights from before the step):
 # a sampler move of 0.06 against the trainer's 0.41, a gap of 0.36.
-BF16_UNIT_ROUNDOFF = 2.0 ** -8
-
-
 def tolerance(vocab_size: int) -> float:
     """The gap allowed between the two moves, nats per token."""
     return 2 * math.log(vocab_size) * BF16_UNIT_ROUNDOFF

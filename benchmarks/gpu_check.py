@@ -3,7 +3,7 @@ The GPU check in one call: what a CPU cannot show of the GPU path, each part a s
 subprocess with a timeout, and one markdown report of what each printed, its exit status and its
 time.
 
-    python benchmarks/gpu_check.py [--out runs/gpu_check.md]    # one H100/H200: ~7 min, <= 9.5
+    python benchmarks/gpu_check.py [--out runs/gpu_check.md]    # one H100/H200: ~7 min, <= 560 s
     python benchmarks/gpu_check.py --smoke                      # CPU, tiny shapes, a few minutes
     python benchmarks/gpu_check.py --smoke --only canary dapo   # some parts (names below)
 
@@ -19,9 +19,9 @@ The parts, in order (exit 1 if one fails):
     kernels   the fused log-prob kernels and head: correctness, speed, memory
     canary-2, dapo-2   the canary and dapo.py on 2 processes (FSDP2, NCCL): on a machine with 2
               GPUs or more, else reported as skipped
-Each GPU part's timeout is about 1.4 x its estimate; the one-GPU parts' timeouts add up to 9.5
-minutes. The estimates are not measurements: no part has yet run on a GPU here (the report gives
-each part's time: replace them with what it says).
+Each GPU part's timeout is about 1.4 x its estimate; the one-GPU parts' timeouts add up to 560 s
+(9.3 minutes). The estimates are not measurements: no part has yet run on a GPU here (the
+report gives each part's time: replace them with what it says).
 
 The smoke run is the same code path (the same scripts, called the same way, the 2-process parts
 on gloo) with only the sizes and the device changed, bf16 through CPU autocast where the script

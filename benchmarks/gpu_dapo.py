@@ -50,10 +50,10 @@ import dapo  # noqa: E402
 from config import parse_args  # noqa: E402
 from infra import distributed  # noqa: E402
 from infra.hf_io import checkpoint_files  # noqa: E402
+from infra.precision import BF16_UNIT_ROUNDOFF as U  # noqa: E402 (a rounding: off by <= u)
 from model import ModelConfig, Qwen2, num_params, preset  # noqa: E402
 from toy import make_toy_tokenizer  # noqa: E402
 
-U = 2.0 ** -8  # bf16's unit round-off: a rounding is off by at most u of the value
 REWARD_FN = '''def score(response, ground_truth):
     """+1 when the text has an odd number of characters: a random model's rewards vary."""
     return 1.0 if len(response) % 2 else -1.0

@@ -112,7 +112,7 @@ def run(args, device, d) -> list[str]:
                       grad_clip=1e9)  # no clipping: the gradient as computed
     # the one-GPU side: bf16 autocast per forward phase (dapo.py's, from --precision); the sharded
     # side: no autocast, FSDP's policy gathers bf16 weights; and fp32, the reference
-    autocast, fp32 = replace(cfg, precision="bf16" if on_gpu else "fp32"), \
+    one_gpu_cfg, fp32 = replace(cfg, precision="bf16" if on_gpu else "fp32"), \
         replace(cfg, precision="fp32")
     rows = toy_rows(args.prompts, seed=0)
     g = torch.Generator(device).manual_seed(0)
@@ -129,9 +129,9 @@ def run(args, device, d) -> list[str]:
     worst = max(float((full[k].to(device) - v).abs().max()) for k, v in own.items())
     checks.append(("full weights: max |sharded - one-GPU|", worst, 0.0, worst == 0.0))
 
-    batch = rollout(one, autocast)  # one batch, the same tokens for every side below
+    batch = rollout(one, one_gpu_cfg)  # one batch, the same tokens for every side below
     with torch.no_grad():
-        with precision.autocast(autocast):
+        with precision.autocast(one_gpu_cfg):
             ref, _ = response_logprobs(one, batch, cfg.temperature)
         # gathered, as the project's no-grad forwards outside update_policy are: FSDP2 does not
         # reshard the root after a forward (its backward would gather it again), so after a bare
@@ -144,7 +144,7 @@ def run(args, device, d) -> list[str]:
     bound = 0.05 if on_gpu else 1e-5
     checks.append(("log-probs: mean |sharded - one-GPU| (nats)", gap, bound, gap <= bound))
 
-    g_one, _ = gradient(one, batch, autocast)
+    g_one, _ = gradient(one, batch, one_gpu_cfg)
     g_sharded, missing = gradient(sharded, batch, fp32)
     g_fp32, _ = gradient(one, batch, fp32)
     checks.append(("gradient: sharded weights without one", missing, 0, missing == 0))

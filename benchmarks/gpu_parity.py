@@ -32,9 +32,9 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from infra.precision import BF16_UNIT_ROUNDOFF as U  # noqa: E402
 from model import Qwen2, preset  # noqa: E402
 
-U = 2.0 ** -8  # bf16's unit round-off
 EPS = torch.finfo(torch.float32).eps
 
 

@@ -20,7 +20,6 @@ this first use of the compiled step compiles it, so the timed compiled run is co
 CUDA graphs are recorded per call, as every rollout records them).
 """
 import argparse
-import math
 import os
 import sys
 import tempfile
@@ -29,10 +28,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import canary  # noqa: E402 (benchmarks/canary.py: its tolerance, 2 bf16 ulps of a log-prob)
 from model import Qwen2, num_params, preset  # noqa: E402
 from sampler import compiled_decode_step, decode_one_token, generate, prefill_slots  # noqa: E402
-
-BF16_UNIT_ROUNDOFF = 2.0 ** -8  # bf16 keeps 8 significant bits
 
 
 def main():
@@ -169,7 +167,7 @@ def compiled_agrees_with_eager(model, vocab, rows, device, new_tokens=192) -> bo
                               compiled_decode_step(rows, max_len, device))
     compiled_s = time.perf_counter() - t0
     gap = (eager - compiled).abs().cpu()  # (rows, new_tokens)
-    bound = 2 * math.log(vocab) * BF16_UNIT_ROUNDOFF
+    bound = canary.tolerance(vocab)  # 2 log(V) u
     ok = bool(gap.max() <= bound and gap.mean() <= bound / 2)
     print(f"teacher-forced log-probs, eager against compiled "
           f"({'CUDA graphs, ' if device.type == 'cuda' else ''}{compiled_s:.0f} s with the "

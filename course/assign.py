@@ -357,7 +357,8 @@ def write_handout(out: str, root: str = ROOT) -> list[str]:
                 os.remove(path)
     files = source_files(root)
     regions = marked_regions(root, files)
-    files = [f for f in files if f not in instructor_files(root, files)]
+    left_out = instructor_files(root, files)  # reads every test file: once, not once a file
+    files = [f for f in files if f not in left_out]
     for path in files:
         src, dst = os.path.join(root, path), os.path.join(out, path)
         os.makedirs(os.path.dirname(dst), exist_ok=True)

@@ -11,7 +11,7 @@ bound --rollout-correction's modes use by default.
     python experiments/rollout_mismatch.py                      # docs/rollout_correction.png
     python experiments/rollout_mismatch.py --model runs/demo/checkpoints/step_000040/model
 
-Needs matplotlib (pip install -r requirements-extra.txt).
+Needs matplotlib (requirements.txt).
 """
 import argparse
 import math

@@ -23,6 +23,9 @@ import torch
 from infra import distributed
 
 PRECISIONS = ("auto", "fp32", "bf16")
+# bf16 keeps 8 significant bits: a rounding to bf16 is off by at most u = 2^-8 of the value, half
+# the gap eps = 2^-7 from 1 to the next bf16 number. The tolerances of bf16 checks count in u
+BF16_UNIT_ROUNDOFF = torch.finfo(torch.bfloat16).eps / 2
 
 
 def resolve(precision: str, device: str) -> str:

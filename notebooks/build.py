@@ -35,9 +35,9 @@ import sys
 if "google.colab" in sys.modules and not os.path.exists("dapo.py"):
     subprocess.run(["git", "clone", "--depth", "1", os.environ["DAPO_REPO"], "dapo"], check=True)
     os.chdir("dapo")
-    # Colab has its own Jupyter: the project's requirements and matplotlib are what it lacks
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-r", "requirements.txt",
-                    "matplotlib"], check=True)
+    # Colab has its own Jupyter: it lacks the project's requirements (matplotlib among them)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-r", "requirements.txt"],
+                   check=True)
 root = os.path.abspath("..") if os.path.basename(os.getcwd()) == "notebooks" else os.getcwd()
 sys.path.insert(0, root)
 os.chdir(root)  # the demo's paths (runs/demo-base, runs/...) are relative to the project

@@ -158,25 +158,23 @@ def test_the_readme_has_its_three_training_recipes():
 
 
 @pytest.mark.parametrize("comment,world,args", training_commands(), ids=lambda x: str(x)[:30])
-def test_each_training_command_passes_its_checks_and_fits_its_cards(comment, world, args,
-                                                                      tmp_path):
+def test_each_training_command_passes_its_checks_and_fits_its_cards(comment, world, args):
     from config import check_flags, parse_args
     from infra import memory, precision
-    from model import ModelConfig, preset
+    from model import preset
     gpus, card = map(int, re.search(r"(\d+) GPUs? of (\d+) GB", comment).groups())
     assert gpus == world, comment
-    model_path = args[args.index("--model") + 1]
+    preset_name = MODELS[os.path.basename(args[args.index("--model") + 1])]  # "qwen2.5-32b"
     cfg = parse_args(args)
     check_flags(cfg, world)  # raises naming the flag
     for flag in ("--train-data", "--val-data", "--lr", "--max-prompt-len", "--max-response-len",
                  "--overlong-buffer", "--warmup-steps", "--out-dir"):
         assert flag in args, f"{flag} missing: a copied command would run the demo's value"
     cfg.precision = precision.resolve(cfg.precision, "cuda")
-    m = ModelConfig(**{**preset(MODELS[os.path.basename(model_path)]).__dict__})
-    plan = memory.plan(m, cfg, world, capacity=CARD_GIB[card] * memory.GB)
+    plan = memory.plan(preset(preset_name), cfg, world, capacity=CARD_GIB[card] * memory.GB)
     assert plan.fits and plan.slots >= 1, plan.describe(f"{card} GB cards")
     assert plan.peak <= 0.9 * CARD_GIB[card] * memory.GB
-    size = MODELS[os.path.basename(model_path)].split("-")[1].upper()  # "32B"
+    size = preset_name.split("-")[1].upper()  # "32B"
     row = next(line for line in read("docs/training.md").splitlines()
                if line.startswith(f"| {size}, {world} x {card} GB |"))
     assert row.split("|")[-2].strip() == str(plan.slots), (row, plan.describe("the card"))

@@ -253,6 +253,7 @@ def test_a_bf16_sampler_beside_an_fp32_trainer_is_measured_and_corrected(tiny_mo
     monkeypatch.setattr(dapo, "response_logprobs", spy("trainer", dapo.response_logprobs))
     dapo.main(_cfg(tiny_model_dir, tmp_path, steps=1, eval_every=0, dynamic_sampling=False,
                    rollout_precision="bf16", rollout_correction="token_truncate"))
+    assert in_autocast["sampler"] and in_autocast["trainer"], in_autocast  # both phases ran
     assert all(in_autocast["sampler"]) and not any(in_autocast["trainer"]), in_autocast
     m = json.loads(open(tmp_path / "metrics.jsonl").readline())
     # bf16 rounds the logits to ~3 significant digits: far above fp32's ~1e-7 per token

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 import sampler
 from model import Qwen2, preset
 from rendezvous import file_init
-from sampler import filter_logits, generate, sample
+from sampler import SPEED_UPS, filter_logits, generate, sample
 
 # fp32: cached decoding and a full forward add the same numbers in a slightly different order
 TOL = 1e-5
@@ -214,10 +214,6 @@ def test_greedy_cached_decoding_matches_a_full_forward_at_every_step():
     assert len(set(r.response_ids[:, 0].tolist())) > 1
 
 
-# the sampler's speed-ups, each a module flag (with all False the loop is plain batched decoding)
-SPEED_UPS = ["SHARE_PROMPTS", "SPANS", "SKIP_FREE_ROWS"]
-
-
 @pytest.mark.needs("filter_logits", "sample", "rope", "attention", "kv_cache")
 @pytest.mark.parametrize("speed_ups", ["on", "off"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -410,8 +406,8 @@ def test_greedy_rows_of_repeated_prompts_equal_transformers(hf_and_ours):
 
 
 @pytest.mark.needs("sample", "rope", "attention", "kv_cache")
-@pytest.mark.parametrize("off", [SPEED_UPS] + [[name] for name in SPEED_UPS],
-                         ids=["all"] + SPEED_UPS)
+@pytest.mark.parametrize("off", [SPEED_UPS, *((name,) for name in SPEED_UPS)],
+                         ids=["all", *SPEED_UPS])
 def test_greedy_rows_equal_transformers_with_speed_ups_switched_off(hf_and_ours, monkeypatch, off):
     """All three off (plain batched decoding), or each one alone: the same greedy tokens (sampled
     ones would differ with SPANS off: a resort moves rows, and so which random number a sequence
