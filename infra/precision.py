@@ -41,9 +41,7 @@ def autocast(cfg, sampler: bool = False):
     precision gathers the weights in bf16 already (launch.load_policy). sampler: the rollout's
     phase, in --rollout-precision when that is not "same" (a bf16 sampler beside an fp32
     trainer: the mismatch infra/rollout_correction.py corrects)."""
-    precision = cfg.precision
-    if sampler and cfg.rollout_precision != "same":
-        precision = cfg.rollout_precision
+    precision = cfg.sampler_precision if sampler else cfg.precision
     if precision != "bf16" or distributed.world_size() > 1:
         return contextlib.nullcontext()
     return torch.autocast(torch.device(cfg.device).type, torch.bfloat16)
