@@ -30,10 +30,12 @@ def small(name, **kw) -> ModelConfig:
                           "tie_word_embeddings": False, **kw})
 
 
+@pytest.mark.parametrize("family", ["qwen2", "llama", "llama-bias", "qwen3"])
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_parameter_count_is_the_models(name, tied):
-    m = small(name, tie_word_embeddings=tied)
+def test_parameter_count_is_the_models(name, tied, family):
+    m = small(name, tie_word_embeddings=tied, model_type=family.removesuffix("-bias"),
+              attention_bias=family.endswith("-bias"))
     assert memory.parameter_count(m) == num_params(Qwen2(m))
 
 
@@ -58,11 +60,12 @@ def saved_for_backward(model, ids, context) -> int:
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("mode", ["fp32", "autocast", "bf16"])
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_activations_are_what_autograd_keeps(name, mode, checkpointing):
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])  # a Llama keeps what a Qwen2 keeps
+def test_activations_are_what_autograd_keeps(name, mode, checkpointing, family):
     """The plan's activation bytes per token against the count (within 10%: measured exact on
     these shapes, except the checkpointed forward, whose one block kept whole is recomputed in the
     backward, not held by the forward: the plan counts it, the forward's count does not)."""
-    m = small(name)
+    m = small(name, model_type=family)
     torch.manual_seed(0)
     model = Qwen2(m).train()
     model.activation_checkpointing = checkpointing
