@@ -176,14 +176,16 @@ def test_auto_slots_fill_what_is_left_and_no_more_than_a_rank_decodes():
 
 
 @pytest.mark.needs("all")
-def test_two_ranks_load_a_shard_each_and_the_same_weights(tmp_path):
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])  # Qwen3: no biases, q/k norms, head_dim
+def test_two_ranks_load_a_shard_each_and_the_same_weights(tmp_path, family):
     """A 38M-parameter model (152 MB in fp32, its weights saved in bf16 as a Hugging Face
     checkpoint is): each of 2 ranks reads its own rows, so its memory grows by half the fp32 model
     (measured 0.50), not the whole (loaded whole and then sharded: 1.05); and the ranks' weights
     gather to exactly what one process loads."""
     m = ModelConfig(vocab_size=8000, hidden_size=512, intermediate_size=2048,
                     num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-                    tie_word_embeddings=False, torch_dtype="bfloat16")
+                    tie_word_embeddings=False, torch_dtype="bfloat16", model_type=family,
+                    head_dim=128 if family == "qwen3" else 0)
     model_dir, out_dir = tmp_path / "model", tmp_path / "out"
     out_dir.mkdir()
     torch.manual_seed(0)
