@@ -25,7 +25,7 @@ CASES = {
     "llama3": ("Llama", dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
                              tie_word_embeddings=True,
                              rope_parameters=dict(rope_theta=5e5, **LLAMA3_ROPE))),
-    # SmolLM2-135M's (9 heads x 64, 3 KV heads, theta 1e5), untied, with attention_bias
+    # SmolLM2-135M's 9 heads on 3 KV heads, theta 1e5; untied, with attention_bias
     "llama-bias": ("Llama", dict(hidden_size=72, num_attention_heads=9, num_key_value_heads=3,
                                  tie_word_embeddings=False, attention_bias=True,
                                  rope_parameters=dict(rope_type="default", rope_theta=1e5))),
@@ -169,6 +169,9 @@ BASE = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layer
     (dict(model_type="llama", rope_scaling=dict(rope_type="llama3", factor=8.0)),
      r"rope_scaling: llama3 RoPE needs 'low_freq_factor'"),
     (dict(model_type="llama", hidden_act="gelu"), r"hidden_act 'gelu'"),
+    (dict(model_type="qwen3", rope_parameters=dict(rope_type="default", rope_theta=1e6,
+                                                   partial_rotary_factor=0.5)),
+     r"partial_rotary_factor"),
 ])
 def test_what_is_not_computed_is_refused_in_one_line_naming_the_file(tmp_path, edit, field):
     (tmp_path / "config.json").write_text(json.dumps({**BASE, **edit}))
