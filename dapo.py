@@ -203,34 +203,38 @@ def collect_batch(model, prompt_iter, tok, cfg, generator) -> Collected:
 # Algorithm 1, lines 10-11: the policy update
 
 @torch.no_grad()
-def old_logprobs(model, batch: Batch, cfg, stats: metrics.UpdateStats):
-    """log pi_old of every response token, in micro-batches: (N, R), 0 on padding; pi_old's
-    entropy and its distance to the sampler's log-probs go into stats."""
-    old_logp = None
+def old_logprobs(model, batch: Batch, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi_old of every response token and the entropy of pi_old there, computed in
+    micro-batches: (N, R) each, 0 on padding."""
+    old_logp = old_entropy = None
     for index, real in distributed.micro_batches(batch, cfg):
         micro = batch.rows(index)
         with precision.autocast(cfg):
             logp, entropy = response_logprobs(model, micro, cfg.temperature, cfg.fused_head)
         if old_logp is None:
             old_logp = logp.new_zeros(batch.response_ids.shape)  # (N, R)
-        if real:
+            old_entropy = torch.zeros_like(old_logp)
+        if real:  # a stand-in micro-batch (infra/distributed.py) only keeps the ranks in step
             old_logp[index, :logp.shape[1]] = logp.masked_fill(~micro.response_mask, 0.0)
-        stats.add_old_policy(logp, entropy, micro, real)
-    return old_logp
+            old_entropy[index, :logp.shape[1]] = entropy.masked_fill(~micro.response_mask, 0.0)
+    return old_logp, old_entropy
 
 
-def update_policy(model, opt, batch: Batch, cfg, eps_high) -> dict:
+def update_policy(model, opt, batch: Batch, cfg) -> dict:
     """One epoch over the batch in mini-batches (one optimizer step each) of micro-batches
     (gradient accumulation). Under torch.distributed each rank holds its share of every
     mini-batch. Returns the step's training metrics, summed over ranks."""
     model.train()
     world = distributed.world_size()
     mini_rows = cfg.mini_batch_prompts * cfg.group_size // world  # this rank's rows per step
+    eps_high = cfg.eps_high if cfg.clip_higher else cfg.eps_low  # technique 1 off: PPO's clip
     stats = metrics.UpdateStats()
     # pi_old (Algorithm 1, line 4): with several optimizer steps per rollout the policy moves
     # between them, so the sampler's policy's log-probs are recomputed now (one step: pi_theta)
     if len(batch) > mini_rows:
-        batch = replace(batch, old_logp=old_logprobs(model, batch, cfg, stats))
+        old_logp, old_entropy = old_logprobs(model, batch, cfg)
+        stats.add_old_policy(old_logp, old_entropy, batch)
+        batch = replace(batch, old_logp=old_logp)
     for mini_batch in batch.split(mini_rows):
         # --- DAPO technique 3: the token-level loss's denominator, counted over the whole
         # mini-batch on every rank before it is split into micro-batches, so that the gradient
@@ -241,7 +245,7 @@ def update_policy(model, opt, batch: Batch, cfg, eps_high) -> dict:
         # end exercise
         if n_tokens == 0:
             if mini_batch.old_logp is None:  # pi_old's entropy is logged whatever the loss mask
-                old_logprobs(model, mini_batch, cfg, stats)
+                stats.add_old_policy(*old_logprobs(model, mini_batch, cfg), mini_batch)
             continue
         for index, real in distributed.micro_batches(mini_batch, cfg):
             micro = mini_batch.rows(index)
@@ -262,7 +266,14 @@ def update_policy(model, opt, batch: Batch, cfg, eps_high) -> dict:
                               cfg.dual_clip, corr.weight)
             (out.loss * world).backward()  # FSDP averages gradients over ranks; the loss is global
             stats.add_loss(out, logp, old_logp, micro.adv, mask, corr)
-        stats.add_step(*checkpoint.step_if_finite(model, opt, cfg.grad_clip))
+        # Algorithm 1, line 11: one AdamW step on the mini-batch's gradient, its norm clipped
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        grad_norm, finite = checkpoint.gradient_is_finite(grad_norm)  # else skipped, and said
+        if finite:
+            opt.step()
+            checkpoint.check_finite(model, "after an optimizer step")
+        opt.zero_grad(set_to_none=True)
+        stats.add_step(grad_norm, finite)
     return stats.result(batch)
 
 
@@ -279,7 +290,6 @@ def set_lr(opt, cfg, step):
 def train(cfg: Config):
     model, tok, tok_dir, resume_dir = launch.load_policy(cfg)
     train_rows, val_rows = launch.load_data(cfg, tok)
-    eps_high = cfg.eps_high if cfg.clip_higher else cfg.eps_low  # technique 1 off: PPO's clip
     if cfg.eval_only:
         result = evaluate(model, val_rows, tok, cfg)
         metrics.report_eval(result, cfg.out_dir, asdict(cfg), trackers.open_all(cfg))
@@ -293,7 +303,7 @@ def train(cfg: Config):
     log = metrics.RunLog(metrics_path, start, cfg.steps,
                          trackers.open_all(cfg, start, metrics_path))
     alarms = health.Alarms(cfg.stop_when_stuck, cfg.reward_fn)
-    for step in log.bar:  # Algorithm 1, line 1
+    for step in range(start, cfg.steps):  # Algorithm 1, line 1
         if cfg.eval_every and step % cfg.eval_every == 0:
             log.evaluated(step, evaluate(model, val_rows, tok, cfg))
         t0 = time.time()
@@ -304,12 +314,13 @@ def train(cfg: Config):
         if collected.trained is not None:
             logged |= metrics.training_batch_metrics(collected.trained)
             # --- Algorithm 1, lines 10-11: optimizer steps on the batch (Eq. 8) ---
-            logged |= update_policy(model, opt, collected.trained, cfg, eps_high)
-        log.step(step + 1, logged, opt.param_groups[0]["lr"], t_gen, time.time() - t0 - t_gen)
+            logged |= update_policy(model, opt, collected.trained, cfg)
+        done = step + 1  # the steps taken: what metrics.jsonl and the checkpoints count
+        log.step(done, logged, opt.param_groups[0]["lr"], t_gen, time.time() - t0 - t_gen)
         # a dead run: warn, and stop with --stop-when-stuck
-        stuck = alarms.check(step + 1, logged, collected.generated, tok, take_reward_fn_errors())
-        if stuck or (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
-            checkpoint.save(cfg.out_dir, step + 1, model, tok_dir, opt, prompt_iter, generator,
+        stuck = alarms.check(done, logged, collected.generated, tok, take_reward_fn_errors())
+        if stuck or (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps:
+            checkpoint.save(cfg.out_dir, done, model, tok_dir, opt, prompt_iter, generator,
                             asdict(cfg), keep_last=cfg.keep_checkpoints)
         if stuck:
             raise alarms.error()

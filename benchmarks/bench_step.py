@@ -144,7 +144,7 @@ class OurSide:
         cfg = self.cfg
         batch, _ = self.phases.rollout_other(self.rollout)(rows)
         t0 = clock()
-        dapo.update_policy(self.model, self.opt, batch, cfg, cfg.eps_high)
+        dapo.update_policy(self.model, self.opt, batch, cfg)
         self.phases.spent["update"] += clock() - t0
         return int(batch.response_mask.sum())
 

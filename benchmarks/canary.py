@@ -90,7 +90,7 @@ def canary(cfg: Config) -> dict:
     before = greedy(model, rows, tok, cfg)
     trainer_before = trainer_logprobs(model, before, cfg)
     planted = replace(before, adv=torch.ones(len(before), device=before.score.device))
-    dapo.update_policy(model, opt, planted, cfg, cfg.eps_high)
+    dapo.update_policy(model, opt, planted, cfg)
     after = greedy(model, rows, tok, cfg)
     trainer_after = trainer_logprobs(model, before, cfg)
     # the rows whose greedy response is the same token for token (the planted step pushed each

@@ -60,7 +60,7 @@ class KeepGradient(torch.optim.Optimizer):
 
 def gradient(model, batch, cfg):
     opt = KeepGradient(model.parameters())
-    dapo.update_policy(model, opt, batch, cfg, cfg.eps_high)  # cfg.precision: its autocast
+    dapo.update_policy(model, opt, batch, cfg)  # cfg.precision: its autocast
     return opt.gradient, opt.missing
 
 
@@ -158,8 +158,7 @@ def run(args, device, d) -> list[str]:
         checks.append((f"  (information) cosine {name} / fp32", cosine(grad, g_fp32), None, True))
 
     own_batch = rollout(sharded, fp32)
-    stats = dapo.update_policy(sharded, KeepGradient(sharded.parameters()), own_batch, fp32,
-                               cfg.eps_high)
+    stats = dapo.update_policy(sharded, KeepGradient(sharded.parameters()), own_batch, fp32)
     drift = stats["training/rollout_logp_diff_mean"]
     bound = 0.05 if on_gpu else 1e-5  # the run's own warning is at 0.05 nats
     checks.append(("rollout in gathered(): sampler vs trainer log-prob gap (nats)", drift, bound,

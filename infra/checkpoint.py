@@ -20,9 +20,10 @@ Several nodes need a shared filesystem for out_dir.
 
 The run directory: open_run() refuses to start a new run over an old one unless told to, and a
 resume that would change the algorithm; resume() restores the trainer's state and drops the
-metrics the resumed run will log again. And the guard of every optimizer step: step_if_finite().
+metrics the resumed run will log again. And the guard of every optimizer step: gradient_is_finite().
 """
 import json
+import math
 import os
 import pickle
 import re
@@ -59,21 +60,16 @@ def check_finite(model, where: str):
                                  "it, with a lower --lr?)")
 
 
-def step_if_finite(model, opt, grad_clip: float) -> tuple[float, bool]:
-    """Clip the gradient's norm and take the optimizer step, unless the gradient holds a NaN or
-    an inf anywhere: then skip it (the weights stay finite) and say so. Then check that the step
-    left no NaN in the weights (they would train on, every group then looking all wrong, into
-    every checkpoint). Clears the gradients. -> (the norm before clipping, whether it stepped)."""
+def gradient_is_finite(grad_norm) -> tuple[float, bool]:
+    """The guard of every optimizer step, given clip_grad_norm_'s norm: refuses a step inside an
+    autocast region (infra/precision.py says why), and says so when the gradient holds a NaN or an
+    inf anywhere (then the caller skips the step and the weights stay finite).
+    -> (the norm before clipping, whether to step)."""
     precision.check_no_autocast()
-    grad_norm = distributed.as_local(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
-    stepped = bool(torch.isfinite(grad_norm))
-    if stepped:
-        opt.step()
-        check_finite(model, "after an optimizer step")
-    else:
-        distributed.say(f"non-finite gradient norm ({grad_norm.item()}): update skipped")
-    opt.zero_grad(set_to_none=True)
-    return grad_norm.item(), stepped
+    grad_norm = distributed.as_local(grad_norm).item()
+    if not math.isfinite(grad_norm):
+        distributed.say(f"non-finite gradient norm ({grad_norm}): update skipped")
+    return grad_norm, math.isfinite(grad_norm)
 
 
 def save(out_dir, step, model, tok_dir, opt, prompt_iter, generator, config: dict,

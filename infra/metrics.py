@@ -233,8 +233,8 @@ class RunLog:
         self.capped = 0  # steps at which dynamic sampling stopped at --max-gen-batches
         self.first_val = self.last_val = None  # the run's first and latest evaluation
         self.first_step = self.last_step = 0  # the rollout steps they came before
-        self.bar = tqdm(range(start, steps), initial=start, total=steps, desc="dapo",
-                        dynamic_ncols=True, disable=distributed.rank() != 0)
+        self.bar = tqdm(initial=start, total=steps, desc="dapo", dynamic_ncols=True,
+                        disable=distributed.rank() != 0)
 
     def write(self, row: dict):
         if distributed.rank() == 0:
@@ -260,7 +260,10 @@ class RunLog:
             if self.capped == 1:  # said once, then counted in the bar
                 distributed.say(cap_note(row))
         self.bar.set_postfix(progress_summary(row) | ({"capped": self.capped} if self.capped
-                                                      else {}))
+                                                      else {}), refresh=False)
+        self.bar.update()
+        if step == self.bar.total:
+            self.bar.close()
 
     def say_eval_change(self, k: int):
         first, last = self.first_val, self.last_val

@@ -266,7 +266,7 @@ clip-higher and the token-level loss. The row it returns goes into the run's met
 train_batch = gen_batch.groups(kept.nonzero().flatten()[:n_take].tolist())
 train_batch = replace(train_batch, adv=group_advantages(train_batch.reward, G))
 opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-logged = update_policy(model, opt, train_batch, cfg, cfg.eps_high)
+logged = update_policy(model, opt, train_batch, cfg)
 print(f"trained on {n_take} groups ({len(train_batch)} responses), "
       f"{cfg.mini_batch_prompts} per optimizer step (--mini-batch-prompts), lr {cfg.lr}")
 for key, value in logged.items():

@@ -80,7 +80,7 @@ def main(model_dir, out_dir, opt_name):
             for part in mine.split(cfg.mini_batch_prompts * GROUP // world)]
     with open(os.path.join(out_dir, f"micro_batches_rank{rank}.json"), "w") as f:
         json.dump(real, f)  # before the stand-ins: how many each rank needed
-    metrics = update_policy(model, opt, mine, cfg, 0.28)
+    metrics = update_policy(model, opt, mine, cfg)
     with torch.no_grad():
         logits = model(PROBE)
     weights = distributed.full_state_dict(model)

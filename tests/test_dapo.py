@@ -143,7 +143,7 @@ def test_update_is_the_same_for_any_micro_batch_split(token_level):
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         cfg = Config(group_size=4, mini_batch_prompts=2, grad_clip=1e9,
                      token_level_loss=token_level, overlong_filtering=True, **split)
-        m = update_policy(model, opt, random_batch(50, dtype=torch.float64), cfg, eps_high=0.28)
+        m = update_policy(model, opt, random_batch(50, dtype=torch.float64), cfg)
         results.append((flat_params(model), m))
     moved = (results[0][0] - flat_params(tiny_float64_model())).abs().max()
     assert moved > 1e-2  # the update did something
@@ -223,7 +223,7 @@ def test_the_clip_statistics_are_those_of_the_loss_that_was_trained(monkeypatch)
         model = TablePolicy(50)  # 2 steps: the second one's ratios are away from 1
         cfg = Config(group_size=4, mini_batch_prompts=1, grad_clip=1e9)
         logged[name] = update_policy(model, torch.optim.SGD(model.parameters(), lr=30.0),
-                                     random_batch(50, dtype=torch.float64), cfg, 0.28)
+                                     random_batch(50, dtype=torch.float64), cfg)
     clipfrac = {name: m["actor/pg_clipfrac"] for name, m in logged.items()}
     assert clipfrac["tight"] > clipfrac["real"] > clipfrac["unclipped"] == 0, clipfrac
     losses = {m["actor/pg_loss"] for m in logged.values()}
@@ -236,7 +236,7 @@ def test_the_loss_denominator_is_the_mini_batch_token_count(stand_ins, token_lev
     cfg = Config(group_size=4, mini_batch_prompts=1, micro_batch_size=3, micro_batch_tokens=0,
                  overlong_filtering=True, token_level_loss=token_level)
     model = TablePolicy(50)
-    update_policy(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, cfg, 0.28)
+    update_policy(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, cfg)
     mask = batch.response_mask & ~batch.truncated[:, None]  # overlong filtering: response 3 is out
     lengths = mask.sum(-1, keepdim=True).clamp(min=1)  # (8, 1)
     expected = []
@@ -263,7 +263,7 @@ def test_a_stand_in_policy_update_is_the_same_for_any_micro_batch_split(stand_in
         cfg = Config(group_size=4, mini_batch_prompts=2, grad_clip=1e9, overlong_filtering=True,
                      **split)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
-        update_policy(model, opt, random_batch(50, dtype=torch.float64), cfg, 0.28)
+        update_policy(model, opt, random_batch(50, dtype=torch.float64), cfg)
         results.append(model.logits.detach().clone())
     moved = (results[0] - TablePolicy(50).logits).abs().max()
     assert moved > 1e-3  # the update did something
@@ -284,7 +284,7 @@ def test_update_is_the_same_with_the_fused_and_the_unfused_head(tied):
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         cfg = Config(group_size=4, mini_batch_prompts=1, micro_batch_size=3, micro_batch_tokens=0,
                      fused_head=fused)
-        update_policy(model, opt, random_batch(50, dtype=torch.float64), cfg, eps_high=0.28)
+        update_policy(model, opt, random_batch(50, dtype=torch.float64), cfg)
         weights.append(flat_params(model))
     moved = (weights[1] - flat_params(tiny_float64_model(tied))).abs().max()
     assert moved > 1e-2  # the steps moved the weights
@@ -314,7 +314,7 @@ def test_non_finite_gradient_skips_the_update(monkeypatch):
         return replace(out, loss=out.loss * float("nan"))
     monkeypatch.setattr(dapo, "policy_loss", nan_loss)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    m = update_policy(model, opt, random_batch(50), Config(group_size=4), 0.28)
+    m = update_policy(model, opt, random_batch(50), Config(group_size=4))
     assert m["train/skipped_updates"] == 1 and m["train/updates"] == 0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
@@ -483,7 +483,7 @@ def test_entropy_is_pi_olds_before_the_update():
     for mini_batch_prompts in (1, 2):  # 2 optimizer steps (pi_old's own forward), then 1
         model = tiny_float64_model()
         m = update_policy(model, torch.optim.SGD(model.parameters(), lr=10.0), batch,
-                          Config(group_size=4, mini_batch_prompts=mini_batch_prompts), 0.28)
+                          Config(group_size=4, mini_batch_prompts=mini_batch_prompts))
         assert m["actor/entropy"] == pytest.approx(expected.item(), rel=1e-12)
 
 

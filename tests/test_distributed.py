@@ -40,7 +40,7 @@ def one_process_update(model_dir, opt_name):
     tok = load_tokenizer(model_dir)
     cfg = replace(run_config(opt_name), micro_batch_tokens=0)
     metrics = update_policy(model, make_optimizer(opt_name, model.parameters()),
-                            make_batch(tok.vocab_size), cfg, 0.28)
+                            make_batch(tok.vocab_size), cfg)
     return model, metrics
 
 

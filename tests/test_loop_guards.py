@@ -142,7 +142,7 @@ def test_a_nan_weight_after_an_optimizer_step_stops_the_update():
 
     with pytest.raises(FloatingPointError, match="model.layers.1.mlp.up_proj.weight"):
         dapo.update_policy(model, Poisoned(model.parameters(), lr=0.1), random_batch(50),
-                           dapo.Config(group_size=4), 0.28)
+                           dapo.Config(group_size=4))
 
 
 @pytest.mark.needs("all")

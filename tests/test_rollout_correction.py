@@ -117,7 +117,7 @@ def rollout_batch():
 def update(cfg, batch):
     """One update of a fresh table policy with SGD(lr=1): (its logits after, the metrics)."""
     model = TablePolicy(50)
-    m = dapo.update_policy(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, cfg, 0.28)
+    m = dapo.update_policy(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, cfg)
     return model.logits.detach(), m
 
 
