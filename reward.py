@@ -205,6 +205,11 @@ SLOW_SCORE_S = 10.0  # one call of the custom verifier this long: say so (once a
 _state = {"first_error": "", "said_slow": False}
 
 
+# A verifier's sys.exit() is one of its errors: a SystemExit let through would end the run with
+# exit status 0, losing every step since the last checkpoint (KeyboardInterrupt still stops it)
+VERIFIER_ERRORS = (Exception, SystemExit)
+
+
 def load_reward_fn(spec: str):
     """The function NAME of FILE.py, from "FILE.py:NAME"; raise naming the flag, the file and the
     name when the file is missing or broken or NAME is not a callable."""
@@ -220,15 +225,22 @@ def load_reward_fn(spec: str):
     module = importlib.util.module_from_spec(module_spec)
     try:
         module_spec.loader.exec_module(module)
-    except Exception as e:
+    except VERIFIER_ERRORS as e:
         raise ValueError(f"--reward-fn {spec!r}: importing {path} failed: "
-                         f"{type(e).__name__}: {e}") from e
+                         f"{_described(e)}") from e
     fn = getattr(module, name, None)
     if not callable(fn):
         what = "nothing" if fn is None else f"a {type(fn).__name__}"
         raise ValueError(f"--reward-fn {spec!r}: {path} defines {what} named {name}, not a "
                          "function (response_text, ground_truth) -> float or {'score', 'acc'}")
     return fn
+
+
+def _described(e: BaseException) -> str:
+    """A verifier's error as the warnings and errors show it."""
+    if isinstance(e, SystemExit):
+        return f"SystemExit: the verifier called sys.exit({e.code!r})"
+    return f"{type(e).__name__}: {e}"
 
 
 def _as_score(result, spec: str) -> dict:
@@ -318,10 +330,9 @@ def _check_call(fn, spec: str, ground_truth: str, timeout_s: float = 0.0):
     try:
         out = _as_score(_call(fn, ground_truth, ground_truth, timeout_s), spec)
         _check_finite(out["score"], spec, ground_truth, ground_truth)
-    except Exception as e:
+    except VERIFIER_ERRORS as e:
         raise ValueError(f"--reward-fn {spec}: the check call {spec.rpartition(':')[2]}"
-                         f"({ground_truth!r}, {ground_truth!r}) failed: "
-                         f"{type(e).__name__}: {e}") from e
+                         f"({ground_truth!r}, {ground_truth!r}) failed: {_described(e)}") from e
 
 
 def uninstall_reward_fn():
@@ -343,16 +354,16 @@ def take_reward_fn_errors() -> str:
 
 
 def _score_custom(data_source: str, response_text: str, ground_truth: str) -> dict:
-    """The custom verifier's score. An exception, a timeout or a wrong return type is a wrong
-    answer (-1), marked reward_fn_error and remembered for the step's warning (the first of
-    them, with its response), and the run goes on. A NaN or an inf stops it."""
+    """The custom verifier's score. An exception (a sys.exit() too), a timeout or a wrong return
+    type is a wrong answer (-1), marked reward_fn_error and remembered for the step's warning (the
+    first of them, with its response), and the run goes on. A NaN or an inf stops it."""
     spec = _custom["spec"]
     try:
         out = _as_score(_call(_custom["fn"], response_text, ground_truth, _custom["timeout_s"]),
                         spec)
-    except Exception as e:
+    except VERIFIER_ERRORS as e:
         if not _state["first_error"]:
-            _state["first_error"] = (f"{type(e).__name__}: {e}, on a row of data_source "
+            _state["first_error"] = (f"{_described(e)}, on a row of data_source "
                                      f"{data_source!r}, ground truth {_excerpt(ground_truth)}, "
                                      f"response {_excerpt(response_text)}")
         return {"score": -1.0, "acc": False, "pred": "", "reward_fn_error": True}

@@ -317,3 +317,26 @@ def test_the_readme_commands_of_your_own_task_run_as_written(tiny_model_dir, tmp
         else:
             assert out.returncode == 0, command + "\n" + out.stderr[-3000:]
     assert (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# --- round 4: what a hostile verifier does (each failed before its fix) ---------------------------
+
+def test_a_verifier_that_calls_sys_exit_is_a_verifier_error_not_the_end_of_the_run(tmp_path):
+    # before: SystemExit passed `except Exception`, and the run ended with exit status 0
+    path = write(tmp_path / "mine.py", "import sys\ndef f(r, g):\n"
+                                       "    if r != g:\n        sys.exit(0)\n    return 1.0\n")
+    reward.install_reward_fn(f"{path}:f", False)
+    reward.check_reward_fn("7")
+    out = reward.score_response("custom", "8", "7")
+    assert out == {"score": -1.0, "acc": False, "pred": "", "reward_fn_error": True}
+    assert reward.take_reward_fn_errors().startswith("SystemExit: the verifier called "
+                                                     "sys.exit(0), on a row")
+    with pytest.raises(ValueError, match=r"the check call f\('7', '7'\) failed: SystemExit: the "
+                                         r"verifier called sys.exit\(3\)"):
+        always = write(tmp_path / "always.py", "import sys\ndef f(r, g):\n    sys.exit(3)\n")
+        reward.install_reward_fn(f"{always}:f", False)
+        reward.check_reward_fn("7")
+    at_import = write(tmp_path / "at_import.py", "import sys\nsys.exit()\n")
+    with pytest.raises(ValueError, match=r"importing .*at_import.py failed: SystemExit: the "
+                                         r"verifier called sys.exit\(None\)"):
+        reward.load_reward_fn(f"{at_import}:f")
