@@ -63,7 +63,7 @@ class Config:
                                "the verifier of rows no built-in one knows (plain JSONL rows)")
     reward_fn_all_rows: bool = _flag(False, "--reward-fn scores every row, built-in ones too")
     reward_timeout: float = _flag(0.0, "seconds one --reward-fn call may run before it is "
-                                       "scored as a wrong answer; 0 = no limit")
+                                       "scored as a wrong answer; 0 or inf = no limit")
     out_dir: str = _flag("runs/demo", "metrics.jsonl and checkpoints go here")
     resume: bool = _flag(False, "continue from out_dir's latest checkpoint")
     eval_only: bool = _flag(False, "evaluate --model on --val-data and exit")

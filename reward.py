@@ -200,6 +200,7 @@ def score_response(data_source: str, response_text: str, ground_truth: str) -> d
 CUSTOM_DATA_SOURCE = "custom"  # the data_source of plain {"prompt", "answer"} rows (data.py)
 _custom = {"fn": None, "spec": "", "every_row": False, "timeout_s": 0.0}
 SLOW_SCORE_S = 10.0  # one call of the custom verifier this long: say so (once a run)
+MAX_TIMER_S = 1e8  # setitimer's longest here is ~1e9 s (the platform's time_t): 3 years is plenty
 # the first exception of the custom verifier since take_reward_fn_errors() (the step's warning
 # shows it); whether it was said to be slow
 _state = {"first_error": "", "said_slow": False}
@@ -274,21 +275,22 @@ def _excerpt(text: str, chars: int = 200) -> str:
 
 def _call(fn, response_text: str, ground_truth: str, timeout_s: float):
     """fn(response_text, ground_truth), said to be slow after SLOW_SCORE_S and stopped with a
-    TimeoutError after timeout_s (0: never). A SIGALRM timer: it interrupts Python code (a sympy
-    simplification that runs away), not a call stuck inside C code (a regex, an extension), and
-    exists only in the main thread of a Unix process: elsewhere fn runs unwatched. A function
+    TimeoutError after timeout_s (0 or inf: never). A SIGALRM timer: it interrupts Python code (a
+    sympy simplification that runs away), not a call stuck inside C code (a regex, an extension),
+    and exists only in the main thread of a Unix process: elsewhere fn runs unwatched. A function
     that sets its own SIGALRM (a timeout decorator) takes the timer over for its call."""
     if not hasattr(signal, "setitimer") or threading.current_thread() != threading.main_thread():
         return fn(response_text, ground_truth)
     start = time.monotonic()
+    timeout_s = timeout_s if math.isfinite(timeout_s) else 0.0  # inf: no limit
 
     def on_alarm(signum, frame):
         ran = time.monotonic() - start
         if timeout_s and ran >= timeout_s * 0.999:  # the timer may ring a hair early
             raise TimeoutError(f"still running after --reward-timeout {timeout_s:g} s")
         _say_slow(ran, timeout_s)
-        if timeout_s:
-            signal.setitimer(signal.ITIMER_REAL, timeout_s - ran)
+        if timeout_s:  # a timer beyond MAX_TIMER_S overflows: it rings, and is set again
+            signal.setitimer(signal.ITIMER_REAL, min(timeout_s - ran, MAX_TIMER_S))
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, min(SLOW_SCORE_S, timeout_s or SLOW_SCORE_S))

@@ -340,3 +340,16 @@ def test_a_verifier_that_calls_sys_exit_is_a_verifier_error_not_the_end_of_the_r
     with pytest.raises(ValueError, match=r"importing .*at_import.py failed: SystemExit: the "
                                          r"verifier called sys.exit\(None\)"):
         reward.load_reward_fn(f"{at_import}:f")
+
+
+@pytest.mark.parametrize("timeout_s", [1e12, float("inf")])
+def test_a_huge_or_infinite_reward_timeout_lets_a_slow_call_finish(tmp_path, monkeypatch,
+                                                                   timeout_s):
+    # before: past SLOW_SCORE_S the timer was re-armed for timeout_s and setitimer overflowed,
+    # so every call longer than 10 s scored -1
+    monkeypatch.setattr(reward, "SLOW_SCORE_S", 0.05)
+    path = write(tmp_path / "mine.py", "import time\ndef f(r, g):\n    time.sleep(0.2)\n"
+                                       "    return 1.0\n")
+    reward.install_reward_fn(f"{path}:f", False, timeout_s=timeout_s)
+    assert reward.score_response("custom", "slow", "7") == {"score": 1.0, "acc": True, "pred": ""}
+    assert reward.take_reward_fn_errors() == ""
