@@ -366,3 +366,35 @@ def test_a_negative_plan_on_the_command_line_is_refused_not_read_as_a_bare_plan(
     assert stopped.value.code == 2
     assert capsys.readouterr().err == ("error: argument --plan: a number of processes >= 1 (0: "
                                        "off), got '-7' (dapo.py --help lists the flags)\n")
+
+
+@pytest.mark.parametrize("make,eval_only,message", [
+    (lambda d: (d / "run").write_text("a file"), False, r"--out-dir {d}/run: {d}/run is not a "
+                                                        r"directory"),
+    (lambda d: (d / "run").write_text("a file"), True, r"--out-dir {d}/run: {d}/run is not a "
+                                                       r"directory"),
+    (lambda d: ((d / "run").mkdir(), (d / "run" / "checkpoints").symlink_to(d / "gone")), False,
+     r"--out-dir's checkpoints {d}/run/checkpoints is a link to {d}/gone, which does not exist"),
+    (None, False, r"--out-dir /proc/dapo-run/x: cannot write in /proc \("),
+], ids=["a-file", "a-file-eval-only", "dangling-checkpoints", "proc"])
+def test_a_directory_the_run_cannot_write_is_named_before_the_model_loads(tmp_path, no_model, make,
+                                                                         eval_only, message):
+    # before: found at the first save (with --save-every 0 the end of the run, every step lost),
+    # after the whole evaluation with --eval-only, or a traceback from os.makedirs
+    out_dir = "/proc/dapo-run/x" if make is None else str(tmp_path / "run")
+    if make:
+        make(tmp_path)
+    with pytest.raises(OSError, match=message.format(d=tmp_path)):
+        dapo.main(dapo.Config(out_dir=out_dir, eval_only=eval_only))
+    assert not os.path.exists(tmp_path / "gone")
+
+
+def test_an_unwritable_out_dir_is_one_line_on_the_command_line(tmp_path, no_model, capsys,
+                                                              monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["dapo.py"])
+    (tmp_path / "run").write_text("a file")
+    with pytest.raises(SystemExit) as stopped:
+        command_line(["--out-dir", str(tmp_path / "run")])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == (f"error: --out-dir {tmp_path}/run: {tmp_path}/run is not a "
+                                       "directory\n")
