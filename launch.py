@@ -24,7 +24,8 @@ from data import Tokenizer, check_data_file, check_vocab, load_rows, load_tokeni
 from infra import checkpoint, distributed, files, health, hf_io, memory, precision, trackers
 from infra.files import need_file
 from model import ModelConfig, Qwen2
-from reward import check_reward_fn, install_reward_fn, uninstall_reward_fn
+from reward import (check_reward_fn, install_reward_fn, scored_by_reward_fn,
+                    uninstall_reward_fn)
 
 
 def run(train, cfg: Config):
@@ -173,9 +174,13 @@ def load_data(cfg: Config, tok) -> tuple[list[dict], list[dict]]:
         raise ValueError(f"{cfg.train_data}: {len(train_rows)} usable rows, fewer than "
                          f"{cfg.gen_batch_flag} {cfg.gen_batch_prompts} (the prompts of one "
                          "generation batch)")
-    if cfg.reward_fn:  # one call on a real ground truth: a wrong signature stops the run now
-        check_reward_fn(train_rows[0]["reward_model"]["ground_truth"])
-    return train_rows, val_rows[:cfg.eval_prompts or None]
+    val_rows = val_rows[:cfg.eval_prompts or None]
+    # one call on the ground truth of a row it will score: a wrong signature stops the run now
+    scored = (row for row in ([] if cfg.eval_only else train_rows) + val_rows
+              if scored_by_reward_fn(row["data_source"]))
+    if example := next(scored, None):
+        check_reward_fn(example["reward_model"]["ground_truth"])
+    return train_rows, val_rows
 
 
 def install_custom_reward(cfg: Config):

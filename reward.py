@@ -163,9 +163,14 @@ def scorer_for(data_source: str):
     """The verifier of a data_source, or None. Any data_source starting with "aime" also goes to
     math_dapo, as in verl (the AIME-2024 eval set). With --reward-fn, that function scores the
     rows no built-in verifier knows (or every row)."""
-    if _custom["fn"] and (_custom["every_row"] or not _builtin_scorer(data_source)):
+    if scored_by_reward_fn(data_source):
         return functools.partial(_score_custom, data_source)
     return _builtin_scorer(data_source)
+
+
+def scored_by_reward_fn(data_source: str) -> bool:
+    """Whether --reward-fn (if installed) scores the rows of this data_source."""
+    return _custom["fn"] is not None and (_custom["every_row"] or not _builtin_scorer(data_source))
 
 
 def _builtin_scorer(data_source: str):
@@ -322,9 +327,9 @@ def install_reward_fn(spec: str, every_row: bool, timeout_s: float = 0.0):
 
 
 def check_reward_fn(example_ground_truth: str):
-    """One call of the installed --reward-fn on a real ground truth (the first row's, given as the
-    response too) must return a finite float or {"score", "acc"}: a wrong signature or type stops
-    the run before it starts, not at the first rollout."""
+    """One call of the installed --reward-fn on a real ground truth (of a row it scores, given as
+    the response too) must return a finite float or {"score", "acc"}: a wrong signature or type
+    stops the run before it starts, not at the first rollout."""
     _check_call(_custom["fn"], _custom["spec"], example_ground_truth, _custom["timeout_s"])
 
 

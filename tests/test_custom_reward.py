@@ -353,3 +353,28 @@ def test_a_huge_or_infinite_reward_timeout_lets_a_slow_call_finish(tmp_path, mon
     reward.install_reward_fn(f"{path}:f", False, timeout_s=timeout_s)
     assert reward.score_response("custom", "slow", "7") == {"score": 1.0, "acc": True, "pred": ""}
     assert reward.take_reward_fn_errors() == ""
+
+
+def test_the_check_call_scores_a_row_the_verifier_will_score(tiny_model_dir, tmp_path):
+    # before: it scored the first training row, the toy task's '5' without --train-data (which
+    # the built-in verifier scores), so --eval-only on your own task was impossible
+    from data import load_tokenizer
+    from launch import load_data
+    val = plain_jsonl(tmp_path / "val.jsonl", [{"prompt": "x1?", "answer": "x1"}])
+    picky = write(tmp_path / "picky.py", "def f(r, g):\n    assert g.startswith('x'), g\n"
+                                         "    return float(r == g)\n")
+    tok = load_tokenizer(tiny_model_dir)
+    for eval_only in (True, False):  # training on the toy task, evaluating on your own
+        cfg = Config(model=tiny_model_dir, val_data=val, reward_fn=f"{picky}:f",
+                     eval_only=eval_only)
+        install_custom_reward(cfg)
+        assert load_data(cfg, tok)[1][0]["reward_model"]["ground_truth"] == "x1"
+    broken = write(tmp_path / "broken.py", "def f(r, g):\n    raise KeyError(g)\n")
+    cfg = Config(model=tiny_model_dir, val_data=val, reward_fn=f"{broken}:f", eval_only=True)
+    install_custom_reward(cfg)
+    with pytest.raises(ValueError, match=r"the check call f\('x1', 'x1'\) failed: KeyError"):
+        load_data(cfg, tok)
+    math_row = {"prompt": "1+1?", "answer": "2", "data_source": "math_dapo"}
+    cfg = replace(cfg, val_data=plain_jsonl(tmp_path / "math.jsonl", [math_row]))
+    install_custom_reward(cfg)
+    assert len(load_data(cfg, tok)[1]) == 1  # it scores no row: nothing to check it on
