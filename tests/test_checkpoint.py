@@ -402,3 +402,13 @@ def test_a_nan_metric_is_written_as_null(tmp_path):
         raise ValueError(f"not JSON: {constant}")
     row = json.loads(path.read_text(), parse_constant=strict)
     assert row == {"step": 1, "actor/grad_norm": None, "x": None, "acc": 0.5}
+
+
+def test_a_resume_on_the_same_rows_at_another_path_says_so_and_goes_on(capsys):
+    # before: refused as a change of the algorithm; the rows' sha256 (above) guards the content
+    saved = {"group_size": 8, "train_data": "data/a.jsonl"}
+    checkpoint.check_resume_config(saved, {**saved, "train_data": "/mnt/moved/a.jsonl"},
+                                   where="ckpt")
+    assert capsys.readouterr().out == ("note: --resume: ckpt was trained on --train-data "
+                                       "'data/a.jsonl', this run reads '/mnt/moved/a.jsonl' "
+                                       "(the rows must be the same: their sha256 is checked)\n")
