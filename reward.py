@@ -20,10 +20,13 @@ braces).
 import functools
 import logging
 import math
+import numbers
 import re
 import signal
 import threading
 import time
+
+import numpy as np
 
 WINDOW = 300  # characters read from the end of a response (the longest MATH-500 answer has 159)
 # the rest of the line after "Answer:", any case
@@ -205,6 +208,7 @@ def score_response(data_source: str, response_text: str, ground_truth: str) -> d
 CUSTOM_DATA_SOURCE = "custom"  # the data_source of plain {"prompt", "answer"} rows (data.py)
 _custom = {"fn": None, "spec": "", "every_row": False, "timeout_s": 0.0}
 SLOW_SCORE_S = 10.0  # one call of the custom verifier this long: say so (once a run)
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # the rewards' dtype (batch.Batch.score)
 MAX_TIMER_S = 1e8  # setitimer's longest here is ~1e9 s (the platform's time_t): 3 years is plenty
 # the first exception of the custom verifier since take_reward_fn_errors() (the step's warning
 # shows it); whether it was said to be slow
@@ -256,21 +260,34 @@ def _as_score(result, spec: str) -> dict:
         score, acc = result["score"], result.get("acc")
     else:
         score, acc = result, None
-    if isinstance(score, bool) or not isinstance(score, (int, float)):
+    if not _exact_number(score):
         raise TypeError(f"--reward-fn {spec}: returned {result!r} ({type(result).__name__}); "
                         "expected a float or a dict with a float 'score' (and optionally 'acc')")
+    if acc is not None and not isinstance(acc, (bool, np.bool_)):  # "False" would read as True
+        raise TypeError(f"--reward-fn {spec}: 'acc' must be a bool, got {acc!r} "
+                        f"({type(acc).__name__})")
     return {"score": float(score), "acc": bool(score > 0) if acc is None else bool(acc),
             "pred": ""}
 
 
+def _exact_number(x) -> bool:
+    """A real number (numpy's too) that a float holds exactly, not a bool: a Fraction(1, 3) or
+    "1.0" is refused rather than rounded or parsed."""
+    if not isinstance(x, numbers.Real) or isinstance(x, (bool, np.bool_)):
+        return False
+    as_float = float(x)
+    return math.isnan(as_float) or as_float == x  # a NaN is _check_finite's to refuse
+
+
 def _check_finite(score: float, spec: str, response_text: str, ground_truth: str):
     """A NaN or an inf reward is a bug of the verifier, not a wrong answer: it makes its group's
-    advantages NaN, then the gradient, and every update is skipped. Raise naming both."""
-    if not math.isfinite(score):
+    advantages NaN, then the gradient, and every update is skipped; so is a score beyond
+    float32's range, where the rewards are held (an inf there). Raise naming both."""
+    if not math.isfinite(score) or abs(score) > FLOAT32_MAX:
         raise ValueError(f"--reward-fn {spec} returned {score} for the response "
                          f"{_excerpt(response_text)} (ground truth {_excerpt(ground_truth)}): a "
-                         "score must be a finite number (a NaN or inf reward makes the "
-                         "advantages and the gradient of its group NaN)")
+                         "score must be a finite number within float32's range (a NaN or inf "
+                         "reward makes the advantages and the gradient of its group NaN)")
 
 
 def _excerpt(text: str, chars: int = 200) -> str:

@@ -378,3 +378,34 @@ def test_the_check_call_scores_a_row_the_verifier_will_score(tiny_model_dir, tmp
     cfg = replace(cfg, val_data=plain_jsonl(tmp_path / "math.jsonl", [math_row]))
     install_custom_reward(cfg)
     assert len(load_data(cfg, tok)[1]) == 1  # it scores no row: nothing to check it on
+
+
+def test_a_numpy_score_is_a_score_and_a_non_bool_acc_is_refused(tmp_path):
+    # before: np.float32(1.0) was refused as "expected a float", and an acc of "False" read as True
+    path = write(tmp_path / "mine.py", "import numpy as np\n"
+                                       "def f(r, g):\n    return np.float32(0.5)\n"
+                                       "def n(r, g):\n    return {'score': np.int64(-1), "
+                                       "'acc': np.bool_(False)}\n"
+                                       "def s(r, g):\n    return {'score': 1.0, 'acc': 'False'}\n"
+                                       "def third(r, g):\n    return 1 / 3 if False else "
+                                       "__import__('fractions').Fraction(1, 3)\n")
+    reward.install_reward_fn(f"{path}:f", False)
+    assert reward.score_response("custom", "7", "7") == {"score": 0.5, "acc": True, "pred": ""}
+    reward.install_reward_fn(f"{path}:n", False)
+    assert reward.score_response("custom", "7", "7") == {"score": -1.0, "acc": False, "pred": ""}
+    for name, error in [("s", r"'acc' must be a bool, got 'False' \(str\)"),
+                        ("third", r"returned Fraction\(1, 3\) \(Fraction\); expected a float")]:
+        reward.install_reward_fn(f"{path}:{name}", False)
+        with pytest.raises(ValueError, match=rf"check call {name}\('7', '7'\) failed: "
+                                             rf"TypeError: --reward-fn .*{error}"):
+            reward.check_reward_fn("7")
+
+
+def test_a_score_beyond_float32_stops_the_run_as_an_inf_does(tmp_path):
+    # before: 1e39 became inf in the fp32 reward tensor, every update was skipped, --lr blamed
+    path = write(tmp_path / "mine.py", "def f(r, g):\n    return 1.0 if r == g else -1e39\n")
+    reward.install_reward_fn(f"{path}:f", False)
+    reward.check_reward_fn("7")
+    with pytest.raises(ValueError, match=r"returned -1e\+39 for the response '8' .*: a score must "
+                                         r"be a finite number within float32's range"):
+        reward.score_response("custom", "8", "7")
