@@ -383,15 +383,17 @@ def trim_metrics(path: str, step: int) -> int:
         return 0
     with open(path, encoding="utf-8") as f:
         lines = f.read().splitlines()
-    kept, done = [], False
+    kept, done, torn = [], False, False
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
-            # the last line, cut short by the crash: the resumed run rewrites it
-            if lineno == len(lines):
+            # the last line, cut short by the crash: the resumed run rewrites it (unless it was
+            # the row of `step` itself, said below)
+            torn = lineno == len(lines)
+            if torn:
                 continue
             raise ValueError(f"{path}:{lineno}: not a JSON row; fix or remove the line, then "
                              "resume") from None
@@ -400,6 +402,10 @@ def trim_metrics(path: str, step: int) -> int:
             continue
         kept.append(line)
         done = s == step
+    if torn and not done:
+        distributed.say(f"warning: {path} holds no whole row of step {step}, the checkpoint's "
+                        "(its last line was cut short by the crash): the resumed run logs from "
+                        f"step {step + 1} on")
     dropped = sum(1 for line in lines if line.strip()) - len(kept)
     if dropped:
         files.write_atomic(path, "".join(line + "\n" for line in kept))
