@@ -17,10 +17,12 @@ Model output is untrusted: nothing here executes or evaluates it. Only 300 chara
 so every call is fast whatever the response (megabytes, thousands of "Answer:" lines, unbalanced
 braces).
 """
+import contextlib
 import functools
 import logging
 import math
 import numbers
+import os
 import re
 import signal
 import threading
@@ -224,7 +226,6 @@ def load_reward_fn(spec: str):
     """The function NAME of FILE.py, from "FILE.py:NAME"; raise naming the flag, the file and the
     name when the file is missing or broken or NAME is not a callable."""
     import importlib.util
-    import os
     path, sep, name = spec.rpartition(":")
     if not sep or not path.endswith(".py") or not name.isidentifier():
         raise ValueError(f"--reward-fn {spec!r}: expected FILE.py:NAME, e.g. "
@@ -234,7 +235,8 @@ def load_reward_fn(spec: str):
     module_spec = importlib.util.spec_from_file_location(f"reward_fn_{name}", path)
     module = importlib.util.module_from_spec(module_spec)
     try:
-        module_spec.loader.exec_module(module)
+        with _same_directory():
+            module_spec.loader.exec_module(module)
     except VERIFIER_ERRORS as e:
         raise ValueError(f"--reward-fn {spec!r}: importing {path} failed: "
                          f"{_described(e)}") from e
@@ -301,6 +303,22 @@ def _call(fn, response_text: str, ground_truth: str, timeout_s: float):
     sympy simplification that runs away), not a call stuck inside C code (a regex, an extension),
     and exists only in the main thread of a Unix process: elsewhere fn runs unwatched. A function
     that sets its own SIGALRM (a timeout decorator) takes the timer over for its call."""
+    with _same_directory():
+        return _call_timed(fn, response_text, ground_truth, timeout_s)
+
+
+@contextlib.contextmanager
+def _same_directory():
+    """The run's working directory, as it was, after a verifier's code: an os.chdir there would
+    move every relative path of the run (--out-dir runs/demo: its metrics could not be opened)."""
+    cwd = os.getcwd()
+    try:
+        yield
+    finally:
+        os.chdir(cwd)
+
+
+def _call_timed(fn, response_text: str, ground_truth: str, timeout_s: float):
     if not hasattr(signal, "setitimer") or threading.current_thread() != threading.main_thread():
         return fn(response_text, ground_truth)
     start = time.monotonic()

@@ -409,3 +409,17 @@ def test_a_score_beyond_float32_stops_the_run_as_an_inf_does(tmp_path):
     with pytest.raises(ValueError, match=r"returned -1e\+39 for the response '8' .*: a score must "
                                          r"be a finite number within float32's range"):
         reward.score_response("custom", "8", "7")
+
+
+def test_a_verifier_that_changes_directory_leaves_the_runs_own_as_it_was(tmp_path, monkeypatch):
+    # before: its os.chdir moved the run, whose relative paths (runs/demo/metrics.jsonl) then
+    # failed to open: "could not write ... (is the disk full?)"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    path = write(tmp_path / "mine.py", "import os\nos.chdir('elsewhere')\n"
+                                       "def f(r, g):\n    os.chdir('/')\n    return 1.0\n")
+    reward.install_reward_fn(f"{path}:f", False)
+    assert os.getcwd() == str(tmp_path)  # at import
+    reward.check_reward_fn("7")
+    assert reward.score_response("custom", "7", "7")["score"] == 1.0
+    assert os.getcwd() == str(tmp_path)  # after each call
