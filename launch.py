@@ -51,6 +51,10 @@ def run(train, cfg: Config):
     except health.RunStuck as stuck:  # the warnings above name the cause: one line, no traceback
         distributed.say(f"error: {stuck}")
         raise SystemExit(1) from None
+    except RuntimeError as e:  # a rank stopped while this one waited inside FSDP2's collectives
+        if (timed_out := distributed.timeout_error(e, cfg.dist_timeout)) is None:
+            raise
+        raise timed_out from e
     finally:
         trackers.close_all()  # a crash still flushes what the trackers were given
         distributed.shutdown(after_error=sys.exc_info()[0] is not None)  # an exception in flight
