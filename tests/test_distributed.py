@@ -227,6 +227,7 @@ def test_a_checkpoint_missing_one_ranks_file_fails_every_rank_at_once(store_env,
                 and "trainer_rank1.pt is missing" in out), out[-3000:]
 
 
+@pytest.mark.needs("rope", "attention")  # rank 0's forward
 def test_a_stopped_rank_inside_fsdps_collectives_names_dist_timeout(store_env, tmp_path):
     # before: a raw gloo "Timed out waiting 3000ms for recv operation to complete" from inside
     # FSDP2's forward or backward, with a traceback, naming no flag
