@@ -6,6 +6,7 @@ and the README has the paper's full command line. check_flags() refuses nonsense
 is loaded, naming the flag.
 """
 import argparse
+import math
 import re
 import sys
 from dataclasses import dataclass, field, fields
@@ -36,6 +37,20 @@ def slots_value(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"a number or auto, got {text!r}") from None
 
 
+PLAN_THIS_LAUNCH = -1  # a bare --plan: for this launch's processes
+
+
+def plan_value(text: str) -> int:
+    """--plan N: a number of processes (0: off); a negative one would read as a bare --plan."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a number of processes >= 1 (0: off), got {text!r}")
+    return value
+
+
 @dataclass
 class Config:
     # what to train (the defaults are the embedded CPU demo; the README gives the paper's settings)
@@ -48,13 +63,13 @@ class Config:
                                "the verifier of rows no built-in one knows (plain JSONL rows)")
     reward_fn_all_rows: bool = _flag(False, "--reward-fn scores every row, built-in ones too")
     reward_timeout: float = _flag(0.0, "seconds one --reward-fn call may run before it is "
-                                       "scored as a wrong answer; 0 = no limit")
+                                       "scored as a wrong answer; 0 or inf = no limit")
     out_dir: str = _flag("runs/demo", "metrics.jsonl and checkpoints go here")
     resume: bool = _flag(False, "continue from out_dir's latest checkpoint")
     eval_only: bool = _flag(False, "evaluate --model on --val-data and exit")
     plan: int = _flag(0, "print the memory plan per process (weights, KV cache, activations...) "
                          "for N processes (without N: this launch's) and exit; 0 = off",
-                      nargs="?", const=-1, metavar="N")
+                      nargs="?", const=PLAN_THIS_LAUNCH, metavar="N", type=plan_value)
     seed: int = _flag(0, "seeds the model init, the data order and the sampling")
     device: str = _flag("cuda" if torch.cuda.is_available() else "cpu",
                         "cpu, cuda or cuda:N; the default is cuda where torch sees a GPU, else cpu")
@@ -160,17 +175,41 @@ class Config:
         return self.precision if self.rollout_precision == "same" else self.rollout_precision
 
 
+# a collective's deadline in nanoseconds must fit an int64 (292 years): 1e9 s is 31 years
+MAX_DIST_TIMEOUT_S = 1e9
+
+
+def _not_finite(cfg: Config) -> dict[str, str]:
+    """{field: its problem} for each float flag that is NaN or infinite (--reward-timeout inf
+    means no limit): a NaN passes every `>= low` check below, and trains on a NaN loss."""
+    out = {}
+    for f in fields(Config):
+        value = getattr(cfg, f.name)
+        if not isinstance(f.default, float) or math.isfinite(value):
+            continue
+        if f.name == "reward_timeout" and value == math.inf:
+            continue
+        limit = " or inf (no limit)" if f.name == "reward_timeout" else ""
+        out[f.name] = f"--{f.name.replace('_', '-')} must be a finite number{limit}, got {value}"
+    return out
+
+
 def check_flags(cfg: Config, world: int = 1):
-    """Refuse flags that make no sense before anything is loaded, naming the flag."""
+    """Refuse flags that make no sense before anything is loaded, naming the flag, one line
+    each (a NaN flag once, as not finite)."""
+    not_finite = _not_finite(cfg)
     at_least = {"steps": 0, "train_prompts": 1, "gen_prompts": 1, "group_size": 1,
                 "max_gen_batches": 0, "max_prompt_len": 1, "max_response_len": 1, "top_k": 0,
                 "mini_batch_prompts": 1, "micro_batch_size": 1,
                 "micro_batch_tokens": 0, "lr": 0, "warmup_steps": 0, "eps_low": 0,
                 "eps_high": 0, "eval_every": 0, "eval_samples": 1, "eval_temperature": 0,
                 "eval_prompts": 0, "save_every": 0, "keep_checkpoints": 0, "stop_when_stuck": 0,
-                "weight_decay": 0, "reward_timeout": 0}
-    problems = [f"--{k.replace('_', '-')} must be >= {low}, got {getattr(cfg, k)}"
-                for k, low in at_least.items() if getattr(cfg, k) < low]
+                "weight_decay": 0, "reward_timeout": 0, "overlong_factor": 0}
+    problems = list(not_finite.values())
+    problems += [f"--{k.replace('_', '-')} must be >= {low}, got {getattr(cfg, k)}"
+                 for k, low in at_least.items() if k not in not_finite and getattr(cfg, k) < low]
+    if cfg.plan < 0 and cfg.plan != PLAN_THIS_LAUNCH:
+        problems.append(f"--plan must be a number of processes >= 1 (0: off), got {cfg.plan}")
     if cfg.rollout_slots != "auto" and not (isinstance(cfg.rollout_slots, int)
                                                  and cfg.rollout_slots >= 0):
         problems.append(f"--rollout-slots must be >= 0 or auto, got "
@@ -186,14 +225,15 @@ def check_flags(cfg: Config, world: int = 1):
         # rho = 1 (the sampler agrees) must keep its weight 1
         ("rollout-is-min", cfg.rollout_is_min, 0 <= cfg.rollout_is_min <= 1, "in [0, 1]"),
         ("rollout-is-max", cfg.rollout_is_max, cfg.rollout_is_max >= 1, ">= 1"),
-        ("dist-timeout", cfg.dist_timeout, cfg.dist_timeout > 0, "> 0"),
+        ("dist-timeout", cfg.dist_timeout, 0 < cfg.dist_timeout <= MAX_DIST_TIMEOUT_S,
+         f"in (0, {MAX_DIST_TIMEOUT_S:g}] seconds"),
         ("overlong-buffer", cfg.overlong_buffer,
          not cfg.overlong_shaping or 0 < cfg.overlong_buffer <= cfg.max_response_len,
          f"in (0, --max-response-len={cfg.max_response_len}] with overlong shaping on"),
         ("train-prompts", cfg.train_prompts, cfg.train_prompts % cfg.mini_batch_prompts == 0,
          f"a multiple of --mini-batch-prompts={cfg.mini_batch_prompts} (whole optimizer steps)"),
     ]:
-        if not ok:
+        if not ok and name.replace("-", "_") not in not_finite:
             problems.append(f"--{name} must be {need}, got {value}")
     if cfg.rollout_precision != "same" and world > 1:  # FSDP2 casts the weights for both
         problems.append(f"--rollout-precision runs in one process only, got {world}: FSDP2's "

@@ -2,10 +2,11 @@
 Set-up for dapo.py's loop: the processes, the policy, the tokenizer and the data. Nothing here is
 DAPO; it is what a run needs before Algorithm 1 starts.
 
-    run(train, cfg)        checks the flags and the files they name, starts torch.distributed
-                           under torchrun, picks the compute dtype, prints the memory plan from
-                           the model's config.json (--plan: then exits, status 0), checks the
-                           lengths against its positions, calls train(cfg), shuts down
+    run(train, cfg)        checks the flags, the files they name and that the directories the
+                           run writes are writable, starts torch.distributed under torchrun,
+                           picks the compute dtype, prints the memory plan from the model's
+                           config.json (--plan: then exits, status 0), checks the lengths
+                           against its positions, calls train(cfg), shuts down
     load_policy(cfg)       the policy from --model, from a checkpoint (--resume) or the demo's
     load_data(cfg, tok)    training and held-out rows, from files or the toy task's
     user_errors_in_one_line()  the command line's way to report a user's mistake
@@ -20,10 +21,11 @@ import torch
 
 from config import Config, check_flags
 from data import Tokenizer, check_data_file, check_vocab, load_rows, load_tokenizer
-from infra import checkpoint, distributed, health, hf_io, memory, precision, trackers
+from infra import checkpoint, distributed, files, health, hf_io, memory, precision, trackers
 from infra.files import need_file
 from model import ModelConfig, Qwen2
-from reward import check_reward_fn, install_reward_fn, uninstall_reward_fn
+from reward import (check_reward_fn, install_reward_fn, scored_by_reward_fn,
+                    uninstall_reward_fn)
 
 
 def run(train, cfg: Config):
@@ -32,6 +34,7 @@ def run(train, cfg: Config):
     check_flags(cfg, world=planned)
     if not cfg.plan:  # --plan reads config.json alone
         check_files(cfg)  # before the processes meet and the weights load (minutes for 32B)
+        check_writable_dirs(cfg)  # not at the first save, after every step of the run
     rank, world, cfg.device = distributed.init(cfg.device, timeout_s=cfg.dist_timeout)
     # bf16 compute with fp32 master weights: dapo.py enters autocast per forward phase, never
     # around the whole run (infra/precision.py says why)
@@ -48,6 +51,10 @@ def run(train, cfg: Config):
     except health.RunStuck as stuck:  # the warnings above name the cause: one line, no traceback
         distributed.say(f"error: {stuck}")
         raise SystemExit(1) from None
+    except RuntimeError as e:  # a rank stopped while this one waited inside FSDP2's collectives
+        if (timed_out := distributed.timeout_error(e, cfg.dist_timeout)) is None:
+            raise
+        raise timed_out from e
     finally:
         trackers.close_all()  # a crash still flushes what the trackers were given
         distributed.shutdown(after_error=sys.exc_info()[0] is not None)  # an exception in flight
@@ -87,6 +94,16 @@ def check_files(cfg: Config):
         if path:
             check_data_file(path, flag)
     install_custom_reward(cfg)
+
+
+def check_writable_dirs(cfg: Config):
+    """The directories a run writes (--out-dir: metrics, eval.json, the lock; its checkpoints/,
+    unless --eval-only), each checked writable, by every rank (each writes its optimizer shard):
+    an unwritable checkpoints/ was found at the first save, with the default --save-every 0 the
+    end of the run."""
+    files.check_writable(cfg.out_dir, "--out-dir")
+    if not cfg.eval_only:
+        files.check_writable(os.path.join(cfg.out_dir, "checkpoints"), "--out-dir's checkpoints")
 
 
 def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:
@@ -161,9 +178,13 @@ def load_data(cfg: Config, tok) -> tuple[list[dict], list[dict]]:
         raise ValueError(f"{cfg.train_data}: {len(train_rows)} usable rows, fewer than "
                          f"{cfg.gen_batch_flag} {cfg.gen_batch_prompts} (the prompts of one "
                          "generation batch)")
-    if cfg.reward_fn:  # one call on a real ground truth: a wrong signature stops the run now
-        check_reward_fn(train_rows[0]["reward_model"]["ground_truth"])
-    return train_rows, val_rows[:cfg.eval_prompts or None]
+    val_rows = val_rows[:cfg.eval_prompts or None]
+    # one call on the ground truth of a row it will score: a wrong signature stops the run now
+    scored = (row for row in ([] if cfg.eval_only else train_rows) + val_rows
+              if scored_by_reward_fn(row["data_source"]))
+    if example := next(scored, None):
+        check_reward_fn(example["reward_model"]["ground_truth"])
+    return train_rows, val_rows
 
 
 def install_custom_reward(cfg: Config):

@@ -17,13 +17,18 @@ Model output is untrusted: nothing here executes or evaluates it. Only 300 chara
 so every call is fast whatever the response (megabytes, thousands of "Answer:" lines, unbalanced
 braces).
 """
+import contextlib
 import functools
 import logging
 import math
+import numbers
+import os
 import re
 import signal
 import threading
 import time
+
+import numpy as np
 
 WINDOW = 300  # characters read from the end of a response (the longest MATH-500 answer has 159)
 # the rest of the line after "Answer:", any case
@@ -163,9 +168,14 @@ def scorer_for(data_source: str):
     """The verifier of a data_source, or None. Any data_source starting with "aime" also goes to
     math_dapo, as in verl (the AIME-2024 eval set). With --reward-fn, that function scores the
     rows no built-in verifier knows (or every row)."""
-    if _custom["fn"] and (_custom["every_row"] or not _builtin_scorer(data_source)):
+    if scored_by_reward_fn(data_source):
         return functools.partial(_score_custom, data_source)
     return _builtin_scorer(data_source)
+
+
+def scored_by_reward_fn(data_source: str) -> bool:
+    """Whether --reward-fn (if installed) scores the rows of this data_source."""
+    return _custom["fn"] is not None and (_custom["every_row"] or not _builtin_scorer(data_source))
 
 
 def _builtin_scorer(data_source: str):
@@ -200,16 +210,22 @@ def score_response(data_source: str, response_text: str, ground_truth: str) -> d
 CUSTOM_DATA_SOURCE = "custom"  # the data_source of plain {"prompt", "answer"} rows (data.py)
 _custom = {"fn": None, "spec": "", "every_row": False, "timeout_s": 0.0}
 SLOW_SCORE_S = 10.0  # one call of the custom verifier this long: say so (once a run)
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # the rewards' dtype (batch.Batch.score)
+MAX_TIMER_S = 1e8  # setitimer's longest here is ~1e9 s (the platform's time_t): 3 years is plenty
 # the first exception of the custom verifier since take_reward_fn_errors() (the step's warning
 # shows it); whether it was said to be slow
 _state = {"first_error": "", "said_slow": False}
+
+
+# A verifier's sys.exit() is one of its errors: a SystemExit let through would end the run with
+# exit status 0, losing every step since the last checkpoint (KeyboardInterrupt still stops it)
+VERIFIER_ERRORS = (Exception, SystemExit)
 
 
 def load_reward_fn(spec: str):
     """The function NAME of FILE.py, from "FILE.py:NAME"; raise naming the flag, the file and the
     name when the file is missing or broken or NAME is not a callable."""
     import importlib.util
-    import os
     path, sep, name = spec.rpartition(":")
     if not sep or not path.endswith(".py") or not name.isidentifier():
         raise ValueError(f"--reward-fn {spec!r}: expected FILE.py:NAME, e.g. "
@@ -219,16 +235,24 @@ def load_reward_fn(spec: str):
     module_spec = importlib.util.spec_from_file_location(f"reward_fn_{name}", path)
     module = importlib.util.module_from_spec(module_spec)
     try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:
+        with _same_directory():
+            module_spec.loader.exec_module(module)
+    except VERIFIER_ERRORS as e:
         raise ValueError(f"--reward-fn {spec!r}: importing {path} failed: "
-                         f"{type(e).__name__}: {e}") from e
+                         f"{_described(e)}") from e
     fn = getattr(module, name, None)
     if not callable(fn):
         what = "nothing" if fn is None else f"a {type(fn).__name__}"
         raise ValueError(f"--reward-fn {spec!r}: {path} defines {what} named {name}, not a "
                          "function (response_text, ground_truth) -> float or {'score', 'acc'}")
     return fn
+
+
+def _described(e: BaseException) -> str:
+    """A verifier's error as the warnings and errors show it."""
+    if isinstance(e, SystemExit):
+        return f"SystemExit: the verifier called sys.exit({e.code!r})"
+    return f"{type(e).__name__}: {e}"
 
 
 def _as_score(result, spec: str) -> dict:
@@ -238,21 +262,34 @@ def _as_score(result, spec: str) -> dict:
         score, acc = result["score"], result.get("acc")
     else:
         score, acc = result, None
-    if isinstance(score, bool) or not isinstance(score, (int, float)):
+    if not _exact_number(score):
         raise TypeError(f"--reward-fn {spec}: returned {result!r} ({type(result).__name__}); "
                         "expected a float or a dict with a float 'score' (and optionally 'acc')")
+    if acc is not None and not isinstance(acc, (bool, np.bool_)):  # "False" would read as True
+        raise TypeError(f"--reward-fn {spec}: 'acc' must be a bool, got {acc!r} "
+                        f"({type(acc).__name__})")
     return {"score": float(score), "acc": bool(score > 0) if acc is None else bool(acc),
             "pred": ""}
 
 
+def _exact_number(x) -> bool:
+    """A real number (numpy's too) that a float holds exactly, not a bool: a Fraction(1, 3) or
+    "1.0" is refused rather than rounded or parsed."""
+    if not isinstance(x, numbers.Real) or isinstance(x, (bool, np.bool_)):
+        return False
+    as_float = float(x)
+    return math.isnan(as_float) or as_float == x  # a NaN is _check_finite's to refuse
+
+
 def _check_finite(score: float, spec: str, response_text: str, ground_truth: str):
     """A NaN or an inf reward is a bug of the verifier, not a wrong answer: it makes its group's
-    advantages NaN, then the gradient, and every update is skipped. Raise naming both."""
-    if not math.isfinite(score):
+    advantages NaN, then the gradient, and every update is skipped; so is a score beyond
+    float32's range, where the rewards are held (an inf there). Raise naming both."""
+    if not math.isfinite(score) or abs(score) > FLOAT32_MAX:
         raise ValueError(f"--reward-fn {spec} returned {score} for the response "
                          f"{_excerpt(response_text)} (ground truth {_excerpt(ground_truth)}): a "
-                         "score must be a finite number (a NaN or inf reward makes the "
-                         "advantages and the gradient of its group NaN)")
+                         "score must be a finite number within float32's range (a NaN or inf "
+                         "reward makes the advantages and the gradient of its group NaN)")
 
 
 def _excerpt(text: str, chars: int = 200) -> str:
@@ -262,21 +299,38 @@ def _excerpt(text: str, chars: int = 200) -> str:
 
 def _call(fn, response_text: str, ground_truth: str, timeout_s: float):
     """fn(response_text, ground_truth), said to be slow after SLOW_SCORE_S and stopped with a
-    TimeoutError after timeout_s (0: never). A SIGALRM timer: it interrupts Python code (a sympy
-    simplification that runs away), not a call stuck inside C code (a regex, an extension), and
-    exists only in the main thread of a Unix process: elsewhere fn runs unwatched. A function
+    TimeoutError after timeout_s (0 or inf: never). A SIGALRM timer: it interrupts Python code (a
+    sympy simplification that runs away), not a call stuck inside C code (a regex, an extension),
+    and exists only in the main thread of a Unix process: elsewhere fn runs unwatched. A function
     that sets its own SIGALRM (a timeout decorator) takes the timer over for its call."""
+    with _same_directory():
+        return _call_timed(fn, response_text, ground_truth, timeout_s)
+
+
+@contextlib.contextmanager
+def _same_directory():
+    """The run's working directory, as it was, after a verifier's code: an os.chdir there would
+    move every relative path of the run (--out-dir runs/demo: its metrics could not be opened)."""
+    cwd = os.getcwd()
+    try:
+        yield
+    finally:
+        os.chdir(cwd)
+
+
+def _call_timed(fn, response_text: str, ground_truth: str, timeout_s: float):
     if not hasattr(signal, "setitimer") or threading.current_thread() != threading.main_thread():
         return fn(response_text, ground_truth)
     start = time.monotonic()
+    timeout_s = timeout_s if math.isfinite(timeout_s) else 0.0  # inf: no limit
 
     def on_alarm(signum, frame):
         ran = time.monotonic() - start
         if timeout_s and ran >= timeout_s * 0.999:  # the timer may ring a hair early
             raise TimeoutError(f"still running after --reward-timeout {timeout_s:g} s")
         _say_slow(ran, timeout_s)
-        if timeout_s:
-            signal.setitimer(signal.ITIMER_REAL, timeout_s - ran)
+        if timeout_s:  # a timer beyond MAX_TIMER_S overflows: it rings, and is set again
+            signal.setitimer(signal.ITIMER_REAL, min(timeout_s - ran, MAX_TIMER_S))
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, min(SLOW_SCORE_S, timeout_s or SLOW_SCORE_S))
@@ -308,9 +362,9 @@ def install_reward_fn(spec: str, every_row: bool, timeout_s: float = 0.0):
 
 
 def check_reward_fn(example_ground_truth: str):
-    """One call of the installed --reward-fn on a real ground truth (the first row's, given as the
-    response too) must return a finite float or {"score", "acc"}: a wrong signature or type stops
-    the run before it starts, not at the first rollout."""
+    """One call of the installed --reward-fn on a real ground truth (of a row it scores, given as
+    the response too) must return a finite float or {"score", "acc"}: a wrong signature or type
+    stops the run before it starts, not at the first rollout."""
     _check_call(_custom["fn"], _custom["spec"], example_ground_truth, _custom["timeout_s"])
 
 
@@ -318,10 +372,9 @@ def _check_call(fn, spec: str, ground_truth: str, timeout_s: float = 0.0):
     try:
         out = _as_score(_call(fn, ground_truth, ground_truth, timeout_s), spec)
         _check_finite(out["score"], spec, ground_truth, ground_truth)
-    except Exception as e:
+    except VERIFIER_ERRORS as e:
         raise ValueError(f"--reward-fn {spec}: the check call {spec.rpartition(':')[2]}"
-                         f"({ground_truth!r}, {ground_truth!r}) failed: "
-                         f"{type(e).__name__}: {e}") from e
+                         f"({ground_truth!r}, {ground_truth!r}) failed: {_described(e)}") from e
 
 
 def uninstall_reward_fn():
@@ -343,16 +396,16 @@ def take_reward_fn_errors() -> str:
 
 
 def _score_custom(data_source: str, response_text: str, ground_truth: str) -> dict:
-    """The custom verifier's score. An exception, a timeout or a wrong return type is a wrong
-    answer (-1), marked reward_fn_error and remembered for the step's warning (the first of
-    them, with its response), and the run goes on. A NaN or an inf stops it."""
+    """The custom verifier's score. An exception (a sys.exit() too), a timeout or a wrong return
+    type is a wrong answer (-1), marked reward_fn_error and remembered for the step's warning (the
+    first of them, with its response), and the run goes on. A NaN or an inf stops it."""
     spec = _custom["spec"]
     try:
         out = _as_score(_call(_custom["fn"], response_text, ground_truth, _custom["timeout_s"]),
                         spec)
-    except Exception as e:
+    except VERIFIER_ERRORS as e:
         if not _state["first_error"]:
-            _state["first_error"] = (f"{type(e).__name__}: {e}, on a row of data_source "
+            _state["first_error"] = (f"{_described(e)}, on a row of data_source "
                                      f"{data_source!r}, ground truth {_excerpt(ground_truth)}, "
                                      f"response {_excerpt(response_text)}")
         return {"score": -1.0, "acc": False, "pred": "", "reward_fn_error": True}

@@ -379,15 +379,17 @@ def trim_metrics(path: str, step: int) -> int:
         return 0
     with open(path, encoding="utf-8") as f:
         lines = f.read().splitlines()
-    kept, done = [], False
+    kept, done, torn = [], False, False
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
-            # the last line, cut short by the crash: the resumed run rewrites it
-            if lineno == len(lines):
+            # the last line, cut short by the crash: the resumed run rewrites it (unless it was
+            # the row of `step` itself, said below)
+            torn = lineno == len(lines)
+            if torn:
                 continue
             raise ValueError(f"{path}:{lineno}: not a JSON row; fix or remove the line, then "
                              "resume") from None
@@ -396,6 +398,10 @@ def trim_metrics(path: str, step: int) -> int:
             continue
         kept.append(line)
         done = s == step
+    if torn and not done:
+        distributed.say(f"warning: {path} holds no whole row of step {step}, the checkpoint's "
+                        "(its last line was cut short by the crash): the resumed run logs from "
+                        f"step {step + 1} on")
     dropped = sum(1 for line in lines if line.strip()) - len(kept)
     if dropped:
         files.write_atomic(path, "".join(line + "\n" for line in kept))
@@ -405,7 +411,8 @@ def trim_metrics(path: str, step: int) -> int:
 # Flags a resumed run may change: what to run for, where and how often to log (and to which
 # trackers), evaluate and save, and memory knobs that change no number beyond rounding
 # (micro_batch_size) or which random samples are drawn (rollout_slots), and the time a
-# --reward-fn call may take (a call that hangs is what makes one stop and resume). Every other field
+# --reward-fn call may take (a call that hangs is what makes one stop and resume), and the path of
+# the training rows (moved to another disk: their sha256 must be the same). Every other field
 # (group size, lengths, lr, eps, batch sizes, seed, data, the technique switches, and any flag
 # added later) changes the algorithm: check_resume_config refuses a change to it.
 MAY_CHANGE_ON_RESUME = {
@@ -413,7 +420,7 @@ MAY_CHANGE_ON_RESUME = {
     "keep_checkpoints", "eval_every", "eval_samples", "eval_temperature", "eval_top_p",
     "eval_prompts", "val_data",
     "rollout_slots", "compile", "micro_batch_size", "micro_batch_tokens", "fused_head",
-    "activation_checkpointing", "report_to", "reward_timeout",
+    "activation_checkpointing", "report_to", "reward_timeout", "train_data",
 }
 
 
@@ -432,3 +439,7 @@ def check_resume_config(saved: dict, current: dict, where: str = "the checkpoint
         raise ValueError(f"--resume: {where} was trained with other settings, and these change "
                          "the algorithm:\n" + "\n".join(changed) + "\nResume with the checkpoint's "
                          "values, or start a new run (--overwrite, or another --out-dir).")
+    if saved.get("train_data", current.get("train_data")) != current.get("train_data"):
+        distributed.say(f"note: --resume: {where} was trained on --train-data "
+                        f"{saved['train_data']!r}, this run reads {current['train_data']!r} (the "
+                        "rows must be the same: their sha256 is checked)")

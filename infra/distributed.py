@@ -102,6 +102,20 @@ def _named(op: str, name: str | None, caller):
                            f"({e})") from e
 
 
+def timeout_error(e: BaseException, timeout_s: float) -> RuntimeError | None:
+    """A collective's timeout that no named helper here caught (one inside FSDP2's forward or
+    backward: gloo says only "Timed out waiting 1800000ms for recv operation to complete") as an
+    error naming --dist-timeout; None for any other error."""
+    text = str(e)
+    if not isinstance(e, RuntimeError) or "--dist-timeout" in text or \
+            not ("timed out" in text.lower() or "timeout" in text.lower()):
+        return None
+    first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+    return RuntimeError(f"rank {rank()}: a collective (in the model's forward or backward, or "
+                        f"torch's own) timed out after {timeout_s:g} s: another rank stopped or is "
+                        f"far behind (raise --dist-timeout if it was only slow) ({first})")
+
+
 def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 

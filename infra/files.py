@@ -11,6 +11,7 @@ atomic, so a power cut or a kill at any moment leaves either the old content or 
                               into place whole, as a checkpoint's)
     read_json(file)           JSON, or an error that names the file (a truncated copy)
     own_dir(dir)              this process owns dir for its life (a lock a crash never leaves stuck)
+    check_writable(dir, what) a directory a run will write: a probe file written and removed there
 """
 import contextlib
 import errno
@@ -117,3 +118,25 @@ def own_dir(path: str, lock_name: str = "run.lock"):
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     _owned[key] = fd
+
+
+def check_writable(path: str, what: str):
+    """Raise naming path unless this process can create files in directory `path` (or, where it
+    does not exist yet, in the nearest directory above it, where it will be made): a file
+    written and removed there, as only a write tells a read-only mount, a full quota's or
+    another user's directory, or /proc from a writable one. A dangling link and a file in the
+    way are named too."""
+    if os.path.islink(path) and not os.path.exists(path):
+        raise NotADirectoryError(f"{what} {path} is a link to {os.readlink(path)}, which does not "
+                                 "exist")
+    where = os.path.abspath(path)
+    while not os.path.lexists(where):  # made by the run: its parents must be writable
+        where = os.path.dirname(where)
+    if not os.path.isdir(where):
+        raise NotADirectoryError(f"{what} {path}: {where} is not a directory")
+    probe = os.path.join(where, f".write-probe-{os.getpid()}")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.remove(probe)
+    except OSError as e:
+        raise PermissionError(f"{what} {path}: cannot write in {where} ({e.strerror})") from None

@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from infra import files
+from infra import distributed, files
 
 
 def load_state_dict(path: str, expected: dict, dtype, device, skip=()) -> dict:
@@ -53,11 +53,12 @@ def load_rows_into(path: str, into: dict, device, skip=()):
 def _checked_tensors(path: str, expected: dict, device, skip):
     """(file, key, its safetensors slice) for each tensor of the directory, each key of
     `expected` once and no other, of its expected shape."""
-    seen = set()
+    seen, skipped_head = set(), None
     for file, keys in checkpoint_files(path).items():
         try:
             with safe_open(file, framework="pt", device=str(device)) as f:
                 for key in keys or f.keys():
+                    skipped_head = file if key in skip else skipped_head
                     # derived buffers some old checkpoints carry; a tied head some carry anyway
                     if key.endswith("rotary_emb.inv_freq") or key in skip:
                         continue
@@ -78,6 +79,23 @@ def _checked_tensors(path: str, expected: dict, device, skip):
     missing = sorted(set(expected) - seen)
     if missing:
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} key(s), first {missing[0]!r}")
+    if skipped_head:
+        _warn_if_another_head(path, skipped_head)
+
+
+def _warn_if_another_head(path: str, head_file: str):
+    """A tied config's file that also holds an lm_head.weight: say so if it is not the
+    embedding (a model trained untied, its config.json edited), as the head is then dropped.
+    Both are read whole, once (a tied model is a small one)."""
+    tensors = {}
+    for file, keys in checkpoint_files(path).items():
+        with safe_open(file, framework="pt") as f:
+            for key in {"model.embed_tokens.weight", "lm_head.weight"} & set(keys or f.keys()):
+                tensors[key] = f.get_tensor(key)
+    if not torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
+        distributed.say(f"warning: {head_file} holds an lm_head.weight that differs from "
+                        "model.embed_tokens.weight, and config.json's tie_word_embeddings is "
+                        "true: the head is the embedding, that lm_head.weight is not used")
 
 
 def tied_keys(cfg) -> set:

@@ -202,7 +202,9 @@ def with_update(p: Plan, m, cfg) -> Plan:
         gathered = (root_parameter_count(m) + 2 * block_parameter_count(m)) * act_bytes
     else:  # one process: autocast's bf16 copy of each weight it casts (fp32: the weights as is)
         gathered = p.params * 2 if bf16 else 0
-    micro_tokens = cfg.micro_batch_tokens or cfg.micro_batch_size * p.positions
+    # a sequence longer than --micro-batch-tokens goes alone (Batch.micro_batches)
+    micro_tokens = max(cfg.micro_batch_tokens, p.positions) if cfg.micro_batch_tokens else \
+        cfg.micro_batch_size * p.positions
     if cfg.fused_head:  # a chunk's logits and their gradient; the head's gradient summed in fp32
         chunk = min(micro_tokens, max(1, 2**25 // m.vocab_size))  # dapo_kernels/linear.py's
         head = 2 * chunk * m.vocab_size * act_bytes + (m.vocab_size * m.hidden_size * 4 if bf16

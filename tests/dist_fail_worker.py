@@ -9,6 +9,8 @@ mode is one way a rank can go wrong.
     nan   rank 1's shard of one FSDP2-sharded parameter gets a NaN; both ranks run check_finite
     dead  under launch.run, as dapo.py runs: rank 1 dies (os._exit) while rank 0 waits in a named
           all-reduce; rank 0's error must be the last thing it prints
+    fsdp  under launch.run: rank 1 stops itself (SIGSTOP) while rank 0 runs an FSDP2 forward and
+          backward, whose collectives no helper of ours names
 """
 import os
 import signal
@@ -29,6 +31,13 @@ def main(mode, timeout_s, out_dir=None):
         import launch
         from config import Config
         launch.run(die_on_rank_1, Config(device="cpu", dist_timeout=float(timeout_s)))
+        return
+    if mode == "fsdp":
+        import launch
+        from config import Config
+        with launch.user_errors_in_one_line():  # as dapo.py's command line
+            launch.run(stop_in_fsdp, Config(device="cpu", dist_timeout=float(timeout_s),
+                                            out_dir=out_dir))
         return
     rank, _, _ = distributed.init("cpu", timeout_s=float(timeout_s))
     torch.set_num_threads(1)
@@ -66,6 +75,15 @@ def die_on_rank_1(cfg):
     if distributed.rank() == 1:
         os._exit(3)  # as a rank killed by the OOM killer: no clean-up, no goodbye
     distributed.all_reduce(1, name="dynamic-sampling count")
+
+
+def stop_in_fsdp(cfg):
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = distributed.shard(Qwen2(preset("tiny", vocab_size=64)), mixed_precision=False)
+    if distributed.rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    model(torch.randint(0, 64, (2, 8))).sum().backward()
 
 
 if __name__ == "__main__":

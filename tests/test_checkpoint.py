@@ -402,3 +402,28 @@ def test_a_nan_metric_is_written_as_null(tmp_path):
         raise ValueError(f"not JSON: {constant}")
     row = json.loads(path.read_text(), parse_constant=strict)
     assert row == {"step": 1, "actor/grad_norm": None, "x": None, "acc": 0.5}
+
+
+def test_a_resume_on_the_same_rows_at_another_path_says_so_and_goes_on(capsys):
+    # before: refused as a change of the algorithm; the rows' sha256 (above) guards the content
+    saved = {"group_size": 8, "train_data": "data/a.jsonl"}
+    checkpoint.check_resume_config(saved, {**saved, "train_data": "/mnt/moved/a.jsonl"},
+                                   where="ckpt")
+    assert capsys.readouterr().out == ("note: --resume: ckpt was trained on --train-data "
+                                       "'data/a.jsonl', this run reads '/mnt/moved/a.jsonl' "
+                                       "(the rows must be the same: their sha256 is checked)\n")
+
+
+def test_a_torn_row_of_the_checkpointed_step_is_said_to_be_lost(tmp_path, capsys):
+    # before: the crash cut the row of step 2 short after checkpoint step 2 was saved; the resume
+    # dropped it silently and went on from step 3, step 2 missing from metrics.jsonl for good
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "rollout/ac')
+    assert checkpoint.trim_metrics(str(path), 2) == 1
+    assert path.read_text() == '{"step": 1}\n'
+    assert capsys.readouterr().out == (f"warning: {path} holds no whole row of step 2, the "
+                                       "checkpoint's (its last line was cut short by the crash): "
+                                       "the resumed run logs from step 3 on\n")
+    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "rollout/ac')  # a later step: logged
+    assert checkpoint.trim_metrics(str(path), 2) == 1                   # again, nothing lost
+    assert capsys.readouterr().out == ""

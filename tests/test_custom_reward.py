@@ -317,3 +317,109 @@ def test_the_readme_commands_of_your_own_task_run_as_written(tiny_model_dir, tmp
         else:
             assert out.returncode == 0, command + "\n" + out.stderr[-3000:]
     assert (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# --- round 4: what a hostile verifier does (each failed before its fix) ---------------------------
+
+def test_a_verifier_that_calls_sys_exit_is_a_verifier_error_not_the_end_of_the_run(tmp_path):
+    # before: SystemExit passed `except Exception`, and the run ended with exit status 0
+    path = write(tmp_path / "mine.py", "import sys\ndef f(r, g):\n"
+                                       "    if r != g:\n        sys.exit(0)\n    return 1.0\n")
+    reward.install_reward_fn(f"{path}:f", False)
+    reward.check_reward_fn("7")
+    out = reward.score_response("custom", "8", "7")
+    assert out == {"score": -1.0, "acc": False, "pred": "", "reward_fn_error": True}
+    assert reward.take_reward_fn_errors().startswith("SystemExit: the verifier called "
+                                                     "sys.exit(0), on a row")
+    with pytest.raises(ValueError, match=r"the check call f\('7', '7'\) failed: SystemExit: the "
+                                         r"verifier called sys.exit\(3\)"):
+        always = write(tmp_path / "always.py", "import sys\ndef f(r, g):\n    sys.exit(3)\n")
+        reward.install_reward_fn(f"{always}:f", False)
+        reward.check_reward_fn("7")
+    at_import = write(tmp_path / "at_import.py", "import sys\nsys.exit()\n")
+    with pytest.raises(ValueError, match=r"importing .*at_import.py failed: SystemExit: the "
+                                         r"verifier called sys.exit\(None\)"):
+        reward.load_reward_fn(f"{at_import}:f")
+
+
+@pytest.mark.parametrize("timeout_s", [1e12, float("inf")])
+def test_a_huge_or_infinite_reward_timeout_lets_a_slow_call_finish(tmp_path, monkeypatch,
+                                                                   timeout_s):
+    # before: past SLOW_SCORE_S the timer was re-armed for timeout_s and setitimer overflowed,
+    # so every call longer than 10 s scored -1
+    monkeypatch.setattr(reward, "SLOW_SCORE_S", 0.05)
+    path = write(tmp_path / "mine.py", "import time\ndef f(r, g):\n    time.sleep(0.2)\n"
+                                       "    return 1.0\n")
+    reward.install_reward_fn(f"{path}:f", False, timeout_s=timeout_s)
+    assert reward.score_response("custom", "slow", "7") == {"score": 1.0, "acc": True, "pred": ""}
+    assert reward.take_reward_fn_errors() == ""
+
+
+def test_the_check_call_scores_a_row_the_verifier_will_score(tiny_model_dir, tmp_path):
+    # before: it scored the first training row, the toy task's '5' without --train-data (which
+    # the built-in verifier scores), so --eval-only on your own task was impossible
+    from data import load_tokenizer
+    from launch import load_data
+    val = plain_jsonl(tmp_path / "val.jsonl", [{"prompt": "x1?", "answer": "x1"}])
+    picky = write(tmp_path / "picky.py", "def f(r, g):\n    assert g.startswith('x'), g\n"
+                                         "    return float(r == g)\n")
+    tok = load_tokenizer(tiny_model_dir)
+    for eval_only in (True, False):  # training on the toy task, evaluating on your own
+        cfg = Config(model=tiny_model_dir, val_data=val, reward_fn=f"{picky}:f",
+                     eval_only=eval_only)
+        install_custom_reward(cfg)
+        assert load_data(cfg, tok)[1][0]["reward_model"]["ground_truth"] == "x1"
+    broken = write(tmp_path / "broken.py", "def f(r, g):\n    raise KeyError(g)\n")
+    cfg = Config(model=tiny_model_dir, val_data=val, reward_fn=f"{broken}:f", eval_only=True)
+    install_custom_reward(cfg)
+    with pytest.raises(ValueError, match=r"the check call f\('x1', 'x1'\) failed: KeyError"):
+        load_data(cfg, tok)
+    math_row = {"prompt": "1+1?", "answer": "2", "data_source": "math_dapo"}
+    cfg = replace(cfg, val_data=plain_jsonl(tmp_path / "math.jsonl", [math_row]))
+    install_custom_reward(cfg)
+    assert len(load_data(cfg, tok)[1]) == 1  # it scores no row: nothing to check it on
+
+
+def test_a_numpy_score_is_a_score_and_a_non_bool_acc_is_refused(tmp_path):
+    # before: np.float32(1.0) was refused as "expected a float", and an acc of "False" read as True
+    path = write(tmp_path / "mine.py", "import numpy as np\n"
+                                       "def f(r, g):\n    return np.float32(0.5)\n"
+                                       "def n(r, g):\n    return {'score': np.int64(-1), "
+                                       "'acc': np.bool_(False)}\n"
+                                       "def s(r, g):\n    return {'score': 1.0, 'acc': 'False'}\n"
+                                       "def third(r, g):\n    return 1 / 3 if False else "
+                                       "__import__('fractions').Fraction(1, 3)\n")
+    reward.install_reward_fn(f"{path}:f", False)
+    assert reward.score_response("custom", "7", "7") == {"score": 0.5, "acc": True, "pred": ""}
+    reward.install_reward_fn(f"{path}:n", False)
+    assert reward.score_response("custom", "7", "7") == {"score": -1.0, "acc": False, "pred": ""}
+    for name, error in [("s", r"'acc' must be a bool, got 'False' \(str\)"),
+                        ("third", r"returned Fraction\(1, 3\) \(Fraction\); expected a float")]:
+        reward.install_reward_fn(f"{path}:{name}", False)
+        with pytest.raises(ValueError, match=rf"check call {name}\('7', '7'\) failed: "
+                                             rf"TypeError: --reward-fn .*{error}"):
+            reward.check_reward_fn("7")
+
+
+def test_a_score_beyond_float32_stops_the_run_as_an_inf_does(tmp_path):
+    # before: 1e39 became inf in the fp32 reward tensor, every update was skipped, --lr blamed
+    path = write(tmp_path / "mine.py", "def f(r, g):\n    return 1.0 if r == g else -1e39\n")
+    reward.install_reward_fn(f"{path}:f", False)
+    reward.check_reward_fn("7")
+    with pytest.raises(ValueError, match=r"returned -1e\+39 for the response '8' .*: a score must "
+                                         r"be a finite number within float32's range"):
+        reward.score_response("custom", "8", "7")
+
+
+def test_a_verifier_that_changes_directory_leaves_the_runs_own_as_it_was(tmp_path, monkeypatch):
+    # before: its os.chdir moved the run, whose relative paths (runs/demo/metrics.jsonl) then
+    # failed to open: "could not write ... (is the disk full?)"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    path = write(tmp_path / "mine.py", "import os\nos.chdir('elsewhere')\n"
+                                       "def f(r, g):\n    os.chdir('/')\n    return 1.0\n")
+    reward.install_reward_fn(f"{path}:f", False)
+    assert os.getcwd() == str(tmp_path)  # at import
+    reward.check_reward_fn("7")
+    assert reward.score_response("custom", "7", "7")["score"] == 1.0
+    assert os.getcwd() == str(tmp_path)  # after each call

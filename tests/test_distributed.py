@@ -225,3 +225,37 @@ def test_a_checkpoint_missing_one_ranks_file_fails_every_rank_at_once(store_env,
     for rank, out in enumerate(outs):
         assert (f"rank {rank} raised: --resume: " in out
                 and "trainer_rank1.pt is missing" in out), out[-3000:]
+
+
+@pytest.mark.needs("rope", "attention")  # rank 0's forward
+def test_a_stopped_rank_inside_fsdps_collectives_names_dist_timeout(store_env, tmp_path):
+    # before: a raw gloo "Timed out waiting 3000ms for recv operation to complete" from inside
+    # FSDP2's forward or backward, with a traceback, naming no flag
+    waiting, stopped = start_pair("fsdp", 3, store_env, str(tmp_path / "run"))
+    try:
+        out, _ = waiting.communicate(timeout=120)
+    finally:
+        for p in (waiting, stopped):
+            p.kill()
+            p.wait()
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert waiting.returncode == 2 and len(errors) == 1, out[-3000:]
+    assert errors[0].startswith("error: rank 0: a collective (in the model's forward or "
+                                "backward, or torch's own) timed out after 3 s: another rank "
+                                "stopped or is far behind (raise --dist-timeout if it was only "
+                                "slow) ("), out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+
+
+def test_only_an_unnamed_timeout_is_renamed():
+    from infra import distributed
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out "
+                        "waiting 1800000ms for recv operation to complete")
+    assert str(distributed.timeout_error(gloo, 1800)) == (
+        "rank 0: a collective (in the model's forward or backward, or torch's own) timed out "
+        "after 1800 s: another rank stopped or is far behind (raise --dist-timeout if it was only "
+        f"slow) ({gloo})")
+    named = RuntimeError("rank 0: all_reduce 'x' timed out after 3 s: ... (raise --dist-timeout "
+                         "if it was only slow)")
+    for other in (named, RuntimeError("shape mismatch"), ValueError("timed out")):
+        assert distributed.timeout_error(other, 1800) is None

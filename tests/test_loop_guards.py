@@ -15,7 +15,7 @@ import dapo
 import launch
 import reward
 from batches import random_batch
-from config import parse_args
+from config import check_flags, parse_args
 from model import Qwen2, preset
 from test_dapo import _cfg, torch_kernel_path  # noqa: F401 (an autouse fixture)
 
@@ -329,3 +329,72 @@ def test_the_reward_file_is_imported_once_before_the_model_loads(tiny_model_dir,
     finally:
         reward.uninstall_reward_fn()
     assert events.read_text().split() == ["import", "model"]
+
+
+# --- round 4: flags a hostile user gives (each failed before its fix) -----------------------------
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(eps_high=NAN), "--eps-high must be a finite number, got nan"),  # trained on a NaN loss
+    (dict(lr=NAN), "--lr must be a finite number, got nan"),
+    (dict(weight_decay=INF), "--weight-decay must be a finite number, got inf"),
+    (dict(eval_temperature=NAN), "--eval-temperature must be a finite number, got nan"),
+    (dict(overlong_factor=NAN), "--overlong-factor must be a finite number, got nan"),
+    (dict(overlong_factor=-1.0), "--overlong-factor must be >= 0, got -1.0"),  # a bonus
+    (dict(dist_timeout=INF), "--dist-timeout must be a finite number, got inf"),
+    (dict(dist_timeout=1e30), "--dist-timeout must be in (0, 1e+09] seconds, got 1e+30"),
+    (dict(reward_timeout=NAN), "--reward-timeout must be a finite number or inf (no limit), "
+                               "got nan"),
+    (dict(temperature=-INF), "--temperature must be a finite number, got -inf"),
+    (dict(plan=-7), "--plan must be a number of processes >= 1 (0: off), got -7"),
+])
+def test_a_non_finite_or_out_of_range_number_is_one_line_naming_the_flag(overrides, message):
+    # check_flags alone: before the fix, most of these ran (and trained the demo on a NaN)
+    with pytest.raises(ValueError, match="bad flags") as e:
+        check_flags(dapo.Config(**overrides))
+    assert str(e.value) == f"bad flags: {message}"  # that line alone: no second one for a NaN
+
+
+def test_a_negative_plan_on_the_command_line_is_refused_not_read_as_a_bare_plan(tmp_path,
+                                                                                capsys,
+                                                                                monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["dapo.py"])
+    with pytest.raises(SystemExit) as stopped:
+        command_line(["--out-dir", str(tmp_path / "run"), "--plan", "-7"])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == ("error: argument --plan: a number of processes >= 1 (0: "
+                                       "off), got '-7' (dapo.py --help lists the flags)\n")
+
+
+@pytest.mark.parametrize("make,eval_only,message", [
+    (lambda d: (d / "run").write_text("a file"), False, r"--out-dir {d}/run: {d}/run is not a "
+                                                        r"directory"),
+    (lambda d: (d / "run").write_text("a file"), True, r"--out-dir {d}/run: {d}/run is not a "
+                                                       r"directory"),
+    (lambda d: ((d / "run").mkdir(), (d / "run" / "checkpoints").symlink_to(d / "gone")), False,
+     r"--out-dir's checkpoints {d}/run/checkpoints is a link to {d}/gone, which does not exist"),
+    (None, False, r"--out-dir /proc/dapo-run/x: cannot write in /proc \("),
+], ids=["a-file", "a-file-eval-only", "dangling-checkpoints", "proc"])
+def test_a_directory_the_run_cannot_write_is_named_before_the_model_loads(tmp_path, no_model, make,
+                                                                         eval_only, message):
+    # before: found at the first save (with --save-every 0 the end of the run, every step lost),
+    # after the whole evaluation with --eval-only, or a traceback from os.makedirs
+    out_dir = "/proc/dapo-run/x" if make is None else str(tmp_path / "run")
+    if make:
+        make(tmp_path)
+    with pytest.raises(OSError, match=message.format(d=tmp_path)):
+        dapo.main(dapo.Config(out_dir=out_dir, eval_only=eval_only))
+    assert not os.path.exists(tmp_path / "gone")
+
+
+def test_an_unwritable_out_dir_is_one_line_on_the_command_line(tmp_path, no_model, capsys,
+                                                              monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["dapo.py"])
+    (tmp_path / "run").write_text("a file")
+    with pytest.raises(SystemExit) as stopped:
+        command_line(["--out-dir", str(tmp_path / "run")])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == (f"error: --out-dir {tmp_path}/run: {tmp_path}/run is not a "
+                                       "directory\n")

@@ -166,8 +166,11 @@ def test_a_run_that_cannot_fit_stops_before_loading(tmp_path):
 
 def test_auto_slots_fill_what_is_left_and_no_more_than_a_rank_decodes():
     m = preset("qwen2.5-7b")
+    # activation checkpointing (the paper's): a 10,240-token sequence's activations without it
+    # are 60 GiB, which leave no room on 80 GB
     cfg = Config(precision="bf16", rollout_slots="auto", max_prompt_len=2048,
-                 max_response_len=8192, gen_prompts=1536, group_size=16)
+                 max_response_len=8192, gen_prompts=1536, group_size=16,
+                 activation_checkpointing=True)
     big = memory.plan(m, cfg, world=8, capacity=80 * memory.GB)
     assert 1 <= big.slots <= memory.max_slots(cfg, 8) and big.fits
     more = memory.plan(m, cfg, world=8, capacity=141 * memory.GB)
@@ -231,3 +234,23 @@ def test_eval_only_decodes_the_evaluation_whatever_eval_every():
     assert memory.max_slots(training, 2) == 1536 * 16 // 2
     assert memory.max_slots(replace(training, gen_prompts=2), 2) == 480
     assert memory.max_slots(replace(training, gen_prompts=2, eval_every=0), 2) == 2 * 16 // 2
+
+
+def test_a_sequence_longer_than_micro_batch_tokens_is_planned_as_its_own_micro_batch():
+    """Batch.micro_batches puts a sequence longer than --micro-batch-tokens alone in a
+    micro-batch: the plan counts the larger of the two (before: 7B at 22,528 positions with
+    --micro-batch-tokens 1024 was planned at 11.3 GiB of activations, and needs ~248)."""
+    from batches import random_batch
+    batch = random_batch(97, n=8)
+    longest = int((batch.prompt_mask.sum(-1) + batch.response_lengths).max())
+    widest = max(len(rows) * int(batch.prompt_mask[rows].sum(-1).max()
+                                 + batch.response_lengths[rows].max())
+                 for rows in batch.micro_batches(64, max_tokens=4))
+    assert widest == longest > 4  # the longest sequence alone, past the 4 tokens asked for
+    cfg = Config(precision="fp32", max_prompt_len=batch.prompt_ids.shape[1],
+                 max_response_len=batch.response_ids.shape[1], micro_batch_tokens=4)
+    assert memory.plan(small("a"), cfg, world=1).micro_tokens >= widest
+    paper = Config(precision="bf16", max_prompt_len=2048, max_response_len=20480)
+    seven = [memory.plan(preset("qwen2.5-7b"), replace(paper, micro_batch_tokens=t), world=8)
+             for t in (1024, 22528)]
+    assert seven[0].micro_tokens == 22528 and seven[0].activations == seven[1].activations

@@ -534,3 +534,26 @@ def test_kv_cache_copy_rows_reads_every_row_before_writing_and_stops_at_n():
     expected = k.clone()
     expected[:, :, :4] = k[[1, 0, 0], :, :4]
     assert torch.equal(cache.k[0], expected) and torch.equal(cache.v[0], -expected)
+
+
+@pytest.mark.parametrize("head", ["the embedding", "another"])
+def test_a_tied_model_whose_file_holds_another_head_says_it_is_dropped(tmp_path, capsys, head):
+    # before: a tied config's lm_head.weight was skipped silently, even one that differed from
+    # the embedding (a model trained untied, with tie_word_embeddings set by mistake)
+    from safetensors.torch import load_file
+    torch.manual_seed(3)
+    Qwen2(preset("tiny", vocab_size=211, tie_word_embeddings=True)).save_pretrained(str(tmp_path))
+    file = str(tmp_path / "model.safetensors")
+    weights = load_file(file)
+    embedding = weights["model.embed_tokens.weight"]
+    weights["lm_head.weight"] = embedding.clone() if head == "the embedding" else \
+        torch.randn_like(embedding)
+    save_file(weights, file)
+    Qwen2.from_pretrained(str(tmp_path))
+    out = capsys.readouterr().out
+    if head == "the embedding":
+        assert out == ""
+    else:
+        assert out == (f"warning: {file} holds an lm_head.weight that differs from "
+                       "model.embed_tokens.weight, and config.json's tie_word_embeddings is "
+                       "true: the head is the embedding, that lm_head.weight is not used\n")
