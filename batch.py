@@ -10,6 +10,8 @@ function's signature says which fields it reads. The three operations the loop n
     Batch.cat([...])        generation batches accumulated until the training batch is full
     batch.micro_batches()   the rows of each micro-batch, by count or by a budget of tokens
 
+and, across processes, dynamic sampling's buffer: group_number() and share_groups().
+
 Layout of row i (P = longest prompt, R = longest response of the batch):
 
     prompt_ids[i]:   pad pad p0 p1 p2        left-padded, so every prompt ends at column P
@@ -20,6 +22,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 import torch.nn.functional as F
 
+from infra import distributed
 from reward import found_answer, reward_fn_spec
 
 
@@ -148,6 +151,32 @@ class Batch:
         return replace(batches[0], **out)
 
 
+# --------------------------------------------------------------------------------------------------
+# Dynamic sampling's buffer over several processes (Algorithm 1, lines 6-8): the groups each rank
+# kept are numbered in the order one process would have generated them, and the first N of them
+# are shared out, so that N ranks train on exactly the responses one process would
+
+def group_number(n_gen: int, prompts_per_gen: int, i: int) -> int:
+    """The global number of this rank's i-th group of its n_gen-th generation batch (rank r
+    samples prompts r, r + W, r + 2W, ... of each generation batch)."""
+    return n_gen * prompts_per_gen + i * distributed.world_size() + distributed.rank()
+
+
+def share_groups(kept: dict[int, Batch], n_take: int, mini_batch_prompts: int,
+                 group_size: int) -> list[Batch]:
+    """This rank's share of the responses of the first n_take groups kept over all ranks (kept:
+    {global group number: its Batch of group_size responses}), each optimizer step's split evenly
+    between the ranks: whole groups when each rank's share of a step is whole groups, else single
+    responses (the paper's 32 prompts per step on 128 ranks; splitting every group would cost
+    ~1 s a step at 512 x 16)."""
+    if mini_batch_prompts % distributed.world_size() == 0:  # whole groups fit each share
+        return distributed.share_in_order(kept, n_take, mini_batch_prompts)
+    responses = {g * group_size + i: row for g, group in kept.items()
+                 for i, row in enumerate(group.split(1))}
+    return distributed.share_in_order(responses, n_take * group_size,
+                                      mini_batch_prompts * group_size)
+
+
 @dataclass
 class PolicyLoss:
     """dapo.policy_loss's result: what to back-propagate, and the tensors the clip metrics read."""
@@ -159,6 +188,6 @@ class PolicyLoss:
 @dataclass
 class Collected:
     """dapo.collect_batch's result: a step's training batch and what collecting it took."""
-    trained: Batch | None  # this rank's share of the training batch; None when nothing was kept
+    to_train: Batch | None  # this rank's share of the training batch; None when nothing was kept
     generated: Batch  # every response this rank generated, kept or not (the alarms' example)
     metrics: dict  # the rollout's and dynamic sampling's, summed over ranks

@@ -24,7 +24,7 @@ from dataclasses import asdict, replace
 import torch
 
 import launch
-from batch import Batch, Collected, PolicyLoss
+from batch import Batch, Collected, PolicyLoss, group_number, share_groups
 from config import Config, parse_args
 from data import PromptIterator, Tokenizer, encode_prompts
 from infra import checkpoint, distributed, health, metrics, precision, rollout_correction, trackers
@@ -118,7 +118,7 @@ def rollout(model, rows, tok: Tokenizer, cfg, *, group_size, temperature, top_p,
     --rollout-slots decode at a time (the KV cache's rows), a finished one making room."""
     prompts, _ = encode_prompts(rows, tok, cfg.max_prompt_len)
     sequences = [p for p in prompts for _ in range(group_size)]
-    with precision.autocast(cfg, sampler=True):  # --rollout-precision; never around a step
+    with precision.autocast(cfg.sampler_precision, cfg.device):  # never around a step
         out = generate(model, sequences, cfg.max_response_len, temperature=temperature,
                        top_p=top_p, top_k=top_k, eos_token_ids=tok.eos_token_ids,
                        pad_token_id=tok.pad_token_id, generator=generator,
@@ -166,11 +166,13 @@ def collect_batch(model, prompt_iter, tok, cfg, generator) -> Collected:
     all ranks, or max_gen_batches is reached; this rank's share of them is the training batch."""
     rank, world = distributed.rank(), distributed.world_size()
     kept: dict[int, Batch] = {}  # the groups with signal on this rank, by global group number
-    seen, ends = [], []  # this rank's generation batches, and the time each ended
-    while (n_all := distributed.all_reduce(len(kept), name="dynamic-sampling count")) \
-            < cfg.train_prompts:
-        health.check_sampling(len(seen), n_all, cfg.train_prompts)
-        if cfg.max_gen_batches and len(seen) == cfg.max_gen_batches:
+    gen_batches, ends = [], []  # this rank's generation batches, and the time each ended
+    while True:
+        n_kept = distributed.all_reduce(len(kept), name="dynamic-sampling count")  # all ranks'
+        if n_kept >= cfg.train_prompts:
+            break
+        health.check_sampling(len(gen_batches), n_kept, cfg.train_prompts)
+        if cfg.max_gen_batches and len(gen_batches) == cfg.max_gen_batches:
             break
         # --- Rollout (Algorithm 1, lines 3-5): pi_old samples G responses per prompt ---
         prompts = prompt_iter.next_batch()
@@ -186,17 +188,18 @@ def collect_batch(model, prompt_iter, tok, cfg, generator) -> Collected:
         # --- DAPO technique 2: dynamic sampling (paper Sec. 3.2): keep the groups with signal ---
         keep = keep_groups(batch.acc, cfg.group_size) if cfg.dynamic_sampling else \
             torch.ones(batch.num_groups, dtype=torch.bool)  # (groups,) bool
-        kept |= {distributed.group_number(len(seen), len(prompts), i): batch.groups([i])
+        kept |= {group_number(len(gen_batches), len(prompts), i): batch.groups([i])
                  for i in keep.nonzero().flatten().tolist()}
-        seen.append(batch)
+        gen_batches.append(batch)
         ends.append(time.time())
-    n_kept = distributed.all_reduce(len(kept))
     n_take = groups_to_train(n_kept, cfg)
     # this rank's share of the first n_take groups' responses, as one process would keep them
-    shared = distributed.share_responses(kept, n_take, cfg.mini_batch_prompts, cfg.group_size)
-    trained, generated = Batch.cat(shared) if n_take else None, Batch.cat(seen)
-    return Collected(trained, generated, metrics.collection_metrics(generated, trained, n_kept,
-                                                                    n_take, ends, cfg))
+    to_train = Batch.cat(share_groups(kept, n_take, cfg.mini_batch_prompts, cfg.group_size)) \
+        if n_take else None
+    generated = Batch.cat(gen_batches)
+    return Collected(to_train, generated, metrics.collection_metrics(
+        generated, to_train, n_kept, n_take, ends, cfg.group_size, cfg.train_prompts,
+        cfg.gen_batch_prompts))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -207,9 +210,10 @@ def old_logprobs(model, batch: Batch, cfg) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi_old of every response token and the entropy of pi_old there, computed in
     micro-batches: (N, R) each, 0 on padding."""
     old_logp = old_entropy = None
-    for index, real in distributed.micro_batches(batch, cfg):
+    parts = batch.micro_batches(cfg.micro_batch_size, cfg.micro_batch_tokens)
+    for index, real in distributed.even_out(parts):  # as many on every rank
         micro = batch.rows(index)
-        with precision.autocast(cfg):
+        with precision.autocast(cfg.precision, cfg.device):
             logp, entropy = response_logprobs(model, micro, cfg.temperature, cfg.fused_head)
         if old_logp is None:
             old_logp = logp.new_zeros(batch.response_ids.shape)  # (N, R)
@@ -247,10 +251,11 @@ def update_policy(model, opt, batch: Batch, cfg) -> dict:
             if mini_batch.old_logp is None:  # pi_old's entropy is logged whatever the loss mask
                 stats.add_old_policy(*old_logprobs(model, mini_batch, cfg), mini_batch)
             continue
-        for index, real in distributed.micro_batches(mini_batch, cfg):
+        parts = mini_batch.micro_batches(cfg.micro_batch_size, cfg.micro_batch_tokens)
+        for index, real in distributed.even_out(parts):  # as many on every rank
             micro = mini_batch.rows(index)
             mask = loss_mask(micro, cfg) & real  # (B, R); a stand-in micro-batch trains nothing
-            with precision.autocast(cfg):  # the forward only: backward and step outside
+            with precision.autocast(cfg.precision, cfg.device):  # the forward: not around a step
                 logp, entropy = response_logprobs(model, micro, cfg.temperature, cfg.fused_head)
             old_logp = micro.old_logp
             if old_logp is None:  # one optimizer step: this forward is pi_old's
@@ -311,10 +316,10 @@ def train(cfg: Config):
         # --- Algorithm 1, lines 2-8: sample, reward, filter, until the batch is full ---
         collected = collect_batch(model, prompt_iter, tok, cfg, generator)
         t_gen, logged = time.time() - t0, collected.metrics  # the step's row of metrics.jsonl
-        if collected.trained is not None:
-            logged |= metrics.training_batch_metrics(collected.trained)
+        if collected.to_train is not None:
+            logged |= metrics.training_batch_metrics(collected.to_train)
             # --- Algorithm 1, lines 10-11: optimizer steps on the batch (Eq. 8) ---
-            logged |= update_policy(model, opt, collected.trained, cfg)
+            logged |= update_policy(model, opt, collected.to_train, cfg)
         done = step + 1  # the steps taken: what metrics.jsonl and the checkpoints count
         log.step(done, logged, opt.param_groups[0]["lr"], t_gen, time.time() - t0 - t_gen)
         # a dead run: warn, and stop with --stop-when-stuck

@@ -150,7 +150,7 @@ class OurSide:
 
     def rollout(self, rows):
         collected = dapo.collect_batch(self.model, Rows(rows), self.tok, self.cfg, self.generator)
-        return collected.trained, collected.metrics  # its advantages computed
+        return collected.to_train, collected.metrics  # its advantages computed
 
 
 def trl_trainer(base, rows, max_steps, micro, out_dir, phases, tokens):

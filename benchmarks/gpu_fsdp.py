@@ -131,7 +131,7 @@ def run(args, device, d) -> list[str]:
 
     batch = rollout(one, one_gpu_cfg)  # one batch, the same tokens for every side below
     with torch.no_grad():
-        with precision.autocast(one_gpu_cfg):
+        with precision.autocast(one_gpu_cfg.precision, one_gpu_cfg.device):
             ref, _ = response_logprobs(one, batch, cfg.temperature)
         # gathered, as the project's no-grad forwards outside update_policy are: FSDP2 does not
         # reshard the root after a forward (its backward would gather it again), so after a bare

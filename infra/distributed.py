@@ -276,25 +276,6 @@ def all_gather_object(obj, name: str | None = None) -> list:
     return out
 
 
-def group_number(n_gen: int, prompts_per_gen: int, i: int) -> int:
-    """The global number of this rank's i-th group of its n_gen-th generation batch: the order one
-    process would have generated it in (rank r samples prompts r, r + W, r + 2W, ...)."""
-    return n_gen * prompts_per_gen + i * world_size() + rank()
-
-
-def share_responses(kept: dict, n_take: int, mini_batch_prompts: int, group_size: int) -> list:
-    """This rank's share of the responses of the first n_take groups kept over all ranks (kept:
-    {global group number: its Batch of group_size responses}), each optimizer step's split evenly
-    between the ranks: whole groups where the share allows, the paper's 32 prompts on 128 ranks
-    included. Batches in order: whole groups when each rank's share of a step is whole groups,
-    else single responses (splitting every group costs ~1 s a step at 512 x 16)."""
-    if mini_batch_prompts % world_size() == 0:  # then share_in_order keeps groups whole anyway
-        return share_in_order(kept, n_take, mini_batch_prompts)
-    responses = {g * group_size + i: row for g, group in kept.items()
-                 for i, row in enumerate(group.split(1))}
-    return share_in_order(responses, n_take * group_size, mini_batch_prompts * group_size)
-
-
 def share_in_order(kept: dict, n_take: int, per_step: int) -> list:
     """This rank's share of the first n_take items kept over all ranks, in the order of their
     numbers (kept: {global number: item with a .to(device)}, on the rank that made it), so that N
@@ -329,12 +310,11 @@ def share_in_order(kept: dict, n_take: int, per_step: int) -> list:
             for g, _ in first if destination[g] == me]
 
 
-def micro_batches(batch, cfg) -> list[tuple[object, bool]]:
-    """(rows, real) of each of a batch.Batch's micro-batches (Batch.micro_batches, by
-    --micro-batch-size or --micro-batch-tokens), then as many (one row, False) stand-ins as this
-    rank is short of the rank with the most. Under FSDP every forward and backward is a
-    collective, so a rank with fewer micro-batches must still run as many as the others: its
-    stand-ins go through the model and train nothing (the caller masks them out)."""
-    parts = batch.micro_batches(cfg.micro_batch_size, cfg.micro_batch_tokens)
+def even_out(parts: list) -> list[tuple[object, bool]]:
+    """(part, True) for each of this rank's micro-batches (each a tensor of row indices), then as
+    many (its first row, False) stand-ins as this rank is short of the rank with the most. Under
+    FSDP every forward and backward is a collective, so a rank with fewer micro-batches must still
+    run as many as the others: its stand-ins go through the model and train nothing (the caller
+    masks them out)."""
     most = int(all_reduce(len(parts), "max", name="micro-batch count"))
     return [(p, True) for p in parts] + [(parts[0][:1], False)] * (most - len(parts))

@@ -192,14 +192,13 @@ def generation_cost(generated, trained, n_take: int, extra_s: float) -> dict:
     return out
 
 
-def collection_metrics(generated, trained, n_kept: int, n_take: int, ends: list[float],
-                       cfg) -> dict:
+def collection_metrics(generated, to_train, n_kept: int, n_take: int, ends: list[float],
+                       group_size: int, train_prompts: int, prompts_per_gen: int) -> dict:
     """A step's rollout metrics (every response generated), dynamic sampling's bookkeeping and
     its cost; ends: when each generation batch ended."""
-    return (rollout_metrics(generated, cfg.group_size)
-            | sampling_metrics(len(ends), n_kept, n_take, n_kept < cfg.train_prompts,
-                               cfg.gen_batch_prompts)
-            | generation_cost(generated, trained, n_take, ends[-1] - ends[0] if ends else 0.0))
+    return (rollout_metrics(generated, group_size)
+            | sampling_metrics(len(ends), n_kept, n_take, n_kept < train_prompts, prompts_per_gen)
+            | generation_cost(generated, to_train, n_take, ends[-1] - ends[0] if ends else 0.0))
 
 
 def sampling_metrics(n_gen: int, n_kept: int, n_take: int, cap_hit: bool,

@@ -35,16 +35,15 @@ def resolve(precision: str, device: str) -> str:
     return precision
 
 
-def autocast(cfg, sampler: bool = False):
-    """The context of one forward phase (cfg: --precision, already resolved, and --device): bf16
-    autocast for a bf16 run in one process; nothing for fp32, nor under FSDP2, whose mixed
-    precision gathers the weights in bf16 already (launch.load_policy). sampler: the rollout's
-    phase, in --rollout-precision when that is not "same" (a bf16 sampler beside an fp32
-    trainer: the mismatch infra/rollout_correction.py corrects)."""
-    precision = cfg.sampler_precision if sampler else cfg.precision
+def autocast(precision: str, device: str):
+    """The context of one forward phase in `precision` (resolved: "fp32" or "bf16") on `device`:
+    bf16 autocast for a bf16 run in one process; nothing for fp32, nor under FSDP2, whose mixed
+    precision gathers the weights in bf16 already (launch.load_policy). The rollout's phase passes
+    Config.sampler_precision (--rollout-precision: a bf16 sampler beside an fp32 trainer is the
+    mismatch infra/rollout_correction.py corrects), the others --precision."""
     if precision != "bf16" or distributed.world_size() > 1:
         return contextlib.nullcontext()
-    return torch.autocast(torch.device(cfg.device).type, torch.bfloat16)
+    return torch.autocast(torch.device(device).type, torch.bfloat16)
 
 
 def check_no_autocast():

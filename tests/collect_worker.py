@@ -34,7 +34,7 @@ def collect(cfg=CFG):
     metrics), with dapo.rollout replaced by scripted_rollout."""
     prompt_iter = PromptIterator(ROWS, cfg.gen_prompts, seed=0)
     collected = dapo.collect_batch(torch.nn.Linear(1, 1), prompt_iter, None, cfg, None)
-    batch, metrics = collected.trained, collected.metrics
+    batch, metrics = collected.to_train, collected.metrics
     responses = (batch.prompt_ids[:, -1] - 3).tolist()
     share = cfg.mini_batch_prompts * cfg.group_size // distributed.world_size()
     return [responses[i:i + share] for i in range(0, len(responses), share)], metrics

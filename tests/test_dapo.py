@@ -401,7 +401,7 @@ def test_filtered_counts_groups_without_signal_not_the_surplus(monkeypatch):
                                    None)
     m = collected.metrics
     assert m["train/groups_filtered"] == 1 and m["train/groups_surplus"] == 1
-    assert m["train/groups_kept"] == collected.trained.num_groups == 2
+    assert m["train/groups_kept"] == collected.to_train.num_groups == 2
 
 
 @pytest.mark.needs("keep_groups", "overlong_penalty", "group_advantages")

@@ -116,7 +116,7 @@ def test_the_rollout_is_planned_in_the_samplers_precision(trainer, sampler):
     cfg = Config(precision=trainer, rollout_precision=sampler, rollout_slots=5, max_prompt_len=20,
                  max_response_len=11)
     plan = memory.plan(m, cfg, world=1)
-    with precision.autocast(cfg, sampler=True):
+    with precision.autocast(cfg.sampler_precision, cfg.device):
         cache = Qwen2(m).new_kv_cache(5, 31)
     assert plan.kv_cache == sum(t.numel() * t.element_size() for t in cache.k + cache.v)
     as_sampler = memory.plan(m, replace(cfg, precision=sampler, rollout_precision="same"), 1)
