@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import sampler
-from model import Qwen2, preset
+from model import KVCache, Qwen2, preset
 from rendezvous import file_init
 from sampler import SPEED_UPS, filter_logits, generate, sample
 
@@ -186,6 +186,28 @@ def test_group_rows_puts_each_span_of_ranks_together_moving_few_rows():
         [[90, 91], [40, 41, 60], [5, 6, 7]]
     # rows 1, 2 and 7 lie in their spans already: 5 rows move, where a full sort moves 7
     assert [i for i in range(8) if order[i] == i] == [1, 2, 7]
+
+
+def test_copy_rows_reads_every_row_before_writing_and_stops_at_n():
+    k = torch.randn(3, 2, 6, 4)
+    cache = KVCache([k.clone()], [-k])
+    sampler.copy_rows(cache, [1, 0, 0], [0, 1, 2], 4)  # rows 0 and 1 swap, row 2 takes row 0's
+    expected = k.clone()
+    expected[:, :, :4] = k[[1, 0, 0], :, :4]
+    assert torch.equal(cache.k[0], expected) and torch.equal(cache.v[0], -expected)
+
+
+def test_a_span_of_cache_rows_writes_through_to_the_cache_and_reads_up_to_its_length():
+    cache = KVCache([torch.zeros(5, 1, 8, 2)], [torch.zeros(5, 1, 8, 2)])
+    span = sampler.cache_rows(cache, 1, 3, 4)  # rows 1 and 2, read up to position 4
+    new = torch.randn(2, 1, 1, 2)
+    got_k, got_v = span.update(0, new, -new, torch.tensor([[3], [0]]))
+    expected = torch.zeros(5, 1, 8, 2)
+    expected[1, :, 3], expected[2, :, 0] = new[0, :, 0], new[1, :, 0]
+    assert torch.equal(cache.k[0], expected) and torch.equal(cache.v[0], -expected)
+    assert torch.equal(got_k, expected[1:3, :, :4]) and torch.equal(got_v, -expected[1:3, :, :4])
+    whole = sampler.cache_rows(cache, 0, 5, 6)  # every row: the cache's own tensors
+    assert whole.k[0] is cache.k[0] and whole.length == 6
 
 
 # --------------------------------------------------------------------------------------------------
@@ -412,13 +434,17 @@ def test_greedy_rows_equal_transformers_with_speed_ups_switched_off(hf_and_ours,
     """All three off (plain batched decoding), or each one alone: the same greedy tokens (sampled
     ones would differ with SPANS off: a resort moves rows, and so which random number a sequence
     draws). Repeated prompts in fewer slots than sequences, so that refills share prompts and
-    resorts move rows; and each switch switches: prefills, spans, rows in the decode step."""
+    resorts move rows; and each switch switches: prefills, forwards per decode step (a span of one
+    row costs nothing here), rows in the decode step."""
     for name in off:
         monkeypatch.setattr(sampler, name, False)
-    steps, prefilled = [], []  # per decode step (rows, spans); per prefill its prompts
-    decode_one_token, prefill_slots = sampler.decode_one_token, sampler.prefill_slots
+    monkeypatch.setattr(sampler, "SPAN_COST", 0)
+    steps, prefilled = [], []  # per decode step the rows of each forward; per prefill its prompts
+    sample, decode_one_token, prefill_slots = (sampler.sample, sampler.decode_one_token,
+                                               sampler.prefill_slots)
+    monkeypatch.setattr(sampler, "sample", lambda *args: (steps.append([]), sample(*args))[1])
     monkeypatch.setattr(sampler, "decode_one_token", lambda model, tokens, positions, kv: (
-        steps.append((len(tokens), kv.spans)), decode_one_token(model, tokens, positions, kv))[1])
+        steps[-1].append(len(tokens)), decode_one_token(model, tokens, positions, kv))[1])
     monkeypatch.setattr(sampler, "prefill_slots", lambda model, ps, slots, kv: (
         prefilled.append(len(ps)), prefill_slots(model, ps, slots, kv))[1])
     ours, eos, alone = hf_and_ours
@@ -427,9 +453,10 @@ def test_greedy_rows_equal_transformers_with_speed_ups_switched_off(hf_and_ours,
                  eos_token_ids=[eos], slots=4)
     for row, i in enumerate(which):
         assert r.response_ids[row, :r.lengths[row]].tolist() == alone[i]
+    steps = steps[:-1]  # the last draw ends the loop: no decode step after it
     assert (sum(prefilled) == len(which)) == ("SHARE_PROMPTS" in off)
-    assert all(spans == () for _, spans in steps) == ("SPANS" in off)
-    assert all(rows == 4 for rows, _ in steps) == ("SKIP_FREE_ROWS" in off)
+    assert all(len(forwards) == 1 for forwards in steps) == ("SPANS" in off)
+    assert all(sum(forwards) == 4 for forwards in steps) == ("SKIP_FREE_ROWS" in off)
 
 
 @pytest.mark.needs("filter_logits", "sample", "rope", "attention", "kv_cache")
