@@ -37,7 +37,7 @@ of rounds).
    faster or slower than the next, so look at the spread, not one round. Skipped in a copy that
    lacks REV (no git history).
 5. switches (not in the default parts): the same, this tree's sampler with all its speed-ups on
-   (sampler.SHARE_PROMPTS, SPANS, SKIP_FREE_ROWS) against each one switched off.
+   (sampler.SPEED_UPS) against each one switched off.
 
 CPU time of the process on one thread: the other tenants of a shared machine disturb it far less
 than wall time. One thread by default: on a 2-core machine a second OpenMP thread helps only while
@@ -294,7 +294,7 @@ def rl(rounds, parts):
 
 # 4. against another revision, and 5. each of the sampler's speed-ups switched off
 
-BASELINE = "015f0be"  # the sampler before its spans (plan_spans) and its prompt sharing
+BASELINE = "015f0be"  # the sampler before its prompt sharing (and its since-dropped spans)
 
 # one rollout by the sampler and model in directory argv[1] of the sequences (JSON) on stdin, the
 # sampler's flags named in argv[3:] set False: prints tokens, CPU s, forwards, prefill forwards and
