@@ -25,12 +25,11 @@ of rounds).
    nearly flat, so the lengths are about geometric with mean 128 and a long tail. Useful tokens/s
    (response tokens up to the EOS) for ours with 64 slots, eager and compiled, against (a) lockstep:
    ours with one slot per sequence, all 512 at once, which is the schedule of the previous sampler
-   (every row decodes until the longest one ends; eager, the ended rows grouped last skip the
-   step, so here it costs memory more than time); (b) transformers' generate in batches of 64
+   (every row decodes until the longest one ends); (b) transformers' generate in batches of 64
    (8 prompts x 8); (c) transformers' continuous batching (generate_batch, 64 requests at a time).
 3. memory: how far resident memory rises during the rl run, ours with 64 slots against 512 rows
    (Linux: VmHWM, each in a fresh process).
-4. against (--against REV, default 015f0be: the sampler before its spans and prompt sharing): the
+4. against (--against REV, default 015f0be: the sampler before its prompt sharing): the
    rl case in 64 slots, this tree's sampler against git revision REV's (its whole tree exported to a
    temporary directory), each rollout in a fresh process, the two alternating for --rl-rounds
    rounds (at least 2); per-round tok/s and ratios. On a shared machine one process can run much
@@ -397,7 +396,7 @@ def main():
                     help="comma-separated, from: uniform, rl, memory, against, switches")
     ap.add_argument("--against", default=BASELINE,
                     help="a git revision whose sampler the against part runs (see above; default "
-                         "the sampler before its spans and prompt sharing, which the README's "
+                         "the sampler before its prompt sharing, which docs/performance.md's "
                          "ratio is against)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
