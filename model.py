@@ -197,13 +197,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # after Qwen3's norms
         if kv_cache is None:
             y = self.attend(q, k, v, mask, decoding=False)
-        else:  # store this step's keys/values at their positions, attend over the cached rows:
+        else:  # store this step's keys/values at their positions, attend over the cached rows
             k, v = kv_cache.update(self.layer_idx, k, v, positions, cache_rows)  # (B, Hkv, S, D)
-            # each span of rows (first, end, S) that the cache view names reads its keys [0, S)
-            spans = kv_cache.spans or [(0, B, k.shape[2])]  # none named: one, every row and key
-            ys = [self.attend(q[a:b], k[a:b, :, :S], v[a:b, :, :S], mask[a:b, ..., :S],
-                              decoding=T == 1) for a, b, S in spans]
-            y = torch.cat(ys) if len(ys) > 1 else ys[0]  # (B, H, T, D)
+            y = self.attend(q, k, v, mask, decoding=T == 1)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
 
     def attend(self, q, k, v, mask, decoding: bool):
@@ -262,26 +258,11 @@ class KVCache:
     k: list[torch.Tensor]  # per layer (B, Hkv, max_len, D)
     v: list[torch.Tensor]  # per layer (B, Hkv, max_len, D)
     length: int = 0  # the positions a step reads; 0 = max_len
-    # (first row, end row, S) per span of a step's rows, each reading positions [0, S) only (the
-    # caller's plan: the sampler groups rows of like length); empty: one span, every row, length
-    spans: tuple[tuple[int, int, int], ...] = ()
 
-    def upto(self, n: int, spans: tuple[tuple[int, int, int], ...] = ()) -> "KVCache":
-        """The same cache, read up to position n (by each span of rows up to its own S <= n, if
-        spans are given): a step whose tokens sit below n costs n, not max_len."""
-        return KVCache(self.k, self.v, n, spans)
-
-    def copy_rows(self, source: list[int], to: list[int], n: int):
-        """Copy positions [0, n) of row source[i] into row to[i], for every i (all rows are read
-        before any is written, so rows may swap)."""
-        if not to:
-            return
-        device = self.k[0].device
-        source, to = torch.tensor(source, device=device), torch.tensor(to, device=device)
-        for cache in self.k + self.v:
-            head = cache[:, :, :n]  # a view: index_copy_ writes through to the cache
-            # index_select + index_copy_: about half the time of an advanced-index gather and put
-            head.index_copy_(0, to, head.index_select(0, source))
+    def upto(self, n: int) -> "KVCache":
+        """The same cache, read up to position n: a step whose tokens sit below n costs n, not
+        max_len."""
+        return KVCache(self.k, self.v, n)
 
     def update(self, layer, k, v, positions, rows=None):
         """k, v (n, Hkv, T, D) of tokens at positions (n, T) in cache rows `rows` (n,) (None: rows

@@ -11,7 +11,7 @@ small functions that compose:
     filter_logits()     top-k, then top-p (nucleus) truncation
     sample()            temperature, truncation, the draw, and the log-prob of the drawn token
     generate()          runs them in a loop of named phases over a table of the slots (SlotTable):
-                        sample, record, retire, agree across ranks, resort, decode, refill
+                        sample, record, retire, agree across ranks, decode, refill
 
 Continuous batching: the KV cache has B rows ("slots") of max_len positions, however many sequences
 there are. A token's index in its slot is its RoPE position, and a query sees the keys of its own
@@ -28,21 +28,10 @@ stale keys that no query can see):
     slot 1:     b  b  B  B  B  B                 while b and c decode on
     slot 2:     c  c  c  c  C  C
 
-Spans (SPANS): a decode step's cost is in attention, and a row need not read keys past its own
-position. Every RESORT_EVERY steps the rows, ranked furthest first, are cut into a few spans
-(plan_spans: fewest keys read, plus SPAN_COST per extra attention call), and a row that lies
-outside its span is copied into it (group_rows; within a span rows keep any order, so few rows
-move); each span reads keys up to its own furthest row. The free slots go last, into a span of
-their own, and the rows after the last busy one skip the step (SKIP_FREE_ROWS):
-
-    slot 0:     a  a  a  A  A  A  A  A     } span 1 reads 8 positions
-    slot 1:     b  b  b  B  B  B  B        }
-    slot 2:     c  c  C  C                 } span 2 reads 4, not 8
-    slot 3:     d  d  d  D                 }
-    slot 4:     .  .  .  .  .              free: no row of this step's forward
-
-On a GPU each span is one more kernel launch (inside a CUDA graph, a few microseconds); the
-compiled step keeps one span and all B rows, so that its shapes do not change.
+A decode step feeds one token per slot, and every slot reads the keys up to the furthest slot's
+position (masked past its own), so the step's shapes change with that length only. (Slots sorted
+by length into spans, each reading up to its own furthest slot in a forward of its own, decoded a
+long-tailed CPU rollout ~1.1x faster: too little for their code; docs/performance.md.)
 
 Shared prompts (SHARE_PROMPTS): the G samples of a group have one prompt, and any slot decoding it
 holds its keys at positions [0, len(prompt)). A slot that takes a prompt another slot holds copies
@@ -53,13 +42,11 @@ step's free slots:
     slot 0:     e  e  e  E  E  E  E
     slot 1:     e  e  e                  the next sample of e: slot 0's positions 0-2 copied
 
-Each speed-up is a module flag: with all three False and slots=None, generate is plain batched
-decoding (docs/performance.md measures what each one buys). The cache is allocated once,
+Prompt sharing is a module flag: with it False and slots=None, generate is plain batched
+decoding (docs/performance.md measures what it buys). The cache is allocated once,
 B x max_len. Lockstep batching (every row decodes until the longest one ends) spends most of a
 long-tailed rollout decoding padding; here a slot is busy as long as sequences wait.
 """
-import bisect
-import itertools
 from collections import Counter, deque
 from dataclasses import dataclass
 
@@ -129,45 +116,9 @@ def decode_one_token(model, tokens, positions, kv_cache):
                  head=last_token_logits)
 
 
-# A span of rows costs one more attention call per layer: on one CPU core with the demo's model
-# about as much as reading this many more (row, position) keys (~22 us a call, ~0.026 us a row-key)
-SPAN_COST = 850
-RESORT_EVERY = 16  # decode steps between two sorts of the slots by length
-# The speed-ups, each switchable (False: the loop without it, for reading or as a reference)
+# The speed-up, switchable (False: the loop without it, for reading or as a reference)
 SHARE_PROMPTS = True  # a prompt a slot holds is copied, not prefilled (False: a prefill each)
-SPANS = True  # eager: rows sorted into spans by length (False: all read the furthest row's keys)
-SKIP_FREE_ROWS = True  # eager: the rows after the last busy one skip the decode step
-SPEED_UPS = ("SHARE_PROMPTS", "SPANS", "SKIP_FREE_ROWS")  # the names (all False: plain batching)
-
-
-def plan_spans(positions: list[int]) -> list[int]:
-    """positions (B,) sorted furthest first -> the end rows of the spans of rows that minimise the
-    keys read plus SPAN_COST per span (a span [a, b) reads positions[a] + 1 keys per row)."""
-    B = len(positions)
-    stride = max(1, B // 32)  # ends on a grid of at most 32 rows keep the plan O(32^2)
-    best = {0: (0, [])}  # end row -> (least cost of the rows before it, its span ends)
-    for b in list(range(stride, B, stride)) + [B]:
-        best[b] = min((cost + SPAN_COST + (b - a) * (positions[a] + 1), ends + [b])
-                      for a, (cost, ends) in best.items())
-    return best[B][1]
-
-
-def group_rows(positions: list[int], ends: list[int]) -> list[int]:
-    """positions (B,) of the rows as they lie, ends: the span ends planned for them sorted furthest
-    first -> order, row order[i] to go to row i, so that span [a, b) holds the rows of ranks a..b-1
-    (in any order: a span reads up to its furthest row), moving as few rows as possible."""
-    B = len(positions)
-    span_at = [bisect.bisect_right(ends, i) for i in range(B)]  # the span that row index i is in
-    ranked = sorted(range(B), key=lambda s: -positions[s])
-    belongs = [0] * B  # per row: the span its rank puts it in
-    for rank, s in enumerate(ranked):
-        belongs[s] = span_at[rank]
-    order = [s if belongs[s] == span_at[s] else None for s in range(B)]  # rows that stay
-    movers = {}  # span -> the rows that belong in it and lie elsewhere, as many as its holes
-    for s in range(B):
-        if order[s] is None:
-            movers.setdefault(belongs[s], []).append(s)
-    return [s if s is not None else movers[span_at[i]].pop() for i, s in enumerate(order)]
+SPEED_UPS = ("SHARE_PROMPTS",)  # the names (all False: plain batching)
 
 
 def filter_logits(logits, top_k: int = 0, top_p: float = 1.0):
@@ -242,6 +193,19 @@ def compiled_decode_step(B, max_len, device):
     return _compiled_decode
 
 
+def copy_rows(kv_cache, source: list[int], to: list[int], n: int):
+    """Copy positions [0, n) of cache row source[i] into row to[i], for every i (all rows are read
+    before any is written, so rows may swap)."""
+    if not to:
+        return
+    device = kv_cache.k[0].device
+    source, to = torch.tensor(source, device=device), torch.tensor(to, device=device)
+    for cache in kv_cache.k + kv_cache.v:
+        head = cache[:, :, :n]  # a view: index_copy_ writes through to the cache
+        # index_select + index_copy_: about half the time of an advanced-index gather and put
+        head.index_copy_(0, to, head.index_select(0, source))
+
+
 class SlotTable:
     """The KV cache's B rows ("slots") as the host sees them, and the sequences waiting for one; its
     methods are the moves of the diagrams above. Sequences are numbered 0..N-1; N means none: a
@@ -253,7 +217,6 @@ class SlotTable:
         self.seq = [N] * B  # (B,) the sequence each slot holds
         self.position = [0] * B  # (B,) where the slot's next token goes: its RoPE position
         self.n_new = [0] * B  # (B,) the response tokens the slot's sequence has so far
-        self.span_ends = [B]  # the row where each span of rows ends (resort() plans them)
         self.waiting = deque(range(N))
         first = {}  # per sequence, its prompt: the first sequence that has it (or itself)
         self.prompt_of = [first.setdefault(tuple(p), i) if share_prompts else i
@@ -292,8 +255,8 @@ class SlotTable:
         wanted = [self.prompt_of[self.seq[s]] for s in free]  # each refilled slot's prompt
         copies = [(held[p], s) for p, s in zip(wanted, free) if held[p] != s]  # the rest: copied
         # keys past a prompt's end come along too: stale, as a query sees up to its position only
-        self.kv_cache.copy_rows([h for h, _ in copies], [s for _, s in copies],
-                                max((self.position[s] for _, s in copies), default=0))
+        copy_rows(self.kv_cache, [h for h, _ in copies], [s for _, s in copies],
+                  max((self.position[s] for _, s in copies), default=0))
         logits[free] = torch.stack([self.prompt_logits[p] for p in wanted])  # (len(free), V)
         for p in wanted:
             self.left[p] -= 1
@@ -312,26 +275,74 @@ class SlotTable:
                 self.seq[s], self.position[s], self.n_new[s] = self.N, 0, 0
         return done
 
-    def resort(self) -> list[int]:
-        """Cut the rows, ranked furthest first, into spans (the free rows last, in a span of their
-        own), and copy the rows that lie outside their span into it -> order: row order[i] went
-        to row i."""
-        B, busy = len(self.seq), len(self.busy())
-        self.span_ends = (plan_spans(sorted(self.position, reverse=True)[:busy]) if busy else
-                          []) + [B] * (busy < B)
-        order = group_rows(self.position, self.span_ends)
-        moved = [i for i, s in enumerate(order) if i != s]  # copy only these
-        self.kv_cache.copy_rows([order[i] for i in moved], moved, max(self.position) + 1)
-        for column in (self.seq, self.position, self.n_new):
-            column[:] = [column[s] for s in order]
-        return order
+    def decode(self, model, decode, token) -> torch.Tensor:
+        """Every slot feeds its token (B,) at its position, reading the keys up to the furthest
+        slot's (a free slot decodes a dummy token at position 0) -> next-token logits (B, V). The
+        busy slots move on one position."""
+        positions = torch.tensor(self.position, device=token.device)  # (B,)
+        logits = decode(model, token, positions, self.kv_cache.upto(max(self.position) + 1))
+        for s in self.busy():
+            self.position[s] += 1
+        return logits
 
-    def spans(self, rows: int) -> tuple[tuple[int, int, int], ...]:
-        """(first row, end row, S) of each span among the first `rows` rows: S is one past the
-        position of its own furthest row (refills land unsorted until the next sort)."""
-        ends = [min(b, rows) for b in self.span_ends]
-        return tuple((a, b, max(self.position[a:b]) + 1)
-                     for a, b in zip([0] + ends[:-1], ends) if a < b)
+
+@dataclass
+class Responses:
+    """What the loop records per sequence, as its tokens come; row N is scratch, for the draws of
+    the slots that hold no sequence."""
+    ids: torch.Tensor  # (N + 1, max_new_tokens) long: sampled tokens, pad_token_id after the end
+    logprobs: torch.Tensor  # (N + 1, max_new_tokens) fp32: each sampled token's log-prob
+    lengths: list[int]  # (N,) response tokens, EOS included
+    truncated: list[bool]  # (N,) cut by max_new_tokens before any EOS
+
+    @classmethod
+    def empty(cls, N: int, max_new_tokens: int, pad_token_id: int, device) -> "Responses":
+        ids = torch.full((N + 1, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+        logprobs = torch.zeros(N + 1, max_new_tokens, dtype=torch.float32, device=device)
+        return cls(ids, logprobs, [0] * N, [False] * N)
+
+    def rollout(self, prompts: list[list[int]], pad_token_id: int) -> Rollout:
+        """-> the Rollout of prompts, without the scratch row and the columns no sequence
+        reached."""
+        N, device = len(prompts), self.ids.device
+        prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, device)  # (N, P)
+        lengths = torch.tensor(self.lengths, device=device)  # (N,)
+        T = max(self.lengths)
+        response_mask = torch.arange(T, device=device) < lengths[:, None]  # (N, T)
+        return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+                       response_ids=self.ids[:N, :T], response_mask=response_mask,
+                       logprobs=self.logprobs[:N, :T], lengths=lengths,
+                       truncated=torch.tensor(self.truncated, device=device))
+
+
+def check_settings(prompts, max_new_tokens, temperature, top_k, top_p, slots):
+    """generate's arguments that no rollout can honour -> a ValueError that names them."""
+    if not prompts or min(len(p) for p in prompts) == 0:
+        raise ValueError("generate needs at least one prompt, and no empty prompt")
+    if max_new_tokens < 1 or temperature < 0 or top_k < 0 or not 0 < top_p <= 1 or \
+            (slots is not None and slots < 1):
+        raise ValueError(f"bad sampling settings: max_new_tokens={max_new_tokens} (>= 1), "
+                         f"temperature={temperature} (>= 0), top_k={top_k} (>= 0), "
+                         f"top_p={top_p} (in (0, 1]), slots={slots} (>= 1)")
+
+
+def eos_tensor(model, eos_token_ids, device) -> torch.Tensor:
+    """An id, a list of ids, or None (the model config's eos_token_id) -> (E,) long, maybe
+    empty."""
+    if eos_token_ids is None:
+        eos_token_ids = model.config.eos_token_id
+    eos_token_ids = [] if eos_token_ids is None else [eos_token_ids] \
+        if isinstance(eos_token_ids, int) else list(eos_token_ids)
+    return torch.tensor(eos_token_ids, dtype=torch.long, device=device)
+
+
+def new_slot_table(model, prompts: list[list[int]], max_new_tokens: int,
+                   slots: int | None) -> SlotTable:
+    """The KV cache, the one big allocation: min(slots, N) rows (None: one per prompt) of the
+    longest prompt + max_new_tokens positions, however many prompts; and the table of its rows."""
+    B = min(slots or len(prompts), len(prompts))
+    kv_cache = model.new_kv_cache(B, max(len(p) for p in prompts) + max_new_tokens)
+    return SlotTable(prompts, kv_cache, SHARE_PROMPTS)
 
 
 @torch.no_grad()
@@ -356,84 +367,41 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: 
     Under torch.distributed every rank calls this with its own prompts (any number) and the same
     max_new_tokens and compile: ranks run the same forward calls until the last one is done. T of
     the result is this rank's longest response, so it can differ between ranks."""
-    if not prompts or min(len(p) for p in prompts) == 0:
-        raise ValueError("generate needs at least one prompt, and no empty prompt")
-    if max_new_tokens < 1 or temperature < 0 or top_k < 0 or not 0 < top_p <= 1 or \
-            (slots is not None and slots < 1):
-        raise ValueError(f"bad sampling settings: max_new_tokens={max_new_tokens} (>= 1), "
-                         f"temperature={temperature} (>= 0), top_k={top_k} (>= 0), "
-                         f"top_p={top_p} (in (0, 1]), slots={slots} (>= 1)")
-    if eos_token_ids is None:
-        eos_token_ids = model.config.eos_token_id
-    eos_token_ids = [] if eos_token_ids is None else [eos_token_ids] \
-        if isinstance(eos_token_ids, int) else list(eos_token_ids)
+    check_settings(prompts, max_new_tokens, temperature, top_k, top_p, slots)
+    device = model.model.embed_tokens.weight.device
+    eos = eos_tensor(model, eos_token_ids, device)
+    table = new_slot_table(model, prompts, max_new_tokens, slots)
+    B, _, max_len, _ = table.kv_cache.k[0].shape
+    decode = compiled_decode_step(B, max_len, device) if compile else decode_one_token
+    out = Responses.empty(len(prompts), max_new_tokens, pad_token_id, device)
+    logits = torch.zeros(B, model.config.vocab_size, device=device)  # (B, V): next-token logits
     was_training = model.training
     model.eval()  # no dropout in Qwen2, but generation is inference: say so
-    device = model.model.embed_tokens.weight.device
-
-    N = len(prompts)
-    B = min(slots or N, N)
-    max_len = max(len(p) for p in prompts) + max_new_tokens
-    # the one big allocation: B rows, however many prompts
-    kv_cache = model.new_kv_cache(B, max_len)
-    table = SlotTable(prompts, kv_cache, SHARE_PROMPTS)
-    decode = compiled_decode_step(B, max_len, device) if compile else decode_one_token
-    # the compiled step keeps one shape: all B rows, one span
-    spans, skip_free = SPANS and not compile, SKIP_FREE_ROWS and not compile
-    eos = torch.tensor(eos_token_ids, dtype=torch.long, device=device)
-    # per sequence, filled as tokens come; row N is scratch for the slots that hold no sequence
-    response_ids = torch.full((N + 1, max_new_tokens), pad_token_id, dtype=torch.long,
-                              device=device)
-    logprobs = torch.zeros(N + 1, max_new_tokens, dtype=torch.float32, device=device)
-    lengths, truncated = [0] * N, [False] * N
-    logits = torch.zeros(B, model.config.vocab_size, device=device)  # (B, V): next-token logits
-
-    bar = tqdm(total=N, desc="generate", unit="seq", disable=not progress)
+    bar = tqdm(total=len(prompts), desc="generate", unit="seq", disable=not progress)
     try:
         table.refill(model, logits)  # every rank has a prompt, so every rank runs this forward
-        for step in itertools.count():
+        while True:
             # 1) sample: a token for every row (a free one too, drawn into the scratch row)
             token, logp = sample(logits, temperature, top_k, top_p, generator)  # (B,), (B,)
             # 2) record: each at its sequence's next response index
-            response_ids[table.seq, table.n_new] = token
-            logprobs[table.seq, table.n_new] = logp
+            out.ids[table.seq, table.n_new], out.logprobs[table.seq, table.n_new] = token, logp
             # 3) retire: the sequences that drew an EOS or reached max_new_tokens leave their slots
             ended = torch.isin(token, eos).tolist()  # the host learns which rows ended: one sync
             for i, length, cut in table.retire(ended, max_new_tokens):
-                lengths[i], truncated[i] = length, cut
+                out.lengths[i], out.truncated[i] = length, cut
                 bar.update(1)
             # 4) agree across ranks: go on while any rank works; prefill when any rank does
             working, prefilling = agree_across_ranks(bool(table.waiting or table.busy()),
                                                     table.needs_prefill())
             if not working:
                 break
-            # 5) resort: now and then, the rows of like length side by side, in spans
-            if spans and step % RESORT_EVERY == 0:
-                token = token[torch.tensor(table.resort(), device=device)]
-            # 6) decode: each row feeds its token at its position and reads the keys up to the
-            # furthest row's (SPANS: each span up to its own furthest row's); SKIP_FREE_ROWS: the
-            # rows after the last busy one skip the step (stale logits, drawn into the scratch row)
-            S = max(table.position) + 1
-            busy = table.busy()  # the slots holding a sequence, the same until the refill (7)
-            R = max((s + 1 for s in busy), default=1) if skip_free else B
-            view = kv_cache.upto(S, table.spans(R) if spans else ())
-            logits[:R] = decode(model, token[:R], torch.tensor(table.position[:R], device=device),
-                                view)  # (R, V)
-            for s in busy:
-                table.position[s] += 1
-            # 7) refill: the free slots take the next waiting sequences
+            # 5) decode: each slot feeds its token at its position
+            logits = table.decode(model, decode, token)  # (B, V)
+            # 6) refill: the free slots take the next waiting sequences
             if not table.refill(model, logits) and prefilling:
                 # another rank prefills: as many forwards, on a dummy
                 model(torch.zeros(1, 1, dtype=torch.long, device=device), head=last_token_logits)
     finally:
         bar.close()
         model.train(was_training)
-
-    prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, device)  # (N, P)
-    lengths_t = torch.tensor(lengths, device=device)  # (N,)
-    T = max(lengths)  # drop the columns no sequence reached
-    response_mask = torch.arange(T, device=device) < lengths_t[:, None]  # (N, T)
-    return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask,
-                   response_ids=response_ids[:N, :T], response_mask=response_mask,
-                   logprobs=logprobs[:N, :T], lengths=lengths_t,
-                   truncated=torch.tensor(truncated, device=device))
+    return out.rollout(prompts, pad_token_id)

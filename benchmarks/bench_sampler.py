@@ -25,19 +25,18 @@ of rounds).
    nearly flat, so the lengths are about geometric with mean 128 and a long tail. Useful tokens/s
    (response tokens up to the EOS) for ours with 64 slots, eager and compiled, against (a) lockstep:
    ours with one slot per sequence, all 512 at once, which is the schedule of the previous sampler
-   (every row decodes until the longest one ends; eager, the ended rows grouped last skip the
-   step, so here it costs memory more than time); (b) transformers' generate in batches of 64
+   (every row decodes until the longest one ends); (b) transformers' generate in batches of 64
    (8 prompts x 8); (c) transformers' continuous batching (generate_batch, 64 requests at a time).
 3. memory: how far resident memory rises during the rl run, ours with 64 slots against 512 rows
    (Linux: VmHWM, each in a fresh process).
-4. against (--against REV, default 015f0be: the sampler before its spans and prompt sharing): the
+4. against (--against REV, default 015f0be: the sampler before its prompt sharing): the
    rl case in 64 slots, this tree's sampler against git revision REV's (its whole tree exported to a
    temporary directory), each rollout in a fresh process, the two alternating for --rl-rounds
    rounds (at least 2); per-round tok/s and ratios. On a shared machine one process can run much
    faster or slower than the next, so look at the spread, not one round. Skipped in a copy that
    lacks REV (no git history).
 5. switches (not in the default parts): the same, this tree's sampler with all its speed-ups on
-   (sampler.SHARE_PROMPTS, SPANS, SKIP_FREE_ROWS) against each one switched off.
+   (sampler.SPEED_UPS) against each one switched off.
 
 CPU time of the process on one thread: the other tenants of a shared machine disturb it far less
 than wall time. One thread by default: on a 2-core machine a second OpenMP thread helps only while
@@ -294,7 +293,7 @@ def rl(rounds, parts):
 
 # 4. against another revision, and 5. each of the sampler's speed-ups switched off
 
-BASELINE = "015f0be"  # the sampler before its spans (plan_spans) and its prompt sharing
+BASELINE = "015f0be"  # the sampler before its prompt sharing (and its since-dropped spans)
 
 # one rollout by the sampler and model in directory argv[1] of the sequences (JSON) on stdin, the
 # sampler's flags named in argv[3:] set False: prints tokens, CPU s, forwards, prefill forwards and
@@ -397,7 +396,7 @@ def main():
                     help="comma-separated, from: uniform, rl, memory, against, switches")
     ap.add_argument("--against", default=BASELINE,
                     help="a git revision whose sampler the against part runs (see above; default "
-                         "the sampler before its spans and prompt sharing, which the README's "
+                         "the sampler before its prompt sharing, which docs/performance.md's "
                          "ratio is against)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

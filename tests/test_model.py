@@ -173,7 +173,6 @@ def test_attention_matches_the_textbook_formula(monkeypatch, case):
 
         class Cache:  # for KVCache (an exercise of its own): 6 cached positions, then this step's
             length = T
-            spans = ()
 
             def update(self, layer, k_new, v_new, positions, rows):
                 return torch.cat([k[:, :, :-1], k_new], 2), torch.cat([v[:, :, :-1], v_new], 2)
@@ -525,17 +524,6 @@ def test_activation_checkpointing_gives_the_same_gradients():
         grads.append(torch.cat([p.grad.flatten() for p in m.parameters()]))
     assert (grads[0] - grads[1]).abs().max() < 1e-12 * grads[0].abs().max()
     assert grads[0].abs().max() > 0
-
-
-def test_kv_cache_copy_rows_reads_every_row_before_writing_and_stops_at_n():
-    k = torch.randn(3, 2, 6, 4)
-    cache = KVCache([k.clone()], [-k])
-    cache.copy_rows([1, 0, 0], [0, 1, 2], 4)  # rows 0 and 1 swap, row 2 takes row 0's
-    expected = k.clone()
-    expected[:, :, :4] = k[[1, 0, 0], :, :4]
-    assert torch.equal(cache.k[0], expected) and torch.equal(cache.v[0], -expected)
-
-
 @pytest.mark.parametrize("head", ["the embedding", "another"])
 def test_a_tied_model_whose_file_holds_another_head_says_it_is_dropped(tmp_path, capsys, head):
     # before: a tied config's lm_head.weight was skipped silently, even one that differed from

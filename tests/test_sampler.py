@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import sampler
-from model import Qwen2, preset
+from model import KVCache, Qwen2, preset
 from rendezvous import file_init
 from sampler import SPEED_UPS, filter_logits, generate, sample
 
@@ -176,16 +176,13 @@ def test_sampling_never_draws_a_token_of_zero_probability(top_k_only):
     assert set(token[1::2].tolist()) == {2, 4}
 
 
-def test_group_rows_puts_each_span_of_ranks_together_moving_few_rows():
-    positions = [5, 90, 40, 91, 7, 60, 41, 6]  # rows as they lie
-    ends = [2, 5, 8]  # spans of ranks [0, 2), [2, 5), [5, 8): {91, 90}, {60, 41, 40}, {7, 6, 5}
-    order = sampler.group_rows(positions, ends)
-    assert sorted(order) == list(range(8))
-    grouped = [positions[s] for s in order]
-    assert [sorted(grouped[a:b]) for a, b in ((0, 2), (2, 5), (5, 8))] == \
-        [[90, 91], [40, 41, 60], [5, 6, 7]]
-    # rows 1, 2 and 7 lie in their spans already: 5 rows move, where a full sort moves 7
-    assert [i for i in range(8) if order[i] == i] == [1, 2, 7]
+def test_copy_rows_reads_every_row_before_writing_and_stops_at_n():
+    k = torch.randn(3, 2, 6, 4)
+    cache = KVCache([k.clone()], [-k])
+    sampler.copy_rows(cache, [1, 0, 0], [0, 1, 2], 4)  # rows 0 and 1 swap, row 2 takes row 0's
+    expected = k.clone()
+    expected[:, :, :4] = k[[1, 0, 0], :, :4]
+    assert torch.equal(cache.k[0], expected) and torch.equal(cache.v[0], -expected)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -406,19 +403,15 @@ def test_greedy_rows_of_repeated_prompts_equal_transformers(hf_and_ours):
 
 
 @pytest.mark.needs("sample", "rope", "attention", "kv_cache")
-@pytest.mark.parametrize("off", [SPEED_UPS, *((name,) for name in SPEED_UPS)],
-                         ids=["all", *SPEED_UPS])
+@pytest.mark.parametrize("off", [(), SPEED_UPS], ids=["all on", "all off"])
 def test_greedy_rows_equal_transformers_with_speed_ups_switched_off(hf_and_ours, monkeypatch, off):
-    """All three off (plain batched decoding), or each one alone: the same greedy tokens (sampled
-    ones would differ with SPANS off: a resort moves rows, and so which random number a sequence
-    draws). Repeated prompts in fewer slots than sequences, so that refills share prompts and
-    resorts move rows; and each switch switches: prefills, spans, rows in the decode step."""
+    """With the speed-ups on, or all off (plain batched decoding): the same greedy tokens. Repeated
+    prompts in fewer slots than sequences, so that refills share prompts; and the switch switches:
+    a prefill per sequence when off."""
     for name in off:
         monkeypatch.setattr(sampler, name, False)
-    steps, prefilled = [], []  # per decode step (rows, spans); per prefill its prompts
-    decode_one_token, prefill_slots = sampler.decode_one_token, sampler.prefill_slots
-    monkeypatch.setattr(sampler, "decode_one_token", lambda model, tokens, positions, kv: (
-        steps.append((len(tokens), kv.spans)), decode_one_token(model, tokens, positions, kv))[1])
+    prefilled = []  # per prefill, its prompts
+    prefill_slots = sampler.prefill_slots
     monkeypatch.setattr(sampler, "prefill_slots", lambda model, ps, slots, kv: (
         prefilled.append(len(ps)), prefill_slots(model, ps, slots, kv))[1])
     ours, eos, alone = hf_and_ours
@@ -428,27 +421,6 @@ def test_greedy_rows_equal_transformers_with_speed_ups_switched_off(hf_and_ours,
     for row, i in enumerate(which):
         assert r.response_ids[row, :r.lengths[row]].tolist() == alone[i]
     assert (sum(prefilled) == len(which)) == ("SHARE_PROMPTS" in off)
-    assert all(spans == () for _, spans in steps) == ("SPANS" in off)
-    assert all(rows == 4 for rows, _ in steps) == ("SKIP_FREE_ROWS" in off)
-
-
-@pytest.mark.needs("filter_logits", "sample", "rope", "attention", "kv_cache")
-def test_skipping_the_free_rows_changes_no_draw(monkeypatch):
-    """The rows after the last busy one skip the decode step (their logits go stale), but still
-    draw, into the scratch row: every sequence keeps its random numbers, and samples as it would
-    with every row decoding (float64, so that fewer rows in a matmul cannot flip a draw)."""
-    model = tiny_model(head_scale=4.0).double()
-
-    def run():
-        return generate(model, PROMPTS * 4, max_new_tokens=16, eos_token_ids=[3, 9, 11], slots=6,
-                        generator=torch.Generator().manual_seed(0))
-    skipping = run()
-    monkeypatch.setattr(sampler, "SKIP_FREE_ROWS", False)
-    every_row = run()
-    assert skipping.lengths.min() < skipping.lengths.max()  # slots were refilled mid-way
-    assert torch.equal(skipping.response_ids, every_row.response_ids)
-    tol = 8 * torch.finfo(torch.float32).eps * every_row.logprobs.abs().max().clamp(min=1)
-    assert (skipping.logprobs - every_row.logprobs).abs().max() < tol
 
 
 @pytest.mark.needs("filter_logits", "sample", "rope", "attention", "kv_cache")
@@ -622,34 +594,3 @@ def test_ranks_with_unequal_work_finish_with_the_results_of_one_process(two_rank
         assert torch.equal(two_ranks[rank]["response_ids"], alone.response_ids)
     # rows end at different steps
     assert two_ranks[0]["lengths"].min() < two_ranks[0]["lengths"].max()
-
-
-@pytest.mark.needs("sample", "rope", "attention", "kv_cache")
-def test_rows_resorted_every_step_into_spans_of_one_row_still_equal_transformers(hf_and_ours,
-                                                                                 monkeypatch):
-    # the most moving the sampler can do: every step the cache rows are re-sorted by length, and
-    # every row is a span of its own reading keys up to its own position only
-    monkeypatch.setattr(sampler, "RESORT_EVERY", 1)
-    monkeypatch.setattr(sampler, "SPAN_COST", 0)
-    ours, eos, alone = hf_and_ours
-    r = generate(ours, RAGGED, max_new_tokens=12, temperature=0, eos_token_ids=[eos], slots=3)
-    for i, expected in enumerate(alone):
-        assert r.response_ids[i, :r.lengths[i]].tolist() == expected
-
-
-@pytest.mark.needs("sample", "rope", "attention", "kv_cache")
-def test_rows_after_the_last_busy_slot_skip_the_step_and_the_rest_still_equal_transformers(
-        hf_and_ours, monkeypatch):
-    # resorted every step, the slots whose sequences ended go last, and stop decoding
-    monkeypatch.setattr(sampler, "RESORT_EVERY", 1)
-    ours, eos, alone = hf_and_ours
-    rows = []
-    decode_one_token = sampler.decode_one_token
-    monkeypatch.setattr(sampler, "decode_one_token", lambda model, tokens, positions, kv: (
-        rows.append(len(tokens)), decode_one_token(model, tokens, positions, kv))[1])
-    r = generate(ours, RAGGED, max_new_tokens=12, temperature=0, eos_token_ids=[eos])
-    # decode step t feeds token t of every sequence longer than t + 1 tokens, and only those
-    assert rows == [sum(len(a) > t + 1 for a in alone) for t in range(11)]
-    assert rows[0] == len(RAGGED) > rows[-1]
-    for i, expected in enumerate(alone):
-        assert r.response_ids[i, :r.lengths[i]].tolist() == expected
