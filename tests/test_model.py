@@ -524,6 +524,8 @@ def test_activation_checkpointing_gives_the_same_gradients():
         grads.append(torch.cat([p.grad.flatten() for p in m.parameters()]))
     assert (grads[0] - grads[1]).abs().max() < 1e-12 * grads[0].abs().max()
     assert grads[0].abs().max() > 0
+
+
 @pytest.mark.parametrize("head", ["the embedding", "another"])
 def test_a_tied_model_whose_file_holds_another_head_says_it_is_dropped(tmp_path, capsys, head):
     # before: a tied config's lm_head.weight was skipped silently, even one that differed from
