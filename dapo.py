@@ -292,7 +292,7 @@ def set_lr(opt, cfg, step):
 
 
 def train(cfg: Config):
-    verifier = launch.load_verifier(cfg)  # --reward-fn's import may fail: before the weights
+    verifier = launch.load_verifier(cfg)  # a broken --reward-fn fails before the weights load
     model, tok, tok_dir, resume_dir = launch.load_policy(cfg)
     train_rows, val_rows = launch.load_data(cfg, tok, verifier)
     if cfg.eval_only:

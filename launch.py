@@ -7,9 +7,10 @@ DAPO; it is what a run needs before Algorithm 1 starts.
                            picks the compute dtype, prints the memory plan from the model's
                            config.json (--plan: then exits, status 0), checks the lengths
                            against its positions, calls train(cfg), shuts down
-    load_verifier(cfg)     the built-in verifiers, and --reward-fn's function
+    load_verifier(cfg)     the run's verifier: the built-in ones and --reward-fn's function
     load_policy(cfg)       the policy from --model, from a checkpoint (--resume) or the demo's
-    load_data(cfg, tok, verifier)  training and held-out rows, from files or the toy task's
+    load_data(cfg, tok, verifier)  training and held-out rows, from files or the toy task's,
+                           each with a verifier that scores it
     user_errors_in_one_line()  the command line's way to report a user's mistake
 """
 import contextlib
@@ -95,7 +96,7 @@ def check_files(cfg: Config):
     if cfg.reward_fn_all_rows and not cfg.reward_fn:
         raise ValueError("--reward-fn-all-rows needs --reward-fn FILE.py:NAME")
     if cfg.reward_fn:
-        reward_fn_file(cfg.reward_fn)  # there: load_verifier imports it
+        reward_fn_file(cfg.reward_fn)  # the file is there; load_verifier imports it
 
 
 def check_writable_dirs(cfg: Config):

@@ -168,8 +168,10 @@ SCORERS = {
 
 def scorer_for(data_source: str):
     """The built-in verifier of a data_source, or None. Any data_source starting with "aime" also
-    goes to math_dapo, as in verl (the AIME-2024 eval set). Verifier adds --reward-fn's."""
-    return SCORERS.get(data_source) or (compute_score if data_source.startswith("aime") else None)
+    goes to math_dapo, as in verl (the AIME-2024 eval set). A Verifier adds --reward-fn's."""
+    if data_source.startswith("aime"):
+        return compute_score
+    return SCORERS.get(data_source)
 
 
 def has_scorer(data_source: str) -> bool:
@@ -246,9 +248,9 @@ class Verifier:
     def score_responses(self, rows: list[dict], group_size: int, texts: list[str]) -> Scores:
         """The G = group_size responses to each row (texts, group after group), scored by the
         row's verifier."""
-        rows_of_texts = [row for row in rows for _ in range(group_size)]
+        row_of_each_text = [row for row in rows for _ in range(group_size)]
         results = [self.score(row["data_source"], text, row["reward_model"]["ground_truth"])
-                   for row, text in zip(rows_of_texts, texts)]
+                   for row, text in zip(row_of_each_text, texts)]
         errors = [bool(r.get("reward_fn_error")) for r in results]
         return Scores(score=[r["score"] for r in results], acc=[bool(r["acc"]) for r in results],
                       no_answer=[not found_answer(r) for r in results],
