@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from infra import distributed
-from reward import found_answer, reward_fn_spec
 
 
 def _longest(mask) -> int:
@@ -58,18 +57,19 @@ class Batch:
     old_logp: torch.Tensor | None = None  # (N, R) fp32: log pi_old of each response token
 
     @classmethod
-    def from_rollout(cls, out, scores: list[dict], group_size: int) -> "Batch":
-        """From the sampler's Rollout and the verifier's {"score", "acc", "pred"} of each
-        response."""
+    def from_rollout(cls, out, scores, group_size: int) -> "Batch":
+        """From the sampler's Rollout and the verifier's reward.Scores of each response."""
         device = out.response_ids.device
+        reward_error = None
+        if scores.reward_error is not None:
+            reward_error = torch.tensor(scores.reward_error, dtype=torch.bool, device=device)
         return cls(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask,
                    response_ids=out.response_ids, response_mask=out.response_mask,
-                   score=torch.tensor([s["score"] for s in scores], device=device),
-                   acc=torch.tensor([bool(s["acc"]) for s in scores], device=device),
+                   score=torch.tensor(scores.score, device=device),
+                   acc=torch.tensor(scores.acc, dtype=torch.bool, device=device),
                    truncated=out.truncated, group_size=group_size, rollout_logp=out.logprobs,
-                   no_answer=torch.tensor([not found_answer(s) for s in scores], device=device),
-                   reward_error=torch.tensor([bool(s.get("reward_fn_error")) for s in scores],
-                                             device=device) if reward_fn_spec() else None)
+                   no_answer=torch.tensor(scores.no_answer, dtype=torch.bool, device=device),
+                   reward_error=reward_error)
 
     def __len__(self):
         return self.prompt_ids.shape[0]

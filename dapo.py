@@ -29,7 +29,7 @@ from config import Config, parse_args
 from data import PromptIterator, Tokenizer, encode_prompts
 from infra import checkpoint, distributed, health, metrics, precision, rollout_correction, trackers
 from model import response_logprobs
-from reward import overlong_penalty, score_responses, take_reward_fn_errors
+from reward import Verifier, overlong_penalty
 from sampler import generate
 
 
@@ -112,8 +112,8 @@ def loss_mask(batch: Batch, cfg):
 # Rollout and evaluation
 
 @torch.no_grad()
-def rollout(model, rows, tok: Tokenizer, cfg, *, group_size, temperature, top_p, top_k,
-            generator) -> Batch:
+def rollout(model, rows, tok: Tokenizer, cfg, verifier: Verifier, *, group_size, temperature,
+            top_p, top_k, generator) -> Batch:
     """Sample group_size responses to each row's prompt and score them with the row's verifier;
     --rollout-slots decode at a time (the KV cache's rows), a finished one making room."""
     prompts, _ = encode_prompts(rows, tok, cfg.max_prompt_len)
@@ -125,10 +125,10 @@ def rollout(model, rows, tok: Tokenizer, cfg, *, group_size, temperature, top_p,
                        slots=cfg.rollout_slots or None, compile=cfg.compile)  # slots 0: all
     texts = [tok.decode(ids[:n].tolist())  # decoded for the verifier alone, which reads text
              for ids, n in zip(out.response_ids, out.lengths.tolist())]
-    return Batch.from_rollout(out, score_responses(rows, group_size, texts), group_size)
+    return Batch.from_rollout(out, verifier.score_responses(rows, group_size, texts), group_size)
 
 
-def evaluate(model, rows, tok, cfg) -> dict:
+def evaluate(model, rows, tok, cfg, verifier) -> dict:
     """avg@k (mean accuracy over k samples per problem: the paper's avg@32 on AIME) and pass@k
     (any of the k right). Under torch.distributed each rank takes every world_size-th problem
     and the counts are summed. A fresh generator: every evaluation draws the same numbers."""
@@ -136,11 +136,10 @@ def evaluate(model, rows, tok, cfg) -> dict:
     mine = rows[rank::world]
     generator = torch.Generator(cfg.device).manual_seed(cfg.seed + 1 + rank)
     with distributed.gathered(model):  # a rank without a problem samples one and ignores it
-        batch = rollout(model, mine or rows[:1], tok, cfg, group_size=k,
-                        temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, top_k=0,
-                        generator=generator)
+        batch = rollout(model, mine or rows[:1], tok, cfg, verifier, group_size=k, top_k=0,
+                        temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, generator=generator)
     result = metrics.eval_metrics(batch, len(mine), len(rows), k)
-    health.warn_evaluation(result, cfg.reward_fn, take_reward_fn_errors(), batch)  # as a step
+    health.warn_evaluation(result, verifier.spec, verifier.take_errors(), batch)  # as a step
     return result
 
 
@@ -160,7 +159,7 @@ def groups_to_train(n_kept: int, cfg) -> int:
     return n_kept - n_kept % cfg.mini_batch_prompts
 
 
-def collect_batch(model, prompt_iter, tok, cfg, generator) -> Collected:
+def collect_batch(model, prompt_iter, tok, cfg, verifier, generator) -> Collected:
     """Generation batches of prompts from pi_old (the current policy), scored, reward-shaped
     (technique 4) and filtered (technique 2), until train_prompts groups with signal are kept over
     all ranks, or max_gen_batches is reached; this rank's share of them is the training batch."""
@@ -177,9 +176,9 @@ def collect_batch(model, prompt_iter, tok, cfg, generator) -> Collected:
         # --- Rollout (Algorithm 1, lines 3-5): pi_old samples G responses per prompt ---
         prompts = prompt_iter.next_batch()
         with distributed.gathered(model):  # under FSDP: gather the weights once per generation
-            batch = rollout(model, prompts[rank::world], tok, cfg, group_size=cfg.group_size,
-                            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                            generator=generator)
+            batch = rollout(model, prompts[rank::world], tok, cfg, verifier,
+                            group_size=cfg.group_size, temperature=cfg.temperature,
+                            top_p=cfg.top_p, top_k=cfg.top_k, generator=generator)
         # --- DAPO technique 4: overlong reward shaping (paper Sec. 3.4, Eq. 13) ---
         batch = replace(batch, reward=shape_rewards(batch.response_lengths, batch.score, cfg))
         # --- Algorithm 1, line 9: group advantages (paper Eq. 9), one per response: here, where
@@ -293,10 +292,11 @@ def set_lr(opt, cfg, step):
 
 
 def train(cfg: Config):
+    verifier = launch.load_verifier(cfg)  # a broken --reward-fn fails before the weights load
     model, tok, tok_dir, resume_dir = launch.load_policy(cfg)
-    train_rows, val_rows = launch.load_data(cfg, tok)
+    train_rows, val_rows = launch.load_data(cfg, tok, verifier)
     if cfg.eval_only:
-        result = evaluate(model, val_rows, tok, cfg)
+        result = evaluate(model, val_rows, tok, cfg, verifier)
         metrics.report_eval(result, cfg.out_dir, asdict(cfg), trackers.open_all(cfg))
         return result
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -307,14 +307,14 @@ def train(cfg: Config):
                               cfg.steps) if resume_dir else 0
     log = metrics.RunLog(metrics_path, start, cfg.steps,
                          trackers.open_all(cfg, start, metrics_path))
-    alarms = health.Alarms(cfg.stop_when_stuck, cfg.reward_fn)
+    alarms = health.Alarms(cfg.stop_when_stuck, verifier.spec)
     for step in range(start, cfg.steps):  # Algorithm 1, line 1
         if cfg.eval_every and step % cfg.eval_every == 0:
-            log.evaluated(step, evaluate(model, val_rows, tok, cfg))
+            log.evaluated(step, evaluate(model, val_rows, tok, cfg, verifier))
         t0 = time.time()
         set_lr(opt, cfg, step)
         # --- Algorithm 1, lines 2-8: sample, reward, filter, until the batch is full ---
-        collected = collect_batch(model, prompt_iter, tok, cfg, generator)
+        collected = collect_batch(model, prompt_iter, tok, cfg, verifier, generator)
         t_gen, logged = time.time() - t0, collected.metrics  # the step's row of metrics.jsonl
         if collected.to_train is not None:
             logged |= metrics.training_batch_metrics(collected.to_train)
@@ -323,7 +323,7 @@ def train(cfg: Config):
         done = step + 1  # the steps taken: what metrics.jsonl and the checkpoints count
         log.step(done, logged, opt.param_groups[0]["lr"], t_gen, time.time() - t0 - t_gen)
         # a dead run: warn, and stop with --stop-when-stuck
-        stuck = alarms.check(done, logged, collected.generated, tok, take_reward_fn_errors())
+        stuck = alarms.check(done, logged, collected.generated, tok, verifier.take_errors())
         if stuck or (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps:
             checkpoint.save(cfg.out_dir, done, model, tok_dir, opt, prompt_iter, generator,
                             asdict(cfg), keep_last=cfg.keep_checkpoints)
@@ -331,7 +331,7 @@ def train(cfg: Config):
             raise alarms.error()
     alarms.finish()  # a run that took no optimizer step trained nothing: a non-zero exit
     if cfg.eval_every and start < cfg.steps:
-        log.evaluated(cfg.steps, evaluate(model, val_rows, tok, cfg))
+        log.evaluated(cfg.steps, evaluate(model, val_rows, tok, cfg, verifier))
         log.say_eval_change(cfg.eval_samples)
     return log.last_val
 

@@ -32,7 +32,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from infra import datafiles, templates
 from infra.files import need_file, read_json
-from reward import CUSTOM_DATA_SOURCE, SCORERS, has_scorer
+from reward import CUSTOM_DATA_SOURCE, SCORERS, Verifier
 
 log = logging.getLogger("data")
 
@@ -215,15 +215,16 @@ def _from_plain(row, where: str):
             "reward_model": {"ground_truth": row["answer"], "style": "rule"}}
 
 
-def _check_row(row, where: str) -> str | None:
-    """Raise on a row that breaks the schema; return why a well-formed but unusable row is skipped,
-    or None. A JSON integer ground truth is turned into the string the verifier compares."""
+def _check_row(row, where: str, verifier: Verifier) -> str | None:
+    """Raise on a row that breaks the schema or that the verifier cannot score; return why a
+    well-formed but unusable row is skipped, or None. A JSON integer ground truth is turned into
+    the string the verifier compares."""
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected an object with data_source, prompt and reward_model, "
                          f"got {type(row).__name__}")
     if not isinstance(row.get("data_source"), str):
         raise ValueError(f"{where}: 'data_source' is missing or not a string")
-    if not has_scorer(row["data_source"]):
+    if not verifier.has_scorer(row["data_source"]):
         raise ValueError(f"{where}: no reward function for data_source {row['data_source']!r}: "
                          f"give the row \"data_source\": \"math_dapo\" for the built-in verifier "
                          "of DAPO-Math-17k (+1 when the response's last \"Answer: ...\" line "
@@ -258,8 +259,10 @@ def _check_row(row, where: str) -> str | None:
     return None
 
 
-def load_rows(path: str, tokenizer: Tokenizer | None = None, dedupe: bool = True) -> list[dict]:
-    """Rows from a .parquet or .jsonl file (one JSON object per line), in file order.
+def load_rows(path: str, tokenizer: Tokenizer | None = None, dedupe: bool = True,
+              verifier: Verifier | None = None) -> list[dict]:
+    """Rows from a .parquet or .jsonl file (one JSON object per line), in file order, each to be
+    scored by `verifier` (None: the built-in verifiers alone).
 
     A row that breaks the schema (not an object, no data_source, a prompt that is not a list of
     messages) or that cannot be used (a data_source without a reward function; with a tokenizer, a
@@ -272,12 +275,13 @@ def load_rows(path: str, tokenizer: Tokenizer | None = None, dedupe: bool = True
     ~17 s on a busy 2-core machine): it happens once per run, and a deduplicated JSONL copy loads in
     a second."""
     source = datafiles.read_rows(path)
+    verifier = verifier or Verifier()
     rows, wheres, seen, skipped = [], [], {}, {}
     n_read = n_dup = n_conflict = 0
     for where, row in source:
         n_read += 1
         row = _from_plain(row, where)
-        reason = _check_row(row, where)
+        reason = _check_row(row, where, verifier)
         if reason:
             skipped.setdefault(reason, []).append(where)
             continue

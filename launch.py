@@ -7,8 +7,10 @@ DAPO; it is what a run needs before Algorithm 1 starts.
                            picks the compute dtype, prints the memory plan from the model's
                            config.json (--plan: then exits, status 0), checks the lengths
                            against its positions, calls train(cfg), shuts down
+    load_verifier(cfg)     the run's verifier: the built-in ones and --reward-fn's function
     load_policy(cfg)       the policy from --model, from a checkpoint (--resume) or the demo's
-    load_data(cfg, tok)    training and held-out rows, from files or the toy task's
+    load_data(cfg, tok, verifier)  training and held-out rows, from files or the toy task's,
+                           each with a verifier that scores it
     user_errors_in_one_line()  the command line's way to report a user's mistake
 """
 import contextlib
@@ -24,8 +26,7 @@ from data import Tokenizer, check_data_file, check_vocab, load_rows, load_tokeni
 from infra import checkpoint, distributed, files, health, hf_io, memory, precision, trackers
 from infra.files import need_file
 from model import ModelConfig, Qwen2
-from reward import (check_reward_fn, install_reward_fn, scored_by_reward_fn,
-                    uninstall_reward_fn)
+from reward import Verifier, reward_fn_file
 
 
 def run(train, cfg: Config):
@@ -88,12 +89,14 @@ def model_config(cfg: Config) -> tuple[ModelConfig, str | None]:
 
 def check_files(cfg: Config):
     """The files the flags name, checked before anything loads: each data file is there and has a
-    reader (pyarrow for parquet), and --reward-fn is imported, once, and becomes the verifier of
-    the rows it scores (the rows are checked against it as they load)."""
+    reader (pyarrow for parquet), and so is --reward-fn's (load_verifier imports it)."""
     for flag, path in (("--train-data", cfg.train_data), ("--val-data", cfg.val_data)):
         if path:
             check_data_file(path, flag)
-    install_custom_reward(cfg)
+    if cfg.reward_fn_all_rows and not cfg.reward_fn:
+        raise ValueError("--reward-fn-all-rows needs --reward-fn FILE.py:NAME")
+    if cfg.reward_fn:
+        reward_fn_file(cfg.reward_fn)  # the file is there; load_verifier imports it
 
 
 def check_writable_dirs(cfg: Config):
@@ -161,18 +164,18 @@ def check_lengths(cfg: Config, m: ModelConfig, config_json: str | None):
                          f"positions of {source}: lower --max-prompt-len or --max-response-len")
 
 
-def load_data(cfg: Config, tok) -> tuple[list[dict], list[dict]]:
+def load_data(cfg: Config, tok, verifier: Verifier) -> tuple[list[dict], list[dict]]:
     """Training and held-out rows: DAPO-Math-17k / AIME-2024 files, or the toy task's splits.
-    Every row of a file is checked now (a reward function for it, a prompt that renders and
-    encodes), not when a step first draws it. --reward-fn was installed by check_files."""
+    Every row of a file is checked now (the verifier has a scorer for it, a prompt that renders
+    and encodes), not when a step first draws it."""
     if cfg.model and not cfg.train_data and not cfg.eval_only:
         distributed.say(f"warning: --model {cfg.model} without --train-data trains on the demo's "
                         "toy sums (pass --train-data, e.g. DAPO-Math-17k's parquet file)")
     if not (cfg.train_data and cfg.val_data):
         from toy import toy_rows  # the demo's task, where a file is not given
-    train_rows = load_rows(cfg.train_data, tok) if cfg.train_data else \
+    train_rows = load_rows(cfg.train_data, tok, verifier=verifier) if cfg.train_data else \
         toy_rows(20000, seed=cfg.seed, split="train")
-    val_rows = load_rows(cfg.val_data, tok) if cfg.val_data else \
+    val_rows = load_rows(cfg.val_data, tok, verifier=verifier) if cfg.val_data else \
         toy_rows(1000, seed=cfg.seed, split="test")
     if not cfg.eval_only and len(train_rows) < cfg.gen_batch_prompts:
         raise ValueError(f"{cfg.train_data}: {len(train_rows)} usable rows, fewer than "
@@ -181,19 +184,18 @@ def load_data(cfg: Config, tok) -> tuple[list[dict], list[dict]]:
     val_rows = val_rows[:cfg.eval_prompts or None]
     # one call on the ground truth of a row it will score: a wrong signature stops the run now
     scored = (row for row in ([] if cfg.eval_only else train_rows) + val_rows
-              if scored_by_reward_fn(row["data_source"]))
+              if verifier.scores_with_reward_fn(row["data_source"]))
     if example := next(scored, None):
-        check_reward_fn(example["reward_model"]["ground_truth"])
+        verifier.check(example["reward_model"]["ground_truth"])
     return train_rows, val_rows
 
 
-def install_custom_reward(cfg: Config):
-    """--reward-fn, loaded on every rank before the data (whose rows it may be the verifier of)."""
-    if cfg.reward_fn_all_rows and not cfg.reward_fn:
-        raise ValueError("--reward-fn-all-rows needs --reward-fn FILE.py:NAME")
-    uninstall_reward_fn()
-    if cfg.reward_fn:
-        install_reward_fn(cfg.reward_fn, cfg.reward_fn_all_rows, timeout_s=cfg.reward_timeout)
+def load_verifier(cfg: Config) -> Verifier:
+    """The run's verifier: the built-in ones, and --reward-fn's function, imported once on every
+    rank, before the weights load and the data (whose rows it may be the verifier of)."""
+    if not cfg.reward_fn:
+        return Verifier()
+    return Verifier.load(cfg.reward_fn, cfg.reward_fn_all_rows, cfg.reward_timeout)
 
 
 # A user's mistake (a flag, a path, a file's content, a directory another run holds) is found by

@@ -27,6 +27,8 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -165,38 +167,20 @@ SCORERS = {
 
 
 def scorer_for(data_source: str):
-    """The verifier of a data_source, or None. Any data_source starting with "aime" also goes to
-    math_dapo, as in verl (the AIME-2024 eval set). With --reward-fn, that function scores the
-    rows no built-in verifier knows (or every row)."""
-    if scored_by_reward_fn(data_source):
-        return functools.partial(_score_custom, data_source)
-    return _builtin_scorer(data_source)
-
-
-def scored_by_reward_fn(data_source: str) -> bool:
-    """Whether --reward-fn (if installed) scores the rows of this data_source."""
-    return _custom["fn"] is not None and (_custom["every_row"] or not _builtin_scorer(data_source))
-
-
-def _builtin_scorer(data_source: str):
-    return SCORERS.get(data_source) or (compute_score if data_source.startswith("aime") else None)
+    """The built-in verifier of a data_source, or None. Any data_source starting with "aime" also
+    goes to math_dapo, as in verl (the AIME-2024 eval set). A Verifier adds --reward-fn's."""
+    if data_source.startswith("aime"):
+        return compute_score
+    return SCORERS.get(data_source)
 
 
 def has_scorer(data_source: str) -> bool:
-    """Whether rows of this data_source can be rewarded: data.py checks every row on load, not when
-    it is drawn."""
+    """Whether a built-in verifier rewards rows of this data_source."""
     return scorer_for(data_source) is not None
 
 
-def score_responses(rows: list[dict], group_size: int, texts: list[str]) -> list[dict]:
-    """The G = group_size responses to each row (texts, group after group), scored by the row's
-    verifier."""
-    return [score_response(row["data_source"], text, row["reward_model"]["ground_truth"])
-            for row, text in zip([r for r in rows for _ in range(group_size)], texts)]
-
-
 def score_response(data_source: str, response_text: str, ground_truth: str) -> dict:
-    """Score one decoded response for its row's data_source: {"score", "acc", "pred"}."""
+    """Score one decoded response with its row's built-in verifier: {"score", "acc", "pred"}."""
     scorer = scorer_for(data_source)
     if scorer is None:
         raise ValueError(f"no reward function for data_source {data_source!r}; known: "
@@ -204,34 +188,173 @@ def score_response(data_source: str, response_text: str, ground_truth: str) -> d
     return scorer(response_text, ground_truth)
 
 
+@dataclass
+class Scores:
+    """The verifier's verdict on each response of a rollout (batch.Batch.from_rollout's input)."""
+    score: list[float]  # +1 right, -1 wrong (or --reward-fn's own number)
+    acc: list[bool]  # the answer is right
+    no_answer: list[bool]  # the verifier found no answer to read
+    reward_error: list[bool] | None  # --reward-fn raised on it; None without --reward-fn
+
+
 # --------------------------------------------------------------------------------------------------
 # Your own verifier: --reward-fn FILE.py:NAME (verl's custom_reward_function.path/name, TRL's
 # reward_funcs): NAME(response_text, ground_truth) -> float or {"score": float, "acc": bool}
 CUSTOM_DATA_SOURCE = "custom"  # the data_source of plain {"prompt", "answer"} rows (data.py)
-_custom = {"fn": None, "spec": "", "every_row": False, "timeout_s": 0.0}
 SLOW_SCORE_S = 10.0  # one call of the custom verifier this long: say so (once a run)
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # the rewards' dtype (batch.Batch.score)
 MAX_TIMER_S = 1e8  # setitimer's longest here is ~1e9 s (the platform's time_t): 3 years is plenty
-# the first exception of the custom verifier since take_reward_fn_errors() (the step's warning
-# shows it); whether it was said to be slow
-_state = {"first_error": "", "said_slow": False}
-
-
 # A verifier's sys.exit() is one of its errors: a SystemExit let through would end the run with
 # exit status 0, losing every step since the last checkpoint (KeyboardInterrupt still stops it)
 VERIFIER_ERRORS = (Exception, SystemExit)
 
 
-def load_reward_fn(spec: str):
-    """The function NAME of FILE.py, from "FILE.py:NAME"; raise naming the flag, the file and the
-    name when the file is missing or broken or NAME is not a callable."""
-    import importlib.util
+@dataclass
+class Verifier:
+    """A run's verifier: the built-in one of each row's data_source and, with --reward-fn, your
+    function, loaded from spec ("FILE.py:NAME"), for the rows no built-in one scores (or for
+    every row: every_row). A call of it longer than timeout_s seconds (0 or inf: no limit) is a
+    wrong answer. launch.py builds one a run; rollouts, evaluations and the alarms are handed it.
+
+        Verifier()                                  the built-in verifiers alone
+        Verifier.load("mine.py:score", False, 30)   and yours
+    """
+    reward_fn: Callable | None = None
+    spec: str = ""  # "FILE.py:NAME", "" without --reward-fn
+    every_row: bool = False
+    timeout_s: float = 0.0
+    first_error: str = ""  # reward_fn's first error since take_errors(), with its response
+    said_slow: bool = False  # a slow call of reward_fn was said (once a run)
+
+    @classmethod
+    def load(cls, spec: str, every_row: bool, timeout_s: float = 0.0) -> "Verifier":
+        return cls(load_reward_fn(spec), spec, every_row, timeout_s)
+
+    def scores_with_reward_fn(self, data_source: str) -> bool:
+        """Whether --reward-fn (if given) scores the rows of this data_source."""
+        return self.reward_fn is not None and (self.every_row or not has_scorer(data_source))
+
+    def has_scorer(self, data_source: str) -> bool:
+        """Whether rows of this data_source can be rewarded: data.py checks every row on load,
+        not when it is drawn."""
+        return self.reward_fn is not None or has_scorer(data_source)
+
+    def score(self, data_source: str, response_text: str, ground_truth: str) -> dict:
+        """Score one decoded response for its row's data_source: {"score", "acc", "pred"}."""
+        if self.scores_with_reward_fn(data_source):
+            return self._score_with_reward_fn(data_source, response_text, ground_truth)
+        return score_response(data_source, response_text, ground_truth)
+
+    def score_responses(self, rows: list[dict], group_size: int, texts: list[str]) -> Scores:
+        """The G = group_size responses to each row (texts, group after group), scored by the
+        row's verifier."""
+        row_of_each_text = [row for row in rows for _ in range(group_size)]
+        results = [self.score(row["data_source"], text, row["reward_model"]["ground_truth"])
+                   for row, text in zip(row_of_each_text, texts)]
+        errors = [bool(r.get("reward_fn_error")) for r in results]
+        return Scores(score=[r["score"] for r in results], acc=[bool(r["acc"]) for r in results],
+                      no_answer=[not found_answer(r) for r in results],
+                      reward_error=errors if self.reward_fn is not None else None)
+
+    def check(self, example_ground_truth: str):
+        """One call of --reward-fn on a real ground truth (of a row it scores, given as the
+        response too) must return a finite float or {"score", "acc"}: a wrong signature or type
+        stops the run before it starts, not at the first rollout."""
+        gt = example_ground_truth
+        try:
+            out = _as_score(self._call(gt, gt), self.spec)
+            _check_finite(out["score"], self.spec, gt, gt)
+        except VERIFIER_ERRORS as e:
+            raise ValueError(f"--reward-fn {self.spec}: the check call "
+                             f"{self.spec.rpartition(':')[2]}({gt!r}, {gt!r}) failed: "
+                             f"{_described(e)}") from e
+
+    def take_errors(self) -> str:
+        """The first exception --reward-fn raised since the last call, with its response and
+        ground truth, or "" if none; forgets it. The rollout's metrics count them."""
+        first, self.first_error = self.first_error, ""
+        return first
+
+    def _score_with_reward_fn(self, data_source: str, response_text: str,
+                              ground_truth: str) -> dict:
+        """An exception (a sys.exit() too), a timeout or a wrong return type is a wrong answer
+        (-1), marked reward_fn_error and remembered for the step's warning (the first of them,
+        with its response), and the run goes on. A NaN or an inf stops it."""
+        try:
+            out = _as_score(self._call(response_text, ground_truth), self.spec)
+        except VERIFIER_ERRORS as e:
+            if not self.first_error:
+                self.first_error = (f"{_described(e)}, on a row of data_source "
+                                    f"{data_source!r}, ground truth {_excerpt(ground_truth)}, "
+                                    f"response {_excerpt(response_text)}")
+            return {"score": -1.0, "acc": False, "pred": "", "reward_fn_error": True}
+        _check_finite(out["score"], self.spec, response_text, ground_truth)
+        return out
+
+    def _call(self, response_text: str, ground_truth: str):
+        """reward_fn(response_text, ground_truth), said to be slow after SLOW_SCORE_S and stopped
+        with a TimeoutError after timeout_s. A SIGALRM timer: it interrupts Python code (a sympy
+        simplification that runs away), not a call stuck inside C code (a regex, an extension),
+        and exists only in the main thread of a Unix process: elsewhere it runs unwatched. A
+        function that sets its own SIGALRM (a timeout decorator) takes the timer over for its
+        call."""
+        with _same_directory():
+            return self._call_timed(response_text, ground_truth)
+
+    def _call_timed(self, response_text: str, ground_truth: str):
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        if not (hasattr(signal, "setitimer") and in_main_thread):  # no timer: unwatched
+            return self.reward_fn(response_text, ground_truth)
+        start = time.monotonic()
+        timeout_s = self.timeout_s if math.isfinite(self.timeout_s) else 0.0  # inf: no limit
+
+        def on_alarm(signum, frame):
+            ran = time.monotonic() - start
+            if timeout_s and ran >= timeout_s * 0.999:  # the timer may ring a hair early
+                raise TimeoutError(f"still running after --reward-timeout {timeout_s:g} s")
+            self._say_slow(ran, timeout_s)
+            if timeout_s:  # a timer beyond MAX_TIMER_S overflows: it rings, and is set again
+                signal.setitimer(signal.ITIMER_REAL, min(timeout_s - ran, MAX_TIMER_S))
+
+        previous = signal.signal(signal.SIGALRM, on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, min(SLOW_SCORE_S, timeout_s or SLOW_SCORE_S))
+        try:
+            return self.reward_fn(response_text, ground_truth)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+    def _say_slow(self, ran: float, timeout_s: float):
+        if self.said_slow:
+            return
+        self.said_slow = True
+        if timeout_s:
+            limit = f"--reward-timeout {timeout_s:g} s scores a longer call as a wrong answer"
+        else:
+            limit = "--reward-timeout S would score a call longer than S s as a wrong answer"
+        logging.getLogger(__name__).warning(
+            "--reward-fn %s has been scoring one response for %.1f s; the responses of a step "
+            "are scored one after another, so a step takes that times their number (%s)",
+            self.spec, ran, limit)
+
+
+def reward_fn_file(spec: str) -> tuple[str, str]:
+    """(FILE.py, NAME) from "FILE.py:NAME"; raise naming the flag when the form is wrong or the
+    file is missing."""
     path, sep, name = spec.rpartition(":")
     if not sep or not path.endswith(".py") or not name.isidentifier():
         raise ValueError(f"--reward-fn {spec!r}: expected FILE.py:NAME, e.g. "
                          "examples/countdown.py:score")
     if not os.path.isfile(path):
         raise ValueError(f"--reward-fn {spec!r}: no file {path}")
+    return path, name
+
+
+def load_reward_fn(spec: str):
+    """The function NAME of FILE.py, from "FILE.py:NAME"; raise naming the flag, the file and the
+    name when the file is missing or broken or NAME is not a callable."""
+    import importlib.util
+    path, name = reward_fn_file(spec)
     module_spec = importlib.util.spec_from_file_location(f"reward_fn_{name}", path)
     module = importlib.util.module_from_spec(module_spec)
     try:
@@ -246,6 +369,17 @@ def load_reward_fn(spec: str):
         raise ValueError(f"--reward-fn {spec!r}: {path} defines {what} named {name}, not a "
                          "function (response_text, ground_truth) -> float or {'score', 'acc'}")
     return fn
+
+
+@contextlib.contextmanager
+def _same_directory():
+    """The run's working directory, as it was, after a verifier's code: an os.chdir there would
+    move every relative path of the run (--out-dir runs/demo: its metrics could not be opened)."""
+    cwd = os.getcwd()
+    try:
+        yield
+    finally:
+        os.chdir(cwd)
 
 
 def _described(e: BaseException) -> str:
@@ -295,119 +429,3 @@ def _check_finite(score: float, spec: str, response_text: str, ground_truth: str
 def _excerpt(text: str, chars: int = 200) -> str:
     """The end of a response, where the answer is, as repr shows it."""
     return repr(text) if len(text) <= chars else "..." + repr(text[-chars:])
-
-
-def _call(fn, response_text: str, ground_truth: str, timeout_s: float):
-    """fn(response_text, ground_truth), said to be slow after SLOW_SCORE_S and stopped with a
-    TimeoutError after timeout_s (0 or inf: never). A SIGALRM timer: it interrupts Python code (a
-    sympy simplification that runs away), not a call stuck inside C code (a regex, an extension),
-    and exists only in the main thread of a Unix process: elsewhere fn runs unwatched. A function
-    that sets its own SIGALRM (a timeout decorator) takes the timer over for its call."""
-    with _same_directory():
-        return _call_timed(fn, response_text, ground_truth, timeout_s)
-
-
-@contextlib.contextmanager
-def _same_directory():
-    """The run's working directory, as it was, after a verifier's code: an os.chdir there would
-    move every relative path of the run (--out-dir runs/demo: its metrics could not be opened)."""
-    cwd = os.getcwd()
-    try:
-        yield
-    finally:
-        os.chdir(cwd)
-
-
-def _call_timed(fn, response_text: str, ground_truth: str, timeout_s: float):
-    if not hasattr(signal, "setitimer") or threading.current_thread() != threading.main_thread():
-        return fn(response_text, ground_truth)
-    start = time.monotonic()
-    timeout_s = timeout_s if math.isfinite(timeout_s) else 0.0  # inf: no limit
-
-    def on_alarm(signum, frame):
-        ran = time.monotonic() - start
-        if timeout_s and ran >= timeout_s * 0.999:  # the timer may ring a hair early
-            raise TimeoutError(f"still running after --reward-timeout {timeout_s:g} s")
-        _say_slow(ran, timeout_s)
-        if timeout_s:  # a timer beyond MAX_TIMER_S overflows: it rings, and is set again
-            signal.setitimer(signal.ITIMER_REAL, min(timeout_s - ran, MAX_TIMER_S))
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, min(SLOW_SCORE_S, timeout_s or SLOW_SCORE_S))
-    try:
-        return fn(response_text, ground_truth)
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def _say_slow(ran: float, timeout_s: float):
-    if _state["said_slow"]:
-        return
-    _state["said_slow"] = True
-    limit = (f"--reward-timeout {timeout_s:g} s scores a longer call as a wrong answer"
-             if timeout_s else "--reward-timeout S would score a call longer than S s as a wrong "
-                               "answer")
-    logging.getLogger(__name__).warning(
-        "--reward-fn %s has been scoring one response for %.1f s; the responses of a step are "
-        "scored one after another, so a step takes that times their number (%s)",
-        _custom["spec"], ran, limit)
-
-
-def install_reward_fn(spec: str, every_row: bool, timeout_s: float = 0.0):
-    """Load --reward-fn and make it the verifier of rows whose data_source has none built in (or
-    of every row); a call longer than timeout_s seconds (0: no limit) is a wrong answer.
-    check_reward_fn() calls it once, when a row's ground truth is at hand."""
-    _custom.update(fn=load_reward_fn(spec), spec=spec, every_row=every_row, timeout_s=timeout_s)
-
-
-def check_reward_fn(example_ground_truth: str):
-    """One call of the installed --reward-fn on a real ground truth (of a row it scores, given as
-    the response too) must return a finite float or {"score", "acc"}: a wrong signature or type
-    stops the run before it starts, not at the first rollout."""
-    _check_call(_custom["fn"], _custom["spec"], example_ground_truth, _custom["timeout_s"])
-
-
-def _check_call(fn, spec: str, ground_truth: str, timeout_s: float = 0.0):
-    try:
-        out = _as_score(_call(fn, ground_truth, ground_truth, timeout_s), spec)
-        _check_finite(out["score"], spec, ground_truth, ground_truth)
-    except VERIFIER_ERRORS as e:
-        raise ValueError(f"--reward-fn {spec}: the check call {spec.rpartition(':')[2]}"
-                         f"({ground_truth!r}, {ground_truth!r}) failed: {_described(e)}") from e
-
-
-def uninstall_reward_fn():
-    """Back to the built-in verifiers only (a run without --reward-fn, in the same process)."""
-    _custom.update(fn=None, spec="", every_row=False, timeout_s=0.0)
-    _state.update(first_error="", said_slow=False)
-
-
-def reward_fn_spec() -> str:
-    """The --reward-fn installed ("FILE.py:NAME"), or ""."""
-    return _custom["spec"]
-
-
-def take_reward_fn_errors() -> str:
-    """The first exception the custom verifier raised since the last call, with its response and
-    ground truth, or "" if none; forgets them. The rollout's metrics count them."""
-    first, _state["first_error"] = _state["first_error"], ""
-    return first
-
-
-def _score_custom(data_source: str, response_text: str, ground_truth: str) -> dict:
-    """The custom verifier's score. An exception (a sys.exit() too), a timeout or a wrong return
-    type is a wrong answer (-1), marked reward_fn_error and remembered for the step's warning (the
-    first of them, with its response), and the run goes on. A NaN or an inf stops it."""
-    spec = _custom["spec"]
-    try:
-        out = _as_score(_call(_custom["fn"], response_text, ground_truth, _custom["timeout_s"]),
-                        spec)
-    except VERIFIER_ERRORS as e:
-        if not _state["first_error"]:
-            _state["first_error"] = (f"{_described(e)}, on a row of data_source "
-                                     f"{data_source!r}, ground truth {_excerpt(ground_truth)}, "
-                                     f"response {_excerpt(response_text)}")
-        return {"score": -1.0, "acc": False, "pred": "", "reward_fn_error": True}
-    _check_finite(out["score"], spec, response_text, ground_truth)
-    return out

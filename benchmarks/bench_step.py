@@ -57,7 +57,7 @@ import dapo  # noqa: E402
 from config import Config  # noqa: E402
 from data import load_tokenizer  # noqa: E402
 from model import Qwen2  # noqa: E402
-from reward import overlong_penalty, score_response  # noqa: E402
+from reward import Verifier, overlong_penalty, score_response  # noqa: E402
 from toy import demo_base_model, make_toy_tokenizer, toy_rows  # noqa: E402
 
 PROMPTS, G, MAX_LEN, BUFFER, MICRO, LR = 32, 8, 40, 16, 64, 1e-6
@@ -138,6 +138,8 @@ class OurSide:
                                      weight_decay=0.0)
         self.generator = torch.Generator().manual_seed(0)
         self.phases = phases
+        self.verifier = Verifier()  # math_dapo; its scoring is the "reward" phase
+        self.verifier.score_responses = phases.wrap("reward", self.verifier.score_responses)
 
     def step(self, rows):
         """One rollout and one optimizer step on these prompts -> response tokens generated."""
@@ -149,7 +151,8 @@ class OurSide:
         return int(batch.response_mask.sum())
 
     def rollout(self, rows):
-        collected = dapo.collect_batch(self.model, Rows(rows), self.tok, self.cfg, self.generator)
+        collected = dapo.collect_batch(self.model, Rows(rows), self.tok, self.cfg, self.verifier,
+                                       self.generator)
         return collected.to_train, collected.metrics  # its advantages computed
 
 
@@ -321,9 +324,8 @@ def main():
     rows = toy_rows(PROMPTS * n_steps, seed=0)  # TRL takes them in order: step i, chunk i
     chunks = [rows[i * PROMPTS:(i + 1) * PROMPTS] for i in range(n_steps)]
     phases, tokens, record = Phases(), [], Record(args)
-    # dapo.py's own names for the sampler and the verifier, wrapped to count the phases
+    # dapo.py's own name for the sampler, wrapped to count the phase (OurSide wraps the verifier)
     dapo.generate = phases.wrap("generate", dapo.generate)
-    dapo.score_responses = phases.wrap("reward", dapo.score_responses)
     with tempfile.TemporaryDirectory() as root:
         base = base_model_dir(root)
         tuned = dict(rollout_slots=args.slots, micro_batch_tokens=args.micro_batch_tokens)

@@ -37,6 +37,7 @@ from config import Config  # noqa: E402
 from infra import distributed  # noqa: E402
 from infra.precision import BF16_UNIT_ROUNDOFF  # noqa: E402
 from model import Qwen2, preset, response_logprobs  # noqa: E402
+from reward import Verifier  # noqa: E402
 from toy import make_toy_tokenizer, toy_rows  # noqa: E402
 
 
@@ -57,8 +58,8 @@ MIN_MOVE = 4  # x the tolerance: the trainer's move must be one that the toleran
 def greedy(model, rows, tok, cfg):
     """The sampler's greedy responses and their log-probs, as the loop's rollout makes them."""
     with distributed.gathered(model):
-        return dapo.rollout(model, rows, tok, cfg, group_size=1, temperature=0.0, top_p=1.0,
-                            top_k=0, generator=None)
+        return dapo.rollout(model, rows, tok, cfg, Verifier(), group_size=1, temperature=0.0,
+                            top_p=1.0, top_k=0, generator=None)
 
 
 @torch.no_grad()

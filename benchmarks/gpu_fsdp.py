@@ -38,6 +38,7 @@ import dapo  # noqa: E402
 from data import load_tokenizer  # noqa: E402
 from infra import distributed, precision  # noqa: E402
 from model import Qwen2, num_params, preset, response_logprobs  # noqa: E402
+from reward import Verifier  # noqa: E402
 from toy import make_toy_tokenizer, toy_rows  # noqa: E402
 
 
@@ -119,7 +120,7 @@ def run(args, device, d) -> list[str]:
 
     def rollout(model, run_cfg):
         with distributed.gathered(model):
-            batch = dapo.rollout(model, rows, tok, run_cfg, group_size=cfg.group_size,
+            batch = dapo.rollout(model, rows, tok, run_cfg, Verifier(), group_size=cfg.group_size,
                                  temperature=1.0, top_p=1.0, top_k=0, generator=g)
         adv = torch.randn(len(batch), generator=torch.Generator().manual_seed(1))
         return replace(batch, adv=adv.to(device))

@@ -230,12 +230,13 @@ def probe(model_dir, rows_path, k, seed, cfg) -> dict:
     the working is shown."""
     from data import load_rows, load_tokenizer
     from model import Qwen2
+    from reward import Verifier
     tok = load_tokenizer(model_dir)
     model = Qwen2.from_pretrained(model_dir, dtype=torch.float32)
     rows = load_rows(rows_path, tok)
     # every sample decoding at once (rollout_slots 0): the draws follow the slots' schedule
-    batch = dapo.rollout(model, rows, tok, replace(cfg, rollout_slots=0), group_size=k,
-                         temperature=1.0, top_p=1.0, top_k=0,
+    batch = dapo.rollout(model, rows, tok, replace(cfg, rollout_slots=0), Verifier(),
+                         group_size=k, temperature=1.0, top_p=1.0, top_k=0,
                          generator=torch.Generator().manual_seed(1000 + seed))
     lengths = batch.response_lengths
     texts = [tok.decode(ids[:n].tolist()) for ids, n in zip(batch.response_ids, lengths.tolist())]

@@ -27,6 +27,7 @@ from config import Config  # noqa: E402
 from data import load_tokenizer  # noqa: E402
 from infra.rollout_correction import Stats  # noqa: E402
 from model import Qwen2, response_logprobs  # noqa: E402
+from reward import Verifier  # noqa: E402
 from toy import demo_policy, toy_rows  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,7 +37,7 @@ def measure(model, tok, rows, cfg, sampler_precision: str, seed: int):
     """The sampler's and the trainer's log-probs of one rollout: (log rho (N, R), response
     mask (N, R), the rollout_corr/ and parity metrics)."""
     cfg = replace(cfg, rollout_precision=sampler_precision)
-    batch = dapo.rollout(model, rows, tok, cfg, group_size=cfg.group_size,
+    batch = dapo.rollout(model, rows, tok, cfg, Verifier(), group_size=cfg.group_size,
                          temperature=cfg.temperature, top_p=1.0, top_k=0,
                          generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():  # the trainer: fp32, the whole sequence at once

@@ -52,7 +52,7 @@ from config import Config, parse_args
 from dapo import (group_advantages, groups_to_train, keep_groups, policy_loss, rollout,
                   shape_rewards, update_policy)
 from data import load_tokenizer
-from reward import overlong_penalty
+from reward import Verifier, overlong_penalty
 from toy import TOY_MAX_DIGIT, TOY_MAX_TERMS, TOY_MIN_TERMS, demo_policy, toy_rows"""),
     ("md", """## The toy task and what the base model does
 
@@ -69,8 +69,9 @@ generator = torch.Generator().manual_seed(0)
 
 
 def sample(rows, group_size):
-    return rollout(model, rows, tok, cfg, group_size=group_size, temperature=cfg.temperature,
-                   top_p=cfg.top_p, top_k=cfg.top_k, generator=generator)
+    return rollout(model, rows, tok, cfg, Verifier(), group_size=group_size,
+                   temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                   generator=generator)
 
 
 def responses(batch):

@@ -32,7 +32,7 @@ def random_batch(vocab, n=8, group_size=4, seed=0, dtype=torch.float32) -> Batch
                    rollout_logp=(rollout_logp * batch.response_mask).to(dtype))
 
 
-def scripted_rollout(model, rows, tok, cfg, *, group_size, **sampling) -> Batch:
+def scripted_rollout(model, rows, tok, cfg, verifier, *, group_size, **sampling) -> Batch:
     """A stand-in for dapo.rollout whose responses depend on the row alone, the same in every
     process: row k's prompt is [k + 3], and its group is all right (k % 4 == 0), all wrong
     (k % 4 == 1) or right once (otherwise)."""

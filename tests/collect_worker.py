@@ -17,6 +17,7 @@ import dapo  # noqa: E402
 from infra import distributed  # noqa: E402
 from batches import indexed_rows, scripted_rollout  # noqa: E402
 from data import PromptIterator  # noqa: E402
+from reward import Verifier  # noqa: E402
 
 CFG = dapo.Config(train_prompts=8, gen_prompts=6, group_size=2, mini_batch_prompts=4,
                   max_gen_batches=0, device="cpu")
@@ -33,7 +34,7 @@ def collect(cfg=CFG):
     """-> (the prompt number of each response this rank trains, per mini-batch; the step's
     metrics), with dapo.rollout replaced by scripted_rollout."""
     prompt_iter = PromptIterator(ROWS, cfg.gen_prompts, seed=0)
-    collected = dapo.collect_batch(torch.nn.Linear(1, 1), prompt_iter, None, cfg, None)
+    collected = dapo.collect_batch(torch.nn.Linear(1, 1), prompt_iter, None, cfg, Verifier(), None)
     batch, metrics = collected.to_train, collected.metrics
     responses = (batch.prompt_ids[:, -1] - 3).tolist()
     share = cfg.mini_batch_prompts * cfg.group_size // distributed.world_size()

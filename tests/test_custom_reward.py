@@ -15,20 +15,15 @@ import pytest
 
 import dapo
 import reward
+from reward import Verifier
 from config import Config
 from data import load_rows
 from examples.countdown import make_problem, make_row, score
-from launch import install_custom_reward
+from launch import check_files, load_verifier
 from test_dapo import torch_kernel_path  # noqa: F401 (an autouse fixture: the PyTorch kernel path)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COUNTDOWN = os.path.join(ROOT, "examples", "countdown.py")
-
-
-@pytest.fixture(autouse=True)
-def no_custom_reward_left_behind():
-    yield
-    reward.uninstall_reward_fn()
 
 
 def write(path, text):
@@ -54,8 +49,8 @@ def plain_jsonl(path, rows):
 def test_a_bad_reward_file_stops_the_run_naming_the_flag(tmp_path, body, spec_name, error):
     path = str(tmp_path / "mine.py") if body is None else write(tmp_path / "mine.py", body)
     with pytest.raises(ValueError, match=f"--reward-fn .*{error}"):
-        reward.install_reward_fn(f"{path}:{spec_name}", False)
-        reward.check_reward_fn("7")
+        verifier = Verifier.load(f"{path}:{spec_name}", False)
+        verifier.check("7")
 
 
 @pytest.mark.parametrize("spec", ["mine.py", "mine:score", "mine.py:not a name"])
@@ -68,46 +63,46 @@ def test_a_malformed_spec_says_the_form(spec):
 def test_floats_and_dicts_are_scores_and_acc_follows_the_sign(tmp_path):
     path = write(tmp_path / "mine.py", "def f(r, g):\n    return float(r == g) * 2 - 1\n"
                                        "def d(r, g):\n    return {'score': 0.5, 'acc': False}\n")
-    reward.install_reward_fn(f"{path}:f", False)
-    assert reward.score_response("custom", "7", "7") == {"score": 1.0, "acc": True, "pred": ""}
-    assert reward.score_response("custom", "8", "7")["acc"] is False
+    verifier = Verifier.load(f"{path}:f", False)
+    assert verifier.score("custom", "7", "7") == {"score": 1.0, "acc": True, "pred": ""}
+    assert verifier.score("custom", "8", "7")["acc"] is False
     # a data_source with a built-in verifier keeps it unless every row is asked for
-    assert reward.score_response("math_dapo", "Answer: 7", "7")["pred"] == "7"
-    reward.install_reward_fn(f"{path}:d", True)
-    assert reward.score_response("math_dapo", "Answer: 7", "7") == {"score": 0.5, "acc": False,
+    assert verifier.score("math_dapo", "Answer: 7", "7")["pred"] == "7"
+    verifier = Verifier.load(f"{path}:d", True)
+    assert verifier.score("math_dapo", "Answer: 7", "7") == {"score": 0.5, "acc": False,
                                                                     "pred": ""}
 
 
 def test_an_exception_during_the_run_is_a_wrong_answer_the_step_reports_once(tmp_path, caplog):
     path = write(tmp_path / "mine.py", "def f(r, g):\n    return 1.0 if r == g else int(r)\n")
-    reward.install_reward_fn(f"{path}:f", False)
-    reward.check_reward_fn("7")
+    verifier = Verifier.load(f"{path}:f", False)
+    verifier.check("7")
     with caplog.at_level(logging.WARNING):
-        outs = [reward.score_response("custom", r, "7") for r in ("seven", "7", "eight")]
+        outs = [verifier.score("custom", r, "7") for r in ("seven", "7", "eight")]
     assert [(o["score"], o["acc"], o.get("reward_fn_error")) for o in outs] == [
         (-1.0, False, True), (1.0, True, None), (-1.0, False, True)]
     assert caplog.text == ""  # not a line per response: the step's warning says it once
     assert re.fullmatch(r"ValueError: invalid literal .*'seven', on a row of data_source "
                         r"'custom', ground truth '7', response 'seven'",
-                        reward.take_reward_fn_errors())
-    assert reward.take_reward_fn_errors() == ""  # read once, then forgotten
+                        verifier.take_errors())
+    assert verifier.take_errors() == ""  # read once, then forgotten
 
 
 @pytest.mark.parametrize("bad", ["float('nan')", "float('inf')", "{'score': float('nan')}"])
 def test_a_nan_or_inf_score_stops_the_run_naming_the_function_and_the_response(tmp_path, bad):
     path = write(tmp_path / "mine.py", f"def f(r, g):\n    return 1.0 if r == g else {bad}\n")
-    reward.install_reward_fn(f"{path}:f", False)
-    reward.check_reward_fn("7")  # 1.0 on its check
+    verifier = Verifier.load(f"{path}:f", False)
+    verifier.check("7")  # 1.0 on its check
     value = "inf" if "inf" in bad else "nan"
     with pytest.raises(ValueError, match=rf"--reward-fn .*mine\.py:f returned {value} for the "
                                          r"response 'Answer: 8' \(ground truth '7'\): a score "
                                          r"must be a finite number"):
-        reward.score_response("custom", "Answer: 8", "7")
+        verifier.score("custom", "Answer: 8", "7")
     always = write(tmp_path / "always.py", f"def f(r, g):\n    return {bad}\n")
     with pytest.raises(ValueError, match=rf"the check call f\('7', '7'\) failed: ValueError: "
                                          rf"--reward-fn .*:f returned {value}"):
-        reward.install_reward_fn(f"{always}:f", False)
-        reward.check_reward_fn("7")
+        verifier = Verifier.load(f"{always}:f", False)
+        verifier.check("7")
 
 
 def test_a_slow_call_is_said_and_one_past_the_timeout_is_a_wrong_answer(tmp_path, caplog,
@@ -116,14 +111,14 @@ def test_a_slow_call_is_said_and_one_past_the_timeout_is_a_wrong_answer(tmp_path
     path = write(tmp_path / "mine.py", "import time\ndef f(r, g):\n"
                                        "    time.sleep(0.3 if r == 'slow' else 60)\n"
                                        "    return 1.0\n")
-    reward.install_reward_fn(f"{path}:f", False, timeout_s=1.0)
+    verifier = Verifier.load(f"{path}:f", False, timeout_s=1.0)
     with caplog.at_level(logging.WARNING):
-        assert reward.score_response("custom", "slow", "7")["score"] == 1.0  # slow, in time
+        assert verifier.score("custom", "slow", "7")["score"] == 1.0  # slow, in time
         start = time.monotonic()
-        out = reward.score_response("custom", "hangs", "7")
+        out = verifier.score("custom", "hangs", "7")
     assert time.monotonic() - start < 5  # stopped at the timeout, not after 60 s
     assert out == {"score": -1.0, "acc": False, "pred": "", "reward_fn_error": True}
-    assert reward.take_reward_fn_errors().startswith(
+    assert verifier.take_errors().startswith(
         "TimeoutError: still running after --reward-timeout 1 s, on a row")
     assert caplog.text.count("has been scoring one response for 0.1 s") == 1  # said once
     assert "--reward-timeout 1 s scores a longer call as a wrong answer" in caplog.text
@@ -135,8 +130,7 @@ def test_plain_jsonl_rows_become_chat_rows_scored_by_the_reward_fn(tmp_path):
     with pytest.raises(ValueError, match=r"plain.jsonl:1: no reward function for data_source "
                                          r"'custom'.*--reward-fn"):
         load_rows(data)
-    reward.install_reward_fn(f"{COUNTDOWN}:score", False)
-    rows = load_rows(data)
+    rows = load_rows(data, verifier=Verifier.load(f"{COUNTDOWN}:score", False))
     assert rows == [
         {"data_source": "custom", "prompt": [{"role": "user", "content": "2+3?"}],
          "reward_model": {"ground_truth": "5", "style": "rule"}},
@@ -168,15 +162,15 @@ def test_the_readme_says_which_rows_the_built_in_verifier_scores_and_where_the_d
     ({"prompt": "2+3?", "answer": ["5"]}, r"bad.jsonl:2: ground_truth must be a string"),
 ])
 def test_a_bad_plain_row_names_its_line(tmp_path, row, error):
-    reward.install_reward_fn(f"{COUNTDOWN}:score", False)
+    verifier = Verifier.load(f"{COUNTDOWN}:score", False)
     data = plain_jsonl(tmp_path / "bad.jsonl", [{"prompt": "1+1?", "answer": "2"}, row])
     with pytest.raises(ValueError, match=error):
-        load_rows(data)
+        load_rows(data, verifier=verifier)
 
 
 def test_reward_fn_all_rows_needs_reward_fn():
     with pytest.raises(ValueError, match="--reward-fn-all-rows needs --reward-fn"):
-        install_custom_reward(Config(reward_fn_all_rows=True))
+        check_files(Config(reward_fn_all_rows=True))
 
 
 TRUTH = json.dumps({"numbers": [3, 5, 7], "target": 16})
@@ -325,17 +319,17 @@ def test_a_verifier_that_calls_sys_exit_is_a_verifier_error_not_the_end_of_the_r
     # before: SystemExit passed `except Exception`, and the run ended with exit status 0
     path = write(tmp_path / "mine.py", "import sys\ndef f(r, g):\n"
                                        "    if r != g:\n        sys.exit(0)\n    return 1.0\n")
-    reward.install_reward_fn(f"{path}:f", False)
-    reward.check_reward_fn("7")
-    out = reward.score_response("custom", "8", "7")
+    verifier = Verifier.load(f"{path}:f", False)
+    verifier.check("7")
+    out = verifier.score("custom", "8", "7")
     assert out == {"score": -1.0, "acc": False, "pred": "", "reward_fn_error": True}
-    assert reward.take_reward_fn_errors().startswith("SystemExit: the verifier called "
+    assert verifier.take_errors().startswith("SystemExit: the verifier called "
                                                      "sys.exit(0), on a row")
     with pytest.raises(ValueError, match=r"the check call f\('7', '7'\) failed: SystemExit: the "
                                          r"verifier called sys.exit\(3\)"):
         always = write(tmp_path / "always.py", "import sys\ndef f(r, g):\n    sys.exit(3)\n")
-        reward.install_reward_fn(f"{always}:f", False)
-        reward.check_reward_fn("7")
+        verifier = Verifier.load(f"{always}:f", False)
+        verifier.check("7")
     at_import = write(tmp_path / "at_import.py", "import sys\nsys.exit()\n")
     with pytest.raises(ValueError, match=r"importing .*at_import.py failed: SystemExit: the "
                                          r"verifier called sys.exit\(None\)"):
@@ -350,9 +344,9 @@ def test_a_huge_or_infinite_reward_timeout_lets_a_slow_call_finish(tmp_path, mon
     monkeypatch.setattr(reward, "SLOW_SCORE_S", 0.05)
     path = write(tmp_path / "mine.py", "import time\ndef f(r, g):\n    time.sleep(0.2)\n"
                                        "    return 1.0\n")
-    reward.install_reward_fn(f"{path}:f", False, timeout_s=timeout_s)
-    assert reward.score_response("custom", "slow", "7") == {"score": 1.0, "acc": True, "pred": ""}
-    assert reward.take_reward_fn_errors() == ""
+    verifier = Verifier.load(f"{path}:f", False, timeout_s=timeout_s)
+    assert verifier.score("custom", "slow", "7") == {"score": 1.0, "acc": True, "pred": ""}
+    assert verifier.take_errors() == ""
 
 
 def test_the_check_call_scores_a_row_the_verifier_will_score(tiny_model_dir, tmp_path):
@@ -367,17 +361,15 @@ def test_the_check_call_scores_a_row_the_verifier_will_score(tiny_model_dir, tmp
     for eval_only in (True, False):  # training on the toy task, evaluating on your own
         cfg = Config(model=tiny_model_dir, val_data=val, reward_fn=f"{picky}:f",
                      eval_only=eval_only)
-        install_custom_reward(cfg)
-        assert load_data(cfg, tok)[1][0]["reward_model"]["ground_truth"] == "x1"
+        assert load_data(cfg, tok, load_verifier(cfg))[1][0]["reward_model"]["ground_truth"] == "x1"
     broken = write(tmp_path / "broken.py", "def f(r, g):\n    raise KeyError(g)\n")
     cfg = Config(model=tiny_model_dir, val_data=val, reward_fn=f"{broken}:f", eval_only=True)
-    install_custom_reward(cfg)
     with pytest.raises(ValueError, match=r"the check call f\('x1', 'x1'\) failed: KeyError"):
-        load_data(cfg, tok)
+        load_data(cfg, tok, load_verifier(cfg))
     math_row = {"prompt": "1+1?", "answer": "2", "data_source": "math_dapo"}
     cfg = replace(cfg, val_data=plain_jsonl(tmp_path / "math.jsonl", [math_row]))
-    install_custom_reward(cfg)
-    assert len(load_data(cfg, tok)[1]) == 1  # it scores no row: nothing to check it on
+    # it scores no row: nothing to check it on
+    assert len(load_data(cfg, tok, load_verifier(cfg))[1]) == 1
 
 
 def test_a_numpy_score_is_a_score_and_a_non_bool_acc_is_refused(tmp_path):
@@ -389,26 +381,26 @@ def test_a_numpy_score_is_a_score_and_a_non_bool_acc_is_refused(tmp_path):
                                        "def s(r, g):\n    return {'score': 1.0, 'acc': 'False'}\n"
                                        "def third(r, g):\n    return 1 / 3 if False else "
                                        "__import__('fractions').Fraction(1, 3)\n")
-    reward.install_reward_fn(f"{path}:f", False)
-    assert reward.score_response("custom", "7", "7") == {"score": 0.5, "acc": True, "pred": ""}
-    reward.install_reward_fn(f"{path}:n", False)
-    assert reward.score_response("custom", "7", "7") == {"score": -1.0, "acc": False, "pred": ""}
+    verifier = Verifier.load(f"{path}:f", False)
+    assert verifier.score("custom", "7", "7") == {"score": 0.5, "acc": True, "pred": ""}
+    verifier = Verifier.load(f"{path}:n", False)
+    assert verifier.score("custom", "7", "7") == {"score": -1.0, "acc": False, "pred": ""}
     for name, error in [("s", r"'acc' must be a bool, got 'False' \(str\)"),
                         ("third", r"returned Fraction\(1, 3\) \(Fraction\); expected a float")]:
-        reward.install_reward_fn(f"{path}:{name}", False)
+        verifier = Verifier.load(f"{path}:{name}", False)
         with pytest.raises(ValueError, match=rf"check call {name}\('7', '7'\) failed: "
                                              rf"TypeError: --reward-fn .*{error}"):
-            reward.check_reward_fn("7")
+            verifier.check("7")
 
 
 def test_a_score_beyond_float32_stops_the_run_as_an_inf_does(tmp_path):
     # before: 1e39 became inf in the fp32 reward tensor, every update was skipped, --lr blamed
     path = write(tmp_path / "mine.py", "def f(r, g):\n    return 1.0 if r == g else -1e39\n")
-    reward.install_reward_fn(f"{path}:f", False)
-    reward.check_reward_fn("7")
+    verifier = Verifier.load(f"{path}:f", False)
+    verifier.check("7")
     with pytest.raises(ValueError, match=r"returned -1e\+39 for the response '8' .*: a score must "
                                          r"be a finite number within float32's range"):
-        reward.score_response("custom", "8", "7")
+        verifier.score("custom", "8", "7")
 
 
 def test_a_verifier_that_changes_directory_leaves_the_runs_own_as_it_was(tmp_path, monkeypatch):
@@ -418,8 +410,26 @@ def test_a_verifier_that_changes_directory_leaves_the_runs_own_as_it_was(tmp_pat
     (tmp_path / "elsewhere").mkdir()
     path = write(tmp_path / "mine.py", "import os\nos.chdir('elsewhere')\n"
                                        "def f(r, g):\n    os.chdir('/')\n    return 1.0\n")
-    reward.install_reward_fn(f"{path}:f", False)
+    verifier = Verifier.load(f"{path}:f", False)
     assert os.getcwd() == str(tmp_path)  # at import
-    reward.check_reward_fn("7")
-    assert reward.score_response("custom", "7", "7")["score"] == 1.0
+    verifier.check("7")
+    assert verifier.score("custom", "7", "7")["score"] == 1.0
     assert os.getcwd() == str(tmp_path)  # after each call
+
+
+@pytest.mark.needs("all")
+def test_a_runs_verifier_ends_with_the_run(tiny_model_dir, tmp_path, capsys):
+    # before: --reward-fn was reward.py's module state, installed by a run and left there: after
+    # it, in the same process, rows of data_source 'custom' still loaded and were scored by it
+    path = write(tmp_path / "mine.py", "def f(r, g):\n    if r == g:\n        return 1.0\n"
+                                       "    raise RuntimeError('planted')\n")
+    cfg = replace(countdown_run(tiny_model_dir, tmp_path, f"{path}:f"), eval_only=True)
+    assert dapo.main(cfg)["val/reward_fn_error"] == 1.0
+    with pytest.raises(ValueError, match="no reward function for data_source 'custom'"):
+        load_rows(cfg.val_data)
+    capsys.readouterr()
+    math = plain_jsonl(tmp_path / "math.jsonl", [{"prompt": "1+1?", "answer": "2",
+                                                  "data_source": "math_dapo"}])
+    result = dapo.main(replace(cfg, reward_fn="", train_data=math, val_data=math,
+                               out_dir=str(tmp_path / "second")))
+    assert "val/reward_fn_error" not in result and "raised" not in capsys.readouterr().out

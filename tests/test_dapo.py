@@ -18,6 +18,7 @@ from batches import indexed_rows, random_batch, scripted_rollout
 from data import PromptIterator
 from infra.metrics import clip_stats, training_batch_metrics
 from model import Qwen2, preset, response_logprobs
+from reward import Verifier
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -388,7 +389,7 @@ def test_dynamic_sampling_cap_stops_with_an_error_when_asked(monkeypatch):
                  max_gen_batches=1, on_gen_cap="error")
     iterator = PromptIterator([indexed_rows(4)[k] for k in (0, 1, 2, 3)], 4, seed=0)
     with pytest.raises(RuntimeError, match="found 2 of 4 groups with signal in --max-gen-batches"):
-        dapo.collect_batch(torch.nn.Linear(1, 1), iterator, None, cfg, None)
+        dapo.collect_batch(torch.nn.Linear(1, 1), iterator, None, cfg, Verifier(), None)
 
 
 @pytest.mark.needs("keep_groups", "overlong_penalty", "group_advantages")
@@ -398,7 +399,7 @@ def test_filtered_counts_groups_without_signal_not_the_surplus(monkeypatch):
     rows = [indexed_rows(8)[k] for k in (0, 2, 3, 6)]  # all right, right once (x3)
     cfg = Config(train_prompts=2, gen_prompts=4, group_size=2, mini_batch_prompts=2)
     collected = dapo.collect_batch(torch.nn.Linear(1, 1), PromptIterator(rows, 4, 0), None, cfg,
-                                   None)
+                                   Verifier(), None)
     m = collected.metrics
     assert m["train/groups_filtered"] == 1 and m["train/groups_surplus"] == 1
     assert m["train/groups_kept"] == collected.to_train.num_groups == 2

@@ -13,7 +13,6 @@ import torch
 
 import dapo
 import launch
-import reward
 from batches import random_batch
 from config import check_flags, parse_args
 from model import Qwen2, preset
@@ -272,8 +271,6 @@ def test_under_torchrun_rank_0_alone_reports_a_mistake(tmp_path):
 def no_model(monkeypatch):
     """The run fails the test if it gets as far as loading a model."""
     monkeypatch.setattr(dapo.launch, "load_policy", lambda cfg: pytest.fail("loaded the model"))
-    yield
-    reward.uninstall_reward_fn()
 
 
 @pytest.mark.parametrize("flags,error,message", [
@@ -322,12 +319,9 @@ def test_the_reward_file_is_imported_once_before_the_model_loads(tiny_model_dir,
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"{k} + 1?", "answer": str(k + 1)}) + "\n"
                             for k in range(4)))
-    try:
-        dapo.main(_cfg(tiny_model_dir, tmp_path / "run", eval_only=True, train_data=str(rows),
-                       val_data=str(rows), reward_fn=f"{verifier}:score", eval_samples=1,
-                       max_response_len=4))
-    finally:
-        reward.uninstall_reward_fn()
+    dapo.main(_cfg(tiny_model_dir, tmp_path / "run", eval_only=True, train_data=str(rows),
+                   val_data=str(rows), reward_fn=f"{verifier}:score", eval_samples=1,
+                   max_response_len=4))
     assert events.read_text().split() == ["import", "model"]
 
 

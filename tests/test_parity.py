@@ -12,6 +12,7 @@ from batch import Batch
 from infra import health
 from infra.metrics import UpdateStats
 from model import Qwen2, preset, response_logprobs
+from reward import Scores
 from test_dapo import _cfg
 
 TEMPERATURE, TOP_P = 0.5, 0.9
@@ -51,8 +52,8 @@ def test_sampler_and_trainer_log_probs_agree_in_float64(temperature, top_k, top_
     out = sampler.generate(model, prompts, 12, temperature=temperature, top_k=top_k,
                            top_p=top_p, eos_token_ids=[],
                            generator=torch.Generator().manual_seed(0))
-    scores = [{"score": -1.0, "acc": False, "pred": ""}] * len(prompts)
-    batch = Batch.from_rollout(out, scores, group_size=1)
+    n = len(prompts)
+    batch = Batch.from_rollout(out, Scores([-1.0] * n, [False] * n, [False] * n, None), 1)
     with torch.no_grad():
         logp, _ = response_logprobs(model, batch, temperature, fused_head=False)
     train, rollout = logp.double()[batch.response_mask], batch.rollout_logp.double()[
