@@ -28,6 +28,7 @@ from batch import Batch, Collected, PolicyLoss, group_number, share_groups
 from config import Config, parse_args
 from data import PromptIterator, Tokenizer, encode_prompts
 from infra import checkpoint, distributed, health, metrics, precision, rollout_correction, trackers
+from infra.errors import UserError
 from model import response_logprobs
 from reward import overlong_penalty, score_responses, take_reward_fn_errors
 from sampler import generate
@@ -154,9 +155,9 @@ def groups_to_train(n_kept: int, cfg) -> int:
     if n_kept >= cfg.train_prompts:
         return cfg.train_prompts
     if cfg.on_gen_cap == "error":
-        raise RuntimeError(f"dynamic sampling found {n_kept} of {cfg.train_prompts} groups with "
-                           f"signal in --max-gen-batches {cfg.max_gen_batches} generation batches: "
-                           "raise the cap (0 = none), or train on them with --on-gen-cap train")
+        raise UserError(f"dynamic sampling found {n_kept} of {cfg.train_prompts} groups with "
+                        f"signal in --max-gen-batches {cfg.max_gen_batches} generation batches: "
+                        "raise the cap (0 = none), or train on them with --on-gen-cap train")
     return n_kept - n_kept % cfg.mini_batch_prompts
 
 
@@ -292,19 +293,18 @@ def set_lr(opt, cfg, step):
         group["lr"] = cfg.lr * min(1.0, step / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
 
 
-def train(cfg: Config):
-    model, tok, tok_dir, resume_dir = launch.load_policy(cfg)
-    train_rows, val_rows = launch.load_data(cfg, tok)
+def train(cfg: Config, run: launch.Setup):
+    model, tok, val_rows = run.model, run.tok, run.val_rows
     if cfg.eval_only:
         result = evaluate(model, val_rows, tok, cfg)
         metrics.report_eval(result, cfg.out_dir, asdict(cfg), trackers.open_all(cfg))
         return result
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    prompt_iter = PromptIterator(train_rows, cfg.gen_batch_prompts, cfg.seed)
+    prompt_iter = PromptIterator(run.train_rows, cfg.gen_batch_prompts, cfg.seed)
     generator = torch.Generator(cfg.device).manual_seed(cfg.seed + distributed.rank())
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
-    start = checkpoint.resume(resume_dir, model, opt, prompt_iter, generator, metrics_path,
-                              cfg.steps) if resume_dir else 0
+    start = checkpoint.resume(run.resume_dir, model, opt, prompt_iter, generator, metrics_path,
+                              cfg.steps) if run.resume_dir else 0
     log = metrics.RunLog(metrics_path, start, cfg.steps,
                          trackers.open_all(cfg, start, metrics_path))
     alarms = health.Alarms(cfg.stop_when_stuck, cfg.reward_fn)
@@ -325,7 +325,7 @@ def train(cfg: Config):
         # a dead run: warn, and stop with --stop-when-stuck
         stuck = alarms.check(done, logged, collected.generated, tok, take_reward_fn_errors())
         if stuck or (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps:
-            checkpoint.save(cfg.out_dir, done, model, tok_dir, opt, prompt_iter, generator,
+            checkpoint.save(cfg.out_dir, done, model, run.tok_dir, opt, prompt_iter, generator,
                             asdict(cfg), keep_last=cfg.keep_checkpoints)
         if stuck:
             raise alarms.error()
@@ -337,7 +337,9 @@ def train(cfg: Config):
 
 
 def main(cfg: Config):
-    return launch.run(train, cfg)
+    with launch.session(cfg) as cfg:  # the checks, the processes; cfg with the device resolved
+        cfg = launch.plan(cfg)  # the memory plan, printed; --rollout-slots auto resolved
+        return None if cfg.plan else train(cfg, launch.setup(cfg))  # --plan: the plan alone
 
 
 if __name__ == "__main__":

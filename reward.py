@@ -30,6 +30,8 @@ import time
 
 import numpy as np
 
+from infra.errors import UserError
+
 WINDOW = 300  # characters read from the end of a response (the longest MATH-500 answer has 159)
 # the rest of the line after "Answer:", any case
 ANSWER_RE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
@@ -199,8 +201,8 @@ def score_response(data_source: str, response_text: str, ground_truth: str) -> d
     """Score one decoded response for its row's data_source: {"score", "acc", "pred"}."""
     scorer = scorer_for(data_source)
     if scorer is None:
-        raise ValueError(f"no reward function for data_source {data_source!r}; known: "
-                         f"{sorted(SCORERS)} and 'aime*'")
+        raise UserError(f"no reward function for data_source {data_source!r}; known: "
+                        f"{sorted(SCORERS)} and 'aime*'")
     return scorer(response_text, ground_truth)
 
 
@@ -228,23 +230,23 @@ def load_reward_fn(spec: str):
     import importlib.util
     path, sep, name = spec.rpartition(":")
     if not sep or not path.endswith(".py") or not name.isidentifier():
-        raise ValueError(f"--reward-fn {spec!r}: expected FILE.py:NAME, e.g. "
-                         "examples/countdown.py:score")
+        raise UserError(f"--reward-fn {spec!r}: expected FILE.py:NAME, e.g. "
+                        "examples/countdown.py:score")
     if not os.path.isfile(path):
-        raise ValueError(f"--reward-fn {spec!r}: no file {path}")
+        raise UserError(f"--reward-fn {spec!r}: no file {path}")
     module_spec = importlib.util.spec_from_file_location(f"reward_fn_{name}", path)
     module = importlib.util.module_from_spec(module_spec)
     try:
         with _same_directory():
             module_spec.loader.exec_module(module)
     except VERIFIER_ERRORS as e:
-        raise ValueError(f"--reward-fn {spec!r}: importing {path} failed: "
-                         f"{_described(e)}") from e
+        raise UserError(f"--reward-fn {spec!r}: importing {path} failed: "
+                        f"{_described(e)}") from e
     fn = getattr(module, name, None)
     if not callable(fn):
         what = "nothing" if fn is None else f"a {type(fn).__name__}"
-        raise ValueError(f"--reward-fn {spec!r}: {path} defines {what} named {name}, not a "
-                         "function (response_text, ground_truth) -> float or {'score', 'acc'}")
+        raise UserError(f"--reward-fn {spec!r}: {path} defines {what} named {name}, not a "
+                        "function (response_text, ground_truth) -> float or {'score', 'acc'}")
     return fn
 
 
@@ -373,8 +375,8 @@ def _check_call(fn, spec: str, ground_truth: str, timeout_s: float = 0.0):
         out = _as_score(_call(fn, ground_truth, ground_truth, timeout_s), spec)
         _check_finite(out["score"], spec, ground_truth, ground_truth)
     except VERIFIER_ERRORS as e:
-        raise ValueError(f"--reward-fn {spec}: the check call {spec.rpartition(':')[2]}"
-                         f"({ground_truth!r}, {ground_truth!r}) failed: {_described(e)}") from e
+        raise UserError(f"--reward-fn {spec}: the check call {spec.rpartition(':')[2]}"
+                        f"({ground_truth!r}, {ground_truth!r}) failed: {_described(e)}") from e
 
 
 def uninstall_reward_fn():
