@@ -293,18 +293,17 @@ def set_lr(opt, cfg, step):
         group["lr"] = cfg.lr * min(1.0, step / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
 
 
-def train(cfg: Config, run: launch.Setup):
-    model, tok, val_rows = run.model, run.tok, run.val_rows
+def train(cfg: Config, model, tok, tok_dir, resume_dir, train_rows, val_rows):  # a launch.Setup
     if cfg.eval_only:
         result = evaluate(model, val_rows, tok, cfg)
         metrics.report_eval(result, cfg.out_dir, asdict(cfg), trackers.open_all(cfg))
         return result
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    prompt_iter = PromptIterator(run.train_rows, cfg.gen_batch_prompts, cfg.seed)
+    prompt_iter = PromptIterator(train_rows, cfg.gen_batch_prompts, cfg.seed)
     generator = torch.Generator(cfg.device).manual_seed(cfg.seed + distributed.rank())
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
-    start = checkpoint.resume(run.resume_dir, model, opt, prompt_iter, generator, metrics_path,
-                              cfg.steps) if run.resume_dir else 0
+    start = checkpoint.resume(resume_dir, model, opt, prompt_iter, generator, metrics_path,
+                              cfg.steps) if resume_dir else 0
     log = metrics.RunLog(metrics_path, start, cfg.steps,
                          trackers.open_all(cfg, start, metrics_path))
     alarms = health.Alarms(cfg.stop_when_stuck, cfg.reward_fn)
@@ -325,7 +324,7 @@ def train(cfg: Config, run: launch.Setup):
         # a dead run: warn, and stop with --stop-when-stuck
         stuck = alarms.check(done, logged, collected.generated, tok, take_reward_fn_errors())
         if stuck or (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps:
-            checkpoint.save(cfg.out_dir, done, model, run.tok_dir, opt, prompt_iter, generator,
+            checkpoint.save(cfg.out_dir, done, model, tok_dir, opt, prompt_iter, generator,
                             asdict(cfg), keep_last=cfg.keep_checkpoints)
         if stuck:
             raise alarms.error()
@@ -339,7 +338,7 @@ def train(cfg: Config, run: launch.Setup):
 def main(cfg: Config):
     with launch.session(cfg) as cfg:  # the checks, the processes; cfg with the device resolved
         cfg = launch.plan(cfg)  # the memory plan, printed; --rollout-slots auto resolved
-        return None if cfg.plan else train(cfg, launch.setup(cfg))  # --plan: the plan alone
+        return None if cfg.plan else train(cfg, **vars(launch.setup(cfg)))  # --plan: it alone
 
 
 if __name__ == "__main__":
