@@ -8,12 +8,12 @@ is loaded, naming the flag.
 import argparse
 import math
 import re
-import sys
 from dataclasses import dataclass, field, fields
 
 import torch
 
 from infra import distributed, trackers
+from infra.errors import UserError
 from infra.precision import PRECISIONS
 from infra.rollout_correction import MODES as CORRECTION_MODES
 
@@ -255,7 +255,7 @@ def check_flags(cfg: Config, world: int = 1):
     if cfg.resume and cfg.overwrite:
         problems.append("--resume continues the run in --out-dir, --overwrite deletes it: pick one")
     if problems:  # one line: the command line shows it as `error: bad flags: ...`
-        raise ValueError("bad flags: " + "; ".join(problems))
+        raise UserError("bad flags: " + "; ".join(problems))
 
 
 def _device_problems(device: str) -> list[str]:
@@ -286,24 +286,7 @@ class _Parser(argparse.ArgumentParser):
         distributed.fail(f"{message} ({self.prog} --help lists the flags)")
 
 
-# flags renamed, old name -> new: the old one works, with a notice, until the release after next
-RENAMED = {"--rollout-batch-size": "--rollout-slots"}  # KV-cache rows, not prompts per rollout
-
-
-def _renamed(argv: list[str]) -> list[str]:
-    out = []
-    for arg in argv:
-        name, eq, value = arg.partition("=")
-        if name in RENAMED:
-            distributed.say(f"note: {name} is now {RENAMED[name]} (the old name works for one "
-                            "more release)")
-            arg = RENAMED[name] + eq + value
-        out.append(arg)
-    return out
-
-
 def parse_args(argv=None, description: str = "") -> Config:
-    argv = _renamed(sys.argv[1:] if argv is None else list(argv))
     parser = _Parser(usage="%(prog)s [--FLAG VALUE ...]",
                      description=f"{description.strip()}\n\n{DEFAULTS}".strip(),
                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -28,6 +28,7 @@ from batch import Batch, Collected, PolicyLoss, group_number, share_groups
 from config import Config, parse_args
 from data import PromptIterator, Tokenizer, encode_prompts
 from infra import checkpoint, distributed, health, metrics, precision, rollout_correction, trackers
+from infra.errors import UserError
 from model import response_logprobs
 from reward import Verifier, overlong_penalty
 from sampler import generate
@@ -153,9 +154,9 @@ def groups_to_train(n_kept: int, cfg) -> int:
     if n_kept >= cfg.train_prompts:
         return cfg.train_prompts
     if cfg.on_gen_cap == "error":
-        raise RuntimeError(f"dynamic sampling found {n_kept} of {cfg.train_prompts} groups with "
-                           f"signal in --max-gen-batches {cfg.max_gen_batches} generation batches: "
-                           "raise the cap (0 = none), or train on them with --on-gen-cap train")
+        raise UserError(f"dynamic sampling found {n_kept} of {cfg.train_prompts} groups with "
+                        f"signal in --max-gen-batches {cfg.max_gen_batches} generation batches: "
+                        "raise the cap (0 = none), or train on them with --on-gen-cap train")
     return n_kept - n_kept % cfg.mini_batch_prompts
 
 
@@ -291,10 +292,8 @@ def set_lr(opt, cfg, step):
         group["lr"] = cfg.lr * min(1.0, step / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
 
 
-def train(cfg: Config):
-    verifier = launch.load_verifier(cfg)  # a broken --reward-fn fails before the weights load
-    model, tok, tok_dir, resume_dir = launch.load_policy(cfg)
-    train_rows, val_rows = launch.load_data(cfg, tok, verifier)
+def train(cfg: Config, model, tok, tok_dir, resume_dir, train_rows, val_rows,
+          verifier: Verifier):  # a launch.Setup
     if cfg.eval_only:
         result = evaluate(model, val_rows, tok, cfg, verifier)
         metrics.report_eval(result, cfg.out_dir, asdict(cfg), trackers.open_all(cfg))
@@ -337,7 +336,9 @@ def train(cfg: Config):
 
 
 def main(cfg: Config):
-    return launch.run(train, cfg)
+    with launch.session(cfg) as cfg:  # the checks, the processes; cfg with the device resolved
+        cfg = launch.plan(cfg)  # the memory plan, printed; --rollout-slots auto resolved
+        return None if cfg.plan else train(cfg, **vars(launch.setup(cfg)))  # --plan: it alone
 
 
 if __name__ == "__main__":

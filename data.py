@@ -31,6 +31,7 @@ import numpy as np
 from tokenizers import Tokenizer as _HFTokenizer
 
 from infra import datafiles, templates
+from infra.errors import UserError
 from infra.files import need_file, read_json
 from reward import CUSTOM_DATA_SOURCE, SCORERS, Verifier
 
@@ -85,9 +86,9 @@ class Tokenizer:
         """The chat as text, exactly as transformers' apply_chat_template(..., tokenize=False)
         renders it."""
         if self._template is None:
-            raise ValueError(f"{self.name or 'this tokenizer'} has no chat_template (neither "
-                             "chat_template.jinja nor a chat_template entry in "
-                             "tokenizer_config.json)")
+            raise UserError(f"{self.name or 'this tokenizer'} has no chat_template (neither "
+                            "chat_template.jinja nor a chat_template entry in "
+                            "tokenizer_config.json)")
         if not messages:
             raise ValueError("cannot apply a chat template to an empty list of messages")
         # transformers drops None fields
@@ -97,8 +98,8 @@ class Tokenizer:
                                     documents=None, add_generation_prompt=add_generation_prompt,
                                     **self.special_tokens)
         except Exception as e:  # a template is code: any error it raises, named with its file
-            raise ValueError(f"{self.template_source}: the chat template failed: "
-                             f"{type(e).__name__}: {e}") from None
+            raise UserError(f"{self.template_source}: the chat template failed: "
+                            f"{type(e).__name__}: {e}") from None
 
     def apply_chat_template(self, messages: list[dict],
                             add_generation_prompt: bool = True) -> list[int]:
@@ -150,8 +151,8 @@ def load_tokenizer(path: str) -> Tokenizer:
         if tid is not None and tid not in eos_ids:
             eos_ids.append(tid)
     if not eos_ids:
-        raise ValueError(f"{path}: no EOS token (no eos_token_id in generation_config.json, no "
-                         "eos_token in tokenizer_config.json)")
+        raise UserError(f"{path}: no EOS token (no eos_token_id in generation_config.json, no "
+                        "eos_token in tokenizer_config.json)")
     pad = (tok.token_to_id(special["pad_token"]) if "pad_token" in special
            else gen.get("pad_token_id"))
     tokenizer = Tokenizer(tok, template, eos_ids, eos_ids[0] if pad is None else pad, special,
@@ -170,20 +171,20 @@ def check_vocab(model_vocab_size: int, tokenizer: Tokenizer, model_dir: str):
     numbers, unchecked."""
     needed = max(tokenizer._tok.get_vocab(with_added_tokens=True).values()) + 1
     if model_vocab_size < needed:
-        raise ValueError(f"the model in {model_dir} has vocab_size {model_vocab_size} "
-                         f"(config.json), smaller than the {needed} token ids of the tokenizer in "
-                         f"{tokenizer.name}: are they from different models?")
+        raise UserError(f"the model in {model_dir} has vocab_size {model_vocab_size} "
+                        f"(config.json), smaller than the {needed} token ids of the tokenizer in "
+                        f"{tokenizer.name}: are they from different models?")
     # the ids that are not a token name come from generation_config.json
     source = os.path.join(tokenizer.name, "generation_config.json")
     for eos in tokenizer.eos_token_ids:
         if not (isinstance(eos, int) and 0 <= eos < needed and tokenizer._tok.id_to_token(eos)):
-            raise ValueError(f"{source}: eos_token_id {eos!r} is not a token of the tokenizer in "
-                             f"{tokenizer.name} (ids 0 to {needed - 1}): no response would end "
-                             "before --max-response-len")
+            raise UserError(f"{source}: eos_token_id {eos!r} is not a token of the tokenizer in "
+                            f"{tokenizer.name} (ids 0 to {needed - 1}): no response would end "
+                            "before --max-response-len")
     pad = tokenizer.pad_token_id
     if not (isinstance(pad, int) and 0 <= pad < model_vocab_size):
-        raise ValueError(f"{source}: pad_token_id {pad!r} is not a row of the model's embedding "
-                         f"(vocab_size {model_vocab_size} in {model_dir}/config.json)")
+        raise UserError(f"{source}: pad_token_id {pad!r} is not a row of the model's embedding "
+                        f"(vocab_size {model_vocab_size} in {model_dir}/config.json)")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -195,11 +196,11 @@ def check_data_file(path: str, flag: str):
     """Before anything loads: the file a flag names is there and has a reader (.jsonl, or .parquet
     with pyarrow installed). Raises naming the flag and the file."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{flag} {path}: no such file")
+        raise UserError(f"{flag} {path}: no such file")
     try:
         datafiles.need_reader(path)
     except ValueError as e:
-        raise ValueError(f"{flag} {e}") from None
+        raise UserError(f"{flag} {e}") from None
 
 
 def _from_plain(row, where: str):
@@ -208,8 +209,8 @@ def _from_plain(row, where: str):
     if not (isinstance(row, dict) and isinstance(row.get("prompt"), str)):
         return row
     if set(row) - {"prompt", "answer", "data_source"} or "answer" not in row:
-        raise ValueError(f"{where}: a plain row is {{\"prompt\": str, \"answer\": str}}, got "
-                         f"keys {sorted(row)}")
+        raise UserError(f"{where}: a plain row is {{\"prompt\": str, \"answer\": str}}, got "
+                        f"keys {sorted(row)}")
     return {"data_source": row.get("data_source", CUSTOM_DATA_SOURCE),
             "prompt": [{"role": "user", "content": row["prompt"]}],
             "reward_model": {"ground_truth": row["answer"], "style": "rule"}}
@@ -220,38 +221,38 @@ def _check_row(row, where: str, verifier: Verifier) -> str | None:
     well-formed but unusable row is skipped, or None. A JSON integer ground truth is turned into
     the string the verifier compares."""
     if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected an object with data_source, prompt and reward_model, "
-                         f"got {type(row).__name__}")
+        raise UserError(f"{where}: expected an object with data_source, prompt and reward_model, "
+                        f"got {type(row).__name__}")
     if not isinstance(row.get("data_source"), str):
-        raise ValueError(f"{where}: 'data_source' is missing or not a string")
+        raise UserError(f"{where}: 'data_source' is missing or not a string")
     if not verifier.has_scorer(row["data_source"]):
-        raise ValueError(f"{where}: no reward function for data_source {row['data_source']!r}: "
-                         f"give the row \"data_source\": \"math_dapo\" for the built-in verifier "
-                         "of DAPO-Math-17k (+1 when the response's last \"Answer: ...\" line "
-                         "matches the ground truth, else -1), or give yours with --reward-fn "
-                         f"FILE.py:NAME (reward.py knows {sorted(SCORERS)} and 'aime*')")
+        raise UserError(f"{where}: no reward function for data_source {row['data_source']!r}: "
+                        f"give the row \"data_source\": \"math_dapo\" for the built-in verifier "
+                        "of DAPO-Math-17k (+1 when the response's last \"Answer: ...\" line "
+                        "matches the ground truth, else -1), or give yours with --reward-fn "
+                        f"FILE.py:NAME (reward.py knows {sorted(SCORERS)} and 'aime*')")
     prompt = row.get("prompt")
     if not isinstance(prompt, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str)
             and isinstance(m.get("content"), str) for m in prompt):
-        raise ValueError(f"{where}: 'prompt' must be a list of {{'role': str, 'content': str}} "
-                         "messages")
+        raise UserError(f"{where}: 'prompt' must be a list of {{'role': str, 'content': str}} "
+                        "messages")
     for m in prompt:
         try:
             m["content"].encode("utf-8")
         except UnicodeEncodeError as e:
             # JSON can escape half a surrogate pair ("\ud800"); no tokenizer takes it
-            raise ValueError(f"{where}: the prompt holds {m['content'][e.start]!r} at character "
-                             f"{e.start}, half of a UTF-16 surrogate pair, which is not text any "
-                             "tokenizer can encode") from None
+            raise UserError(f"{where}: the prompt holds {m['content'][e.start]!r} at character "
+                            f"{e.start}, half of a UTF-16 surrogate pair, which is not text any "
+                            "tokenizer can encode") from None
     reward_model = row.get("reward_model") or {}
     if not isinstance(reward_model, dict):
-        raise ValueError(f"{where}: 'reward_model' must be an object holding 'ground_truth'")
+        raise UserError(f"{where}: 'reward_model' must be an object holding 'ground_truth'")
     gt = reward_model.get("ground_truth")
     if isinstance(gt, int) and not isinstance(gt, bool):
         reward_model["ground_truth"] = gt = str(gt)
     if gt is not None and not isinstance(gt, str):
-        raise ValueError(f"{where}: ground_truth must be a string, got {type(gt).__name__}")
+        raise UserError(f"{where}: ground_truth must be a string, got {type(gt).__name__}")
     if not gt or not gt.strip():
         return "no ground truth"
     if not any(m["content"].strip() for m in prompt):
@@ -303,7 +304,7 @@ def load_rows(path: str, tokenizer: Tokenizer | None = None, dedupe: bool = True
     log.info("%s: %d rows read, %d duplicate prompts dropped, %d skipped, %d kept", path, n_read,
              n_dup, sum(map(len, skipped.values())), len(rows))
     if not rows:
-        raise ValueError(f"{path}: no usable rows")
+        raise UserError(f"{path}: no usable rows")
     if tokenizer is not None:
         _check_prompts(rows, wheres, tokenizer)
     return rows
@@ -321,8 +322,8 @@ def _check_prompts(rows, wheres, tokenizer: Tokenizer, chunk: int = 4096):
                 texts.append(tokenizer.render_chat(row["prompt"], add_generation_prompt=True))
             except Exception as e:
                 # jinja2 errors, raise_exception() of the template itself ("roles must alternate")
-                raise ValueError(f"{where}: the chat template of {tokenizer.name} cannot render "
-                                 f"this prompt: {type(e).__name__}: {e}") from None
+                raise UserError(f"{where}: the chat template of {tokenizer.name} cannot render "
+                                f"this prompt: {type(e).__name__}: {e}") from None
         try:
             tokenizer.encode_batch(texts)
         except Exception:  # the batch call does not say which text: find it
@@ -330,8 +331,8 @@ def _check_prompts(rows, wheres, tokenizer: Tokenizer, chunk: int = 4096):
                 try:
                     tokenizer.encode(text)
                 except Exception as e:
-                    raise ValueError(f"{where}: the tokenizer of {tokenizer.name} cannot encode "
-                                     f"this prompt: {type(e).__name__}: {e}") from None
+                    raise UserError(f"{where}: the tokenizer of {tokenizer.name} cannot encode "
+                                    f"this prompt: {type(e).__name__}: {e}") from None
             raise
 
 
@@ -399,8 +400,8 @@ class PromptIterator:
         # rows_sha256: absent from checkpoints written before it was added
         for k in ("seed", "num_rows", "batch_size", "rows_sha256"):
             if k in state and state[k] != mine[k]:
-                raise ValueError(f"prompt iterator state is for {k}={state[k]}, this run has "
-                                 f"{k}={mine[k]} (a resume needs the same data, batch size "
-                                 "and seed)")
+                raise UserError(f"prompt iterator state is for {k}={state[k]}, this run has "
+                                f"{k}={mine[k]} (a resume needs the same data, batch size "
+                                "and seed)")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = self._epoch_order(self.epoch)

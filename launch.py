@@ -2,53 +2,55 @@
 Set-up for dapo.py's loop: the processes, the policy, the tokenizer and the data. Nothing here is
 DAPO; it is what a run needs before Algorithm 1 starts.
 
-    run(train, cfg)        checks the flags, the files they name and that the directories the
-                           run writes are writable, starts torch.distributed under torchrun,
-                           picks the compute dtype, prints the memory plan from the model's
-                           config.json (--plan: then exits, status 0), checks the lengths
-                           against its positions, calls train(cfg), shuts down
-    load_verifier(cfg)     the run's verifier: the built-in ones and --reward-fn's function
-    load_policy(cfg)       the policy from --model, from a checkpoint (--resume) or the demo's
-    load_data(cfg, tok, verifier)  training and held-out rows, from files or the toy task's,
-                           each with a verifier that scores it
-    user_errors_in_one_line()  the command line's way to report a user's mistake
+    with session(cfg) as cfg:  the flags, the files they name and the directories the run writes
+                               checked; torch.distributed started under torchrun; logging; on the
+                               way out the trackers flushed and the processes shut down, and a run
+                               stuck (health.RunStuck) said in one line
+    plan(cfg)                  the memory plan from the model's config.json, printed (--plan N:
+                               then dapo.py stops, status 0)
+    setup(cfg)                 the lengths checked against the positions, the verifier, the
+                               policy, its tokenizer, the training and held-out rows (a Setup)
+    user_errors_in_one_line()  the command line's way to report a user's mistake (a UserError)
+
+Each step returns a new Config where it resolves a flag, never edits the caller's: session the
+device (--device auto) and --precision, plan --rollout-slots auto.
 """
 import contextlib
-import linecache
 import logging
 import os
 import sys
+from dataclasses import dataclass, replace
 
 import torch
 
 from config import Config, check_flags
 from data import Tokenizer, check_data_file, check_vocab, load_rows, load_tokenizer
 from infra import checkpoint, distributed, files, health, hf_io, memory, precision, trackers
+from infra.errors import UserError
 from infra.files import need_file
 from model import ModelConfig, Qwen2
 from reward import Verifier, reward_fn_file
 
 
-def run(train, cfg: Config):
+@contextlib.contextmanager
+def session(cfg: Config):
+    """A run's processes, around dapo.py's work: yields cfg with the device and the compute
+    precision resolved. Whatever happens inside, the trackers are flushed and the processes shut
+    down; a run stuck says so in one line (exit status 1), a rank that timed out inside FSDP2's
+    collectives names --dist-timeout."""
     # --plan N: the flags are checked, and the memory planned, for the N processes the plan is for
-    planned = cfg.plan if cfg.plan > 0 else distributed.launched_world()
-    check_flags(cfg, world=planned)
+    check_flags(cfg, world=cfg.plan or distributed.launched_world())
     if not cfg.plan:  # --plan reads config.json alone
         check_files(cfg)  # before the processes meet and the weights load (minutes for 32B)
         check_writable_dirs(cfg)  # not at the first save, after every step of the run
-    rank, world, cfg.device = distributed.init(cfg.device, timeout_s=cfg.dist_timeout)
+    rank, _, device = distributed.init(cfg.device, timeout_s=cfg.dist_timeout)
     # bf16 compute with fp32 master weights: dapo.py enters autocast per forward phase, never
     # around the whole run (infra/precision.py says why)
-    cfg.precision = precision.resolve(cfg.precision, cfg.device)
+    cfg = replace(cfg, device=device, precision=precision.resolve(cfg.precision, device))
     # data.py reports through logging: rank 0 shows it, the others only warnings
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     try:
-        m, config_json = model_config(cfg)  # from config.json alone, before anything loads
-        plan_memory(cfg, m, planned, world)  # a run that cannot fit stops here
-        if cfg.plan:
-            return None
-        check_lengths(cfg, m, config_json)  # before train (open_run) writes anything
-        return train(cfg)
+        yield cfg
     except health.RunStuck as stuck:  # the warnings above name the cause: one line, no traceback
         distributed.say(f"error: {stuck}")
         raise SystemExit(1) from None
@@ -61,18 +63,41 @@ def run(train, cfg: Config):
         distributed.shutdown(after_error=sys.exc_info()[0] is not None)  # an exception in flight
 
 
-def plan_memory(cfg: Config, m: ModelConfig, planned: int, world: int):
-    """The memory plan per process (infra/memory.py) of model m with these flags on `planned`
-    processes, printed by rank 0: against this device when they are this launch's `world`, else
-    (--plan N) against no device. A run that cannot fit the device stops with the numbers;
-    --rollout-slots auto becomes the slots that fit."""
-    capacity = memory.device_capacity(cfg.device) if planned == world else 0
-    plan = memory.plan(m, cfg, planned, capacity)
-    distributed.say(plan.describe(cfg.device if capacity else "a device of any size"))
-    if not cfg.plan:
-        memory.refuse_if_too_big(plan, cfg.device)
-        if cfg.rollout_slots == "auto":
-            cfg.rollout_slots = plan.slots
+def plan(cfg: Config) -> Config:
+    """The memory plan per process (infra/memory.py) of the policy's config.json with these flags,
+    printed by rank 0: against this device when the processes planned (--plan N, else this
+    launch's) are this launch's, else against no device. A run that cannot fit the device stops
+    with the numbers. Returns cfg with --rollout-slots auto resolved to the slots that fit."""
+    planned = cfg.plan or distributed.world_size()
+    capacity = memory.device_capacity(cfg.device) if planned == distributed.world_size() else 0
+    memory_plan = memory.plan(model_config(cfg)[0], cfg, planned, capacity)
+    distributed.say(memory_plan.describe(cfg.device if capacity else "a device of any size"))
+    if cfg.plan:
+        return cfg
+    memory.refuse_if_too_big(memory_plan, cfg.device)
+    return replace(cfg, rollout_slots=memory_plan.slots) if cfg.rollout_slots == "auto" else cfg
+
+
+@dataclass
+class Setup:
+    """What the loop starts from."""
+    model: Qwen2  # the policy, fp32 master weights (sharded with FSDP2 on several processes)
+    tok: Tokenizer
+    tok_dir: str  # the tokenizer's directory, copied into every checkpoint
+    resume_dir: str | None  # the checkpoint --resume continues from
+    train_rows: list[dict]
+    val_rows: list[dict]
+    verifier: Verifier  # the built-in scorers and --reward-fn's function
+
+
+def setup(cfg: Config) -> Setup:
+    """The lengths checked against the policy's positions (before anything is written), the
+    verifier (a broken --reward-fn fails before the weights load), the policy, its tokenizer and
+    the data."""
+    check_lengths(cfg, *model_config(cfg))
+    verifier = load_verifier(cfg)
+    model, tok, tok_dir, resume_dir = load_policy(cfg)
+    return Setup(model, tok, tok_dir, resume_dir, *load_data(cfg, tok, verifier), verifier)
 
 
 def model_config(cfg: Config) -> tuple[ModelConfig, str | None]:
@@ -94,7 +119,7 @@ def check_files(cfg: Config):
         if path:
             check_data_file(path, flag)
     if cfg.reward_fn_all_rows and not cfg.reward_fn:
-        raise ValueError("--reward-fn-all-rows needs --reward-fn FILE.py:NAME")
+        raise UserError("--reward-fn-all-rows needs --reward-fn FILE.py:NAME")
     if cfg.reward_fn:
         reward_fn_file(cfg.reward_fn)  # the file is there; load_verifier imports it
 
@@ -138,30 +163,30 @@ def load_sharded(model_dir: str, cfg: Config) -> Qwen2:
     rank ever holding the whole model (a 32B's fp32 weights are 131 GB): built on the meta
     device, sharded, then each rank reads its own rows of every weight from the safetensors
     files."""
-    m = ModelConfig.from_json(need_file(model_dir, "config.json"))
+    model_cfg = ModelConfig.from_json(need_file(model_dir, "config.json"))
     with torch.device("meta"):
-        model = Qwen2(m)
+        model = Qwen2(model_cfg)
     distributed.shard(model, mixed_precision=cfg.precision == "bf16")
     model.to_empty(device=cfg.device)
     with torch.no_grad():  # name -> (rows, the full shape, this rank's tensor)
         hf_io.load_rows_into(model_dir, distributed.local_rows(model), cfg.device,
-                             skip=hf_io.tied_keys(m))
+                             skip=hf_io.tied_keys(model_cfg))
     model.inv_freq = model._rope_inv_freq(cfg.device)
     checkpoint.check_finite(model, f"loading {model_dir}")  # every rank stops, naming the weight
     return model
 
 
-def check_lengths(cfg: Config, m: ModelConfig, config_json: str | None):
-    """A prompt and its response must fit the positions of model m, read from config_json (None:
+def check_lengths(cfg: Config, model_cfg: ModelConfig, config_json: str | None):
+    """A prompt and its response must fit the positions of model_cfg, read from config_json (None:
     the demo's), before anything is written (RoPE past its trained range gives garbage,
     silently)."""
-    limit = m.max_position_embeddings
+    limit = model_cfg.max_position_embeddings
     source = f"{config_json} (max_position_embeddings)" if config_json else "the demo model"
     total = cfg.max_prompt_len + cfg.max_response_len
     if total > limit:
-        raise ValueError(f"--max-prompt-len {cfg.max_prompt_len} + --max-response-len "
-                         f"{cfg.max_response_len} = {total} tokens, more than the {limit} "
-                         f"positions of {source}: lower --max-prompt-len or --max-response-len")
+        raise UserError(f"--max-prompt-len {cfg.max_prompt_len} + --max-response-len "
+                        f"{cfg.max_response_len} = {total} tokens, more than the {limit} "
+                        f"positions of {source}: lower --max-prompt-len or --max-response-len")
 
 
 def load_data(cfg: Config, tok, verifier: Verifier) -> tuple[list[dict], list[dict]]:
@@ -178,9 +203,9 @@ def load_data(cfg: Config, tok, verifier: Verifier) -> tuple[list[dict], list[di
     val_rows = load_rows(cfg.val_data, tok, verifier=verifier) if cfg.val_data else \
         toy_rows(1000, seed=cfg.seed, split="test")
     if not cfg.eval_only and len(train_rows) < cfg.gen_batch_prompts:
-        raise ValueError(f"{cfg.train_data}: {len(train_rows)} usable rows, fewer than "
-                         f"{cfg.gen_batch_flag} {cfg.gen_batch_prompts} (the prompts of one "
-                         "generation batch)")
+        raise UserError(f"{cfg.train_data}: {len(train_rows)} usable rows, fewer than "
+                        f"{cfg.gen_batch_flag} {cfg.gen_batch_prompts} (the prompts of one "
+                        "generation batch)")
     val_rows = val_rows[:cfg.eval_prompts or None]
     # one call on the ground truth of a row it will score: a wrong signature stops the run now
     scored = (row for row in ([] if cfg.eval_only else train_rows) + val_rows
@@ -198,32 +223,13 @@ def load_verifier(cfg: Config) -> Verifier:
     return Verifier.load(cfg.reward_fn, cfg.reward_fn_all_rows, cfg.reward_timeout)
 
 
-# A user's mistake (a flag, a path, a file's content, a directory another run holds) is found by
-# the checks of config.py, data.py, reward.py and infra/, which raise these with a message that
-# names the flag or the file and what to do
-USER_ERRORS = (ValueError, OSError, ImportError, RuntimeError)
-ROOT = os.path.dirname(os.path.abspath(__file__))
-
-
 @contextlib.contextmanager
 def user_errors_in_one_line():
-    """Around the command line's run: a user's mistake is one line `error: ...`, from rank 0 only,
-    exit status 2 (infra/distributed.fail); a traceback is for a bug. A mistake is an error of
-    USER_ERRORS that one of this project's `raise` statements made; the same types raised by
-    Python or a library (a ValueError of tuple unpacking, torch's RuntimeError of a shape
-    mismatch) are bugs."""
+    """Around the command line's run: a user's mistake (a UserError, raised by the checks of
+    config.py, data.py, reward.py and infra/ with a message that names the flag or the file and
+    what to do) is one line `error: ...`, from rank 0 only, exit status 2
+    (infra/distributed.fail). Any other exception is a bug, and keeps its traceback."""
     try:
         yield
-    except USER_ERRORS as e:
-        if not _raised_by_a_check(e):
-            raise
+    except UserError as e:
         distributed.fail(str(e))
-
-
-def _raised_by_a_check(e: BaseException) -> bool:
-    tb = e.__traceback__
-    while tb.tb_next:  # the innermost frame: where it was raised
-        tb = tb.tb_next
-    file = os.path.abspath(tb.tb_frame.f_code.co_filename)
-    ours = file.startswith(ROOT + os.sep) and "site-packages" not in file
-    return ours and linecache.getline(file, tb.tb_lineno).lstrip().startswith("raise ")

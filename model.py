@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from infra import hf_io
+from infra.errors import UserError
 from infra.files import need_file
 from dapo_kernels import linear_logprobs_and_entropy, logprobs_and_entropy
 
@@ -50,16 +51,16 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.model_type not in hf_io.ARCHITECTURES:
-            raise ValueError(f"model_type {self.model_type!r} is none of "
-                             f"{', '.join(hf_io.ARCHITECTURES)}")
+            raise UserError(f"model_type {self.model_type!r} is none of "
+                            f"{', '.join(hf_io.ARCHITECTURES)}")
         if self.rope_scaling and self.rope_scaling.get("rope_type") != "llama3":
-            raise ValueError(f"rope_scaling {self.rope_scaling} is not Llama 3's (rope_type "
-                             "'llama3'), the only one implemented")
+            raise UserError(f"rope_scaling {self.rope_scaling} is not Llama 3's (rope_type "
+                            "'llama3'), the only one implemented")
         if self.head_dim == 0:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads={self.num_key_value_heads}")
+            raise UserError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                            f"num_key_value_heads={self.num_key_value_heads}")
 
     @property
     def qkv_bias(self) -> bool:  # the switches of Attention, from the family

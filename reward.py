@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from infra.errors import UserError
+
 WINDOW = 300  # characters read from the end of a response (the longest MATH-500 answer has 159)
 # the rest of the line after "Answer:", any case
 ANSWER_RE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
@@ -183,8 +185,8 @@ def score_response(data_source: str, response_text: str, ground_truth: str) -> d
     """Score one decoded response with its row's built-in verifier: {"score", "acc", "pred"}."""
     scorer = scorer_for(data_source)
     if scorer is None:
-        raise ValueError(f"no reward function for data_source {data_source!r}; known: "
-                         f"{sorted(SCORERS)} and 'aime*'")
+        raise UserError(f"no reward function for data_source {data_source!r}; known: "
+                        f"{sorted(SCORERS)} and 'aime*'")
     return scorer(response_text, ground_truth)
 
 
@@ -265,9 +267,9 @@ class Verifier:
             out = _as_score(self._call(gt, gt), self.spec)
             _check_finite(out["score"], self.spec, gt, gt)
         except VERIFIER_ERRORS as e:
-            raise ValueError(f"--reward-fn {self.spec}: the check call "
-                             f"{self.spec.rpartition(':')[2]}({gt!r}, {gt!r}) failed: "
-                             f"{_described(e)}") from e
+            raise UserError(f"--reward-fn {self.spec}: the check call "
+                            f"{self.spec.rpartition(':')[2]}({gt!r}, {gt!r}) failed: "
+                            f"{_described(e)}") from e
 
     def take_errors(self) -> str:
         """The first exception --reward-fn raised since the last call, with its response and
@@ -343,10 +345,10 @@ def reward_fn_file(spec: str) -> tuple[str, str]:
     file is missing."""
     path, sep, name = spec.rpartition(":")
     if not sep or not path.endswith(".py") or not name.isidentifier():
-        raise ValueError(f"--reward-fn {spec!r}: expected FILE.py:NAME, e.g. "
-                         "examples/countdown.py:score")
+        raise UserError(f"--reward-fn {spec!r}: expected FILE.py:NAME, e.g. "
+                        "examples/countdown.py:score")
     if not os.path.isfile(path):
-        raise ValueError(f"--reward-fn {spec!r}: no file {path}")
+        raise UserError(f"--reward-fn {spec!r}: no file {path}")
     return path, name
 
 
@@ -361,13 +363,13 @@ def load_reward_fn(spec: str):
         with _same_directory():
             module_spec.loader.exec_module(module)
     except VERIFIER_ERRORS as e:
-        raise ValueError(f"--reward-fn {spec!r}: importing {path} failed: "
-                         f"{_described(e)}") from e
+        raise UserError(f"--reward-fn {spec!r}: importing {path} failed: "
+                        f"{_described(e)}") from e
     fn = getattr(module, name, None)
     if not callable(fn):
         what = "nothing" if fn is None else f"a {type(fn).__name__}"
-        raise ValueError(f"--reward-fn {spec!r}: {path} defines {what} named {name}, not a "
-                         "function (response_text, ground_truth) -> float or {'score', 'acc'}")
+        raise UserError(f"--reward-fn {spec!r}: {path} defines {what} named {name}, not a "
+                        "function (response_text, ground_truth) -> float or {'score', 'acc'}")
     return fn
 
 
@@ -420,10 +422,10 @@ def _check_finite(score: float, spec: str, response_text: str, ground_truth: str
     advantages NaN, then the gradient, and every update is skipped; so is a score beyond
     float32's range, where the rewards are held (an inf there). Raise naming both."""
     if not math.isfinite(score) or abs(score) > FLOAT32_MAX:
-        raise ValueError(f"--reward-fn {spec} returned {score} for the response "
-                         f"{_excerpt(response_text)} (ground truth {_excerpt(ground_truth)}): a "
-                         "score must be a finite number within float32's range (a NaN or inf "
-                         "reward makes the advantages and the gradient of its group NaN)")
+        raise UserError(f"--reward-fn {spec} returned {score} for the response "
+                        f"{_excerpt(response_text)} (ground truth {_excerpt(ground_truth)}): a "
+                        "score must be a finite number within float32's range (a NaN or inf "
+                        "reward makes the advantages and the gradient of its group NaN)")
 
 
 def _excerpt(text: str, chars: int = 200) -> str:

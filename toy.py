@@ -41,6 +41,7 @@ from tokenizers import Tokenizer as HFTokenizer
 import reward
 from data import Tokenizer, load_tokenizer
 from infra import distributed
+from infra.errors import UserError
 from model import ModelConfig, Qwen2, preset
 
 TOY_DATA_SOURCE = reward.TOY_DATA_SOURCE
@@ -283,8 +284,8 @@ def warmed_up_model(tok, key: dict, make_pairs, device="cpu", cache_root="runs/d
         try:
             return Qwen2.from_pretrained(cache, dtype=torch.float32, device=device)
         except (OSError, ValueError) as e:  # a cut copy, a full disk when it was written
-            raise ValueError(f"{e}. This is the demo's cached base model, not a download: delete "
-                             f"{cache} and the next run warms it up again") from None
+            raise UserError(f"{e}. This is the demo's cached base model, not a download: delete "
+                            f"{cache} and the next run warms it up again") from None
     torch.manual_seed(key["seed"])
     config = preset(key["preset"], vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_ids)
     model = Qwen2(config).to(device)

@@ -5,7 +5,7 @@ A run in bf16 can train on stale weights without a single error: an autocast reg
 whole loop keeps the bf16 copy of every weight from before the first optimizer step, so every
 later rollout and update reads step-0 weights for every linear layer. Metrics then look like a
 run that learns slowly. The canary catches it in one step, through dapo.py's own functions run
-inside launch.run (the process set-up a training run gets):
+inside launch.session (the process set-up a training run gets):
 
     1. the sampler's greedy responses to a few prompts, and its log-prob of each token
        (dapo.rollout: the rollout's precision, KV cache and sampler)
@@ -122,7 +122,7 @@ def main():
     p.add_argument("--dir", default=os.path.join("runs", "canary"),
                    help="the random model (a copy per rank) and the run go here (replaced)")
     args = p.parse_args()
-    # before launch.run, whose memory plan reads the model's config.json; each rank writes its
+    # before launch.plan, whose memory plan reads the model's config.json; each rank writes its
     # own copy, as no process group exists yet to wait for rank 0's
     model_dir = os.path.join(args.dir, f"model-rank{os.environ.get('RANK', '0')}")
     write_model(model_dir, args.preset)
@@ -132,7 +132,8 @@ def main():
                  max_response_len=args.max_response_len, overlong_buffer=1, max_prompt_len=64,
                  lr=args.lr,
                  grad_clip=1e9, eval_every=0)
-    result = launch.run(canary, cfg)
+    with launch.session(cfg) as cfg:
+        result = canary(launch.plan(cfg))
     if int(os.environ.get("RANK", "0")) == 0:  # the process group is gone: rank() says 0
         print(f"learning canary ({args.precision}, {args.device}, "
               f"{distributed.launched_world()} process(es)): sampler moved "

@@ -35,6 +35,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from infra import distributed, files, precision
+from infra.errors import UserError
 from infra.hf_io import checkpoint_files, first_nonfinite, save_hf_checkpoint
 
 
@@ -104,7 +105,7 @@ def save(out_dir, step, model, tok_dir, opt, prompt_iter, generator, config: dic
                         "generator": generator.get_state(),
                         "torch_rng": torch.get_rng_state()}, file)
             files.fsync(file)
-    except OSError as e:
+    except (OSError, UserError) as e:  # files.writing names the file in a UserError
         error = e
     _raise_together(error, out_dir, tmp, step)
     if rank == 0:
@@ -136,10 +137,9 @@ def _raise_together(error, out_dir, tmp, step):
     kept = (f"latest still names {_read(pointer)}" if os.path.isfile(pointer)
             else "there is no earlier one")
     if error is None:
-        raise RuntimeError(f"checkpoint step {step} not saved: another rank failed to write "
-                           f"its part ({kept})")
-    kind = OSError if isinstance(error, OSError) else ValueError
-    raise kind(f"{error}. Checkpoint step {step} not saved ({kept})") from error
+        raise UserError(f"checkpoint step {step} not saved: another rank failed to write "
+                        f"its part ({kept})")
+    raise UserError(f"{error}. Checkpoint step {step} not saved ({kept})") from error
 
 
 def _read(path) -> str:
@@ -171,19 +171,19 @@ def latest(out_dir) -> str:
     answer on every rank, before any collective, so a broken one fails every rank at once)."""
     pointer = os.path.join(out_dir, "checkpoints", "latest")
     if not os.path.isfile(pointer):
-        raise FileNotFoundError(f"--resume: {out_dir} holds no checkpoint to continue from "
-                                f"({pointer} does not exist); start without --resume (with "
-                                "--overwrite if the directory holds a run)")
+        raise UserError(f"--resume: {out_dir} holds no checkpoint to continue from "
+                        f"({pointer} does not exist); start without --resume (with "
+                        "--overwrite if the directory holds a run)")
     name = _read(pointer)
     # a path (absolute, or ../other-run/...) would resume another run's checkpoint, silently
     if step_number(name) is None:
-        raise ValueError(f"--resume: {pointer} holds {name!r}, not the name of a checkpoint of "
-                         f"this run (a step_N directory beside it). {_way_back(out_dir)}")
+        raise UserError(f"--resume: {pointer} holds {name!r}, not the name of a checkpoint of "
+                        f"this run (a step_N directory beside it). {_way_back(out_dir)}")
     ckpt = os.path.join(out_dir, "checkpoints", name)
     problem = incomplete(ckpt)
     if problem:
-        raise FileNotFoundError(f"--resume: {pointer} names {ckpt}, which is not a complete "
-                                f"checkpoint: {problem}. {_way_back(out_dir, ckpt)}")
+        raise UserError(f"--resume: {pointer} names {ckpt}, which is not a complete "
+                        f"checkpoint: {problem}. {_way_back(out_dir, ckpt)}")
     return ckpt
 
 
@@ -234,9 +234,9 @@ def load_trainer_state(ckpt, opt, prompt_iter, generator, model=None) -> int:
     model's parameter names, when given) first."""
     meta = files.read_json(os.path.join(ckpt, "trainer.json"))
     if meta["world_size"] != distributed.world_size():
-        raise ValueError(f"{ckpt} was written by {meta['world_size']} processes; resuming it "
-                         f"needs the same number (this run has {distributed.world_size()}). "
-                         "Its model/ directory loads anywhere.")
+        raise UserError(f"{ckpt} was written by {meta['world_size']} processes; resuming it "
+                        f"needs the same number (this run has {distributed.world_size()}). "
+                        "Its model/ directory loads anywhere.")
     file = os.path.join(ckpt, f"trainer_rank{distributed.rank()}.pt")
     try:
         state = torch.load(file, weights_only=True)  # tensors and numbers only: no code runs
@@ -244,13 +244,13 @@ def load_trainer_state(ckpt, opt, prompt_iter, generator, model=None) -> int:
         raise
     except (RuntimeError, EOFError, OSError) as e:
         # "PytorchStreamReader failed reading zip archive", EINVAL...
-        raise ValueError(f"{file}: not a readable checkpoint file, truncated or corrupt "
-                         f"(a partial copy?): {e}") from None
+        raise UserError(f"{file}: not a readable checkpoint file, truncated or corrupt "
+                        f"(a partial copy?): {e}") from None
     except pickle.UnpicklingError as e:
         # torch's text suggests weights_only=False, which would run whatever code the file holds
-        raise ValueError(f"{file}: holds objects other than tensors and numbers, which no "
-                         "checkpoint of this project writes; not loaded (it could run code). "
-                         f"torch says: {str(e).splitlines()[0]}") from None
+        raise UserError(f"{file}: holds objects other than tensors and numbers, which no "
+                        "checkpoint of this project writes; not loaded (it could run code). "
+                        f"torch says: {str(e).splitlines()[0]}") from None
     check_optimizer_state(state["optimizer"], opt, file, model)
     distributed.load_local_optimizer_state(opt, state["optimizer"])
     generator.set_state(state["generator"])
@@ -258,7 +258,7 @@ def load_trainer_state(ckpt, opt, prompt_iter, generator, model=None) -> int:
     try:
         prompt_iter.load_state_dict(meta["data"])
     except ValueError as e:
-        raise ValueError(f"--resume: {os.path.join(ckpt, 'trainer.json')}: {e}") from None
+        raise UserError(f"--resume: {os.path.join(ckpt, 'trainer.json')}: {e}") from None
     return meta["step"]
 
 
@@ -272,18 +272,18 @@ def check_optimizer_state(saved: dict, opt, file: str, model=None):
     params = [p for group in opt.param_groups for p in group["params"]]
     saved_ids = [i for group in saved["param_groups"] for i in group["params"]]
     if len(saved_ids) != len(params):
-        raise ValueError(f"{file}: optimizer state of {len(saved_ids)} parameters, the model has "
-                         f"{len(params)}: the checkpoint's model/ and its optimizer state are of "
-                         "different models")
+        raise UserError(f"{file}: optimizer state of {len(saved_ids)} parameters, the model has "
+                        f"{len(params)}: the checkpoint's model/ and its optimizer state are of "
+                        "different models")
     for number, (i, p) in enumerate(zip(saved_ids, params)):
         local = distributed.local_shard(p)
         for key, t in saved["state"].get(i, {}).items():
             if torch.is_tensor(t) and t.dim() > 0 and t.shape != local.shape:
                 name = names.get(id(p), f"number {number}")
-                raise ValueError(f"{file}: optimizer state {key!r} of parameter {name!r} has "
-                                 f"shape {tuple(t.shape)}, the parameter {tuple(local.shape)}: "
-                                 "the checkpoint's model/ and its optimizer state are of "
-                                 "different models (was model/ replaced?)")
+                raise UserError(f"{file}: optimizer state {key!r} of parameter {name!r} has "
+                                f"shape {tuple(t.shape)}, the parameter {tuple(local.shape)}: "
+                                "the checkpoint's model/ and its optimizer state are of "
+                                "different models (was model/ replaced?)")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -337,10 +337,10 @@ def prepare_out_dir(out_dir: str, resume: bool, overwrite: bool) -> str | None:
     held = [p for p in (metrics, ckpts) if (os.path.isfile(p) and os.path.getsize(p)) or
             (os.path.isdir(p) and os.listdir(p))]
     if held and not overwrite:
-        raise FileExistsError(f"{out_dir} already holds a run "
-                              f"({' and '.join(map(os.path.basename, held))}): pass --resume to "
-                              "continue it, or --overwrite to delete its metrics and checkpoints "
-                              "and start again (or choose another --out-dir)")
+        raise UserError(f"{out_dir} already holds a run "
+                        f"({' and '.join(map(os.path.basename, held))}): pass --resume to "
+                        "continue it, or --overwrite to delete its metrics and checkpoints "
+                        "and start again (or choose another --out-dir)")
     distributed.barrier("prepare_out_dir")  # every rank has looked before rank 0 deletes anything
     if distributed.rank() == 0:
         if overwrite:
@@ -391,8 +391,8 @@ def trim_metrics(path: str, step: int) -> int:
             torn = lineno == len(lines)
             if torn:
                 continue
-            raise ValueError(f"{path}:{lineno}: not a JSON row; fix or remove the line, then "
-                             "resume") from None
+            raise UserError(f"{path}:{lineno}: not a JSON row; fix or remove the line, then "
+                            "resume") from None
         s = row.get("step") if isinstance(row, dict) else None
         if done or (isinstance(s, (int, float)) and s > step):
             continue
@@ -436,9 +436,9 @@ def check_resume_config(saved: dict, current: dict, where: str = "the checkpoint
                for k in current
                if k in saved and k not in MAY_CHANGE_ON_RESUME and saved[k] != current[k]]
     if changed:
-        raise ValueError(f"--resume: {where} was trained with other settings, and these change "
-                         "the algorithm:\n" + "\n".join(changed) + "\nResume with the checkpoint's "
-                         "values, or start a new run (--overwrite, or another --out-dir).")
+        raise UserError(f"--resume: {where} was trained with other settings, and these change "
+                        "the algorithm:\n" + "\n".join(changed) + "\nResume with the checkpoint's "
+                        "values, or start a new run (--overwrite, or another --out-dir).")
     if saved.get("train_data", current.get("train_data")) != current.get("train_data"):
         distributed.say(f"note: --resume: {where} was trained on --train-data "
                         f"{saved['train_data']!r}, this run reads {current['train_data']!r} (the "

@@ -9,15 +9,17 @@ data format) is data.py's business; this is the bytes.
 """
 import json
 
+from infra.errors import UserError
+
 
 def _import_pyarrow(path: str):
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
-        raise ImportError(f"reading {path} needs pyarrow, an optional extra: pip install -r "
-                          "requirements-extra.txt (or convert the file to JSONL with the same "
-                          "columns)") from None
+        raise UserError(f"reading {path} needs pyarrow, an optional extra: pip install -r "
+                        "requirements-extra.txt (or convert the file to JSONL with the same "
+                        "columns)") from None
     return pa, pq
 
 
@@ -25,7 +27,7 @@ def need_reader(path: str):
     if path.endswith(".parquet"):
         _import_pyarrow(path)
     elif not path.endswith(".jsonl"):
-        raise ValueError(f"{path}: unknown data format (expected .parquet or .jsonl)")
+        raise UserError(f"{path}: unknown data format (expected .parquet or .jsonl)")
 
 
 def read_rows(path: str):
@@ -44,8 +46,8 @@ def _parquet_rows(path: str):
                 index += 1
     except pa.ArrowException as e:
         # ArrowInvalid, ArrowIOError...: the file, not one row, is broken
-        raise ValueError(f"{path}: not a readable parquet file after {index} rows; truncated (an "
-                         f"interrupted download?) or corrupt: {e}") from None
+        raise UserError(f"{path}: not a readable parquet file after {index} rows; truncated (an "
+                        f"interrupted download?) or corrupt: {e}") from None
 
 
 def _jsonl_rows(path: str):
@@ -56,13 +58,13 @@ def _jsonl_rows(path: str):
                 # -sig: a BOM some editors write
                 line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: the file is not UTF-8 text (byte "
-                                 f"0x{raw[e.start]:02x} at byte {e.start + 1} of the line); JSONL "
-                                 "must be UTF-8: re-encode it, e.g. with iconv") from None
+                raise UserError(f"{path}:{lineno}: the file is not UTF-8 text (byte "
+                                f"0x{raw[e.start]:02x} at byte {e.start + 1} of the line); JSONL "
+                                "must be UTF-8: re-encode it, e.g. with iconv") from None
             if not line.strip():
                 continue
             try:
                 yield f"{path}:{lineno}", json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg} at column "
-                                 f"{e.colno})") from None
+                raise UserError(f"{path}:{lineno}: malformed JSON ({e.msg} at column "
+                                f"{e.colno})") from None

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from infra.errors import UserError
+
 # How long a rank waits in a collective for the others before it gives up. Inside a step the ranks
 # meet often: every decode step of a rollout (the sampler's lockstep all-reduce), every FSDP unit of
 # every forward and backward, so a 20k-token rollout never leaves a gap of more than a few seconds.
@@ -95,14 +97,14 @@ def _named(op: str, name: str | None, caller):
         what = (f"{op} {name!r}" if name
                 else f"{op} at {os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}")
         if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-            raise RuntimeError(f"rank {rank()}: {what} timed out after {_timeout_s:g} s: another "
-                               "rank stopped or is far behind (raise --dist-timeout if it was only "
-                               f"slow) ({e})") from e
-        raise RuntimeError(f"rank {rank()}: {what} failed: another rank has probably exited "
-                           f"({e})") from e
+            raise UserError(f"rank {rank()}: {what} timed out after {_timeout_s:g} s: another "
+                            "rank stopped or is far behind (raise --dist-timeout if it was only "
+                            f"slow) ({e})") from e
+        raise UserError(f"rank {rank()}: {what} failed: another rank has probably exited "
+                        f"({e})") from e
 
 
-def timeout_error(e: BaseException, timeout_s: float) -> RuntimeError | None:
+def timeout_error(e: BaseException, timeout_s: float) -> UserError | None:
     """A collective's timeout that no named helper here caught (one inside FSDP2's forward or
     backward: gloo says only "Timed out waiting 1800000ms for recv operation to complete") as an
     error naming --dist-timeout; None for any other error."""
@@ -111,9 +113,9 @@ def timeout_error(e: BaseException, timeout_s: float) -> RuntimeError | None:
             not ("timed out" in text.lower() or "timeout" in text.lower()):
         return None
     first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
-    return RuntimeError(f"rank {rank()}: a collective (in the model's forward or backward, or "
-                        f"torch's own) timed out after {timeout_s:g} s: another rank stopped or is "
-                        f"far behind (raise --dist-timeout if it was only slow) ({first})")
+    return UserError(f"rank {rank()}: a collective (in the model's forward or backward, or "
+                     f"torch's own) timed out after {timeout_s:g} s: another rank stopped or is "
+                     f"far behind (raise --dist-timeout if it was only slow) ({first})")
 
 
 def world_size() -> int:

@@ -21,11 +21,13 @@ import os
 
 from safetensors import SafetensorError
 
+from infra.errors import UserError
+
 
 def need_file(path: str, name: str) -> str:
     file = os.path.join(path, name)
     if not os.path.isfile(file):
-        raise FileNotFoundError(f"{file}: not found (is {path!r} a Hugging Face model directory?)")
+        raise UserError(f"{file}: not found (is {path!r} a Hugging Face model directory?)")
     return file
 
 
@@ -40,7 +42,7 @@ def writing(file: str):
         full = getattr(e, "errno", None) == errno.ENOSPC or "unexpected pos" in str(e) or \
             "StorageFull" in str(e)
         why = ": the disk is full" if full else " (is the disk full?)"
-        raise OSError(f"could not write {file}{why} ({type(e).__name__}: {e})") from e
+        raise UserError(f"could not write {file}{why} ({type(e).__name__}: {e})") from e
 
 
 def fsync(path: str):
@@ -91,8 +93,8 @@ def read_json(file: str):
         try:
             return json.load(f)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{file}: not valid JSON, truncated or corrupt (a partial copy?): "
-                             f"{e}") from None
+            raise UserError(f"{file}: not valid JSON, truncated or corrupt (a partial copy?): "
+                            f"{e}") from None
 
 
 _owned: dict[str, int] = {}  # realpath -> the open lock file's descriptor, held until exit
@@ -113,8 +115,8 @@ def own_dir(path: str, lock_name: str = "run.lock"):
     except BlockingIOError:
         holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
-        raise RuntimeError(f"{path} is in use by a live run (pid {holder}, {file}): wait for it "
-                           "or stop it, or choose another --out-dir") from None
+        raise UserError(f"{path} is in use by a live run (pid {holder}, {file}): wait for it "
+                        "or stop it, or choose another --out-dir") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     _owned[key] = fd
@@ -127,16 +129,16 @@ def check_writable(path: str, what: str):
     another user's directory, or /proc from a writable one. A dangling link and a file in the
     way are named too."""
     if os.path.islink(path) and not os.path.exists(path):
-        raise NotADirectoryError(f"{what} {path} is a link to {os.readlink(path)}, which does not "
-                                 "exist")
+        raise UserError(f"{what} {path} is a link to {os.readlink(path)}, which does not "
+                        "exist")
     where = os.path.abspath(path)
     while not os.path.lexists(where):  # made by the run: its parents must be writable
         where = os.path.dirname(where)
     if not os.path.isdir(where):
-        raise NotADirectoryError(f"{what} {path}: {where} is not a directory")
+        raise UserError(f"{what} {path}: {where} is not a directory")
     probe = os.path.join(where, f".write-probe-{os.getpid()}")
     try:
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         os.remove(probe)
     except OSError as e:
-        raise PermissionError(f"{what} {path}: cannot write in {where} ({e.strerror})") from None
+        raise UserError(f"{what} {path}: cannot write in {where} ({e.strerror})") from None

@@ -5,6 +5,7 @@ to take) never exits 0. Three more warnings, for a run that trains on something 
 without an answer the verifier can read, sampler log-probs that disagree with the trainer's, and
 a --reward-fn that raised. And a bound on dynamic sampling that finds no signal at all."""
 from infra import distributed
+from infra.errors import UserError
 
 TRUNCATED_ALARM = 0.9  # almost every response truncated
 NO_ANSWER_ALARM = 0.9  # of the responses that ended, the verifier read no answer in almost all
@@ -174,7 +175,7 @@ def check_sampling(n_gen: int, n_kept: int, train_prompts: int):
         distributed.say(f"dynamic sampling: {n_gen} generation batches, {n_kept} of "
                         f"{train_prompts} groups with signal so far")
     if n_gen >= NO_SIGNAL_BOUND and n_kept == 0:
-        raise RuntimeError(
+        raise UserError(
             f"dynamic sampling found no group with signal in {n_gen} generation batches (every "
             "group all right or all wrong); check --max-response-len, the prompt's answer "
             "format against the verifier, or set --max-gen-batches to train on what is kept")

@@ -20,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from infra import distributed, files
+from infra.errors import UserError
 
 
 def load_state_dict(path: str, expected: dict, dtype, device, skip=()) -> dict:
@@ -32,8 +33,8 @@ def load_state_dict(path: str, expected: dict, dtype, device, skip=()) -> dict:
     bad = first_nonfinite(state)
     # a diverged run's weights would train on, reporting nothing but zero informative groups
     if bad:
-        raise ValueError(f"{file_of[bad]}: {bad!r} holds {count_nonfinite(state[bad])}: "
-                         "refusing to load a model with non-finite weights")
+        raise UserError(f"{file_of[bad]}: {bad!r} holds {count_nonfinite(state[bad])}: "
+                        "refusing to load a model with non-finite weights")
     return state
 
 
@@ -63,22 +64,22 @@ def _checked_tensors(path: str, expected: dict, device, skip):
                     if key.endswith("rotary_emb.inv_freq") or key in skip:
                         continue
                     if key not in expected:
-                        raise ValueError(f"{file}: unexpected key {key!r} (not part of "
-                                         "the model its config.json describes)")
+                        raise UserError(f"{file}: unexpected key {key!r} (not part of "
+                                        "the model its config.json describes)")
                     tensor = f.get_slice(key)
                     shape = tuple(tensor.get_shape())
                     if shape != tuple(expected[key]):
-                        raise ValueError(f"{file}: key {key!r} has shape {shape}, "
-                                         f"the config implies {tuple(expected[key])}")
+                        raise UserError(f"{file}: key {key!r} has shape {shape}, "
+                                        f"the config implies {tuple(expected[key])}")
                     seen.add(key)
                     yield file, key, tensor
         except SafetensorError as e:
             # "incomplete metadata, file not fully covered" and the like
-            raise ValueError(f"{file}: not a readable safetensors file, truncated or corrupt "
-                             f"(an interrupted download or copy?): {e}") from None
+            raise UserError(f"{file}: not a readable safetensors file, truncated or corrupt "
+                            f"(an interrupted download or copy?): {e}") from None
     missing = sorted(set(expected) - seen)
     if missing:
-        raise ValueError(f"{path}: checkpoint lacks {len(missing)} key(s), first {missing[0]!r}")
+        raise UserError(f"{path}: checkpoint lacks {len(missing)} key(s), first {missing[0]!r}")
     if skipped_head:
         _warn_if_another_head(path, skipped_head)
 
@@ -112,8 +113,8 @@ def checkpoint_files(path) -> dict:
             try:
                 weight_map = json.load(f)["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{index}: not a safetensors index (a JSON object with a "
-                                 f"weight_map): {type(e).__name__}: {e}") from None
+                raise UserError(f"{index}: not a safetensors index (a JSON object with a "
+                                f"weight_map): {type(e).__name__}: {e}") from None
         keys_of = {}
         for key, name in weight_map.items():
             keys_of.setdefault(name, []).append(key)
@@ -173,7 +174,7 @@ def save_hf_checkpoint(state_dict: dict, cfg, path: str, max_shard_bytes: int = 
     state = {k: v.detach().contiguous().cpu() for k, v in state_dict.items() if k not in tied}
     bad = first_nonfinite(state)
     if bad:
-        raise ValueError(f"not saving {path}: {bad!r} holds {count_nonfinite(state[bad])}")
+        raise UserError(f"not saving {path}: {bad!r} holds {count_nonfinite(state[bad])}")
     shards, size = [{}], 0
     for k, v in state.items():
         nbytes = v.numel() * v.element_size()
@@ -286,8 +287,8 @@ def config_from_hf(cls, hf: dict, source: str = "config.json"):
     the field."""
     family = hf.get("model_type", "qwen2")
     if family not in ARCHITECTURES:
-        raise ValueError(f"{source}: model_type is {family!r}; this project implements "
-                         f"{', '.join(map(repr, ARCHITECTURES))} (dense, full attention)")
+        raise UserError(f"{source}: model_type is {family!r}; this project implements "
+                        f"{', '.join(map(repr, ARCHITECTURES))} (dense, full attention)")
     _refuse_what_is_not_computed(hf, source)
     known = {f.name for f in fields(cls)}
     kw = {k: v for k, v in hf.items() if k in known and v is not None}
@@ -301,7 +302,7 @@ def config_from_hf(cls, hf: dict, source: str = "config.json"):
     for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
               "num_attention_heads"):
         if k not in kw:
-            raise ValueError(f"{source}: missing required field {k!r}")
+            raise UserError(f"{source}: missing required field {k!r}")
     kw.setdefault("num_key_value_heads", kw["num_attention_heads"])
     _check_types(cls, kw, source)
     return cls(**kw)
@@ -310,25 +311,25 @@ def config_from_hf(cls, hf: dict, source: str = "config.json"):
 def _refuse_what_is_not_computed(hf: dict, source: str):
     """One line naming the field, for what a config.json may ask that model.py does not do."""
     if hf.get("use_sliding_window", False):
-        raise ValueError(f"{source}: use_sliding_window=true is not supported "
-                         "(Qwen2.5 and Qwen3 ship with it off)")
+        raise UserError(f"{source}: use_sliding_window=true is not supported "
+                        "(Qwen2.5 and Qwen3 ship with it off)")
     windowed = [t for t in hf.get("layer_types") or () if t != "full_attention"]
     if windowed:
-        raise ValueError(f"{source}: layer_types holds {windowed[0]!r}; only full_attention "
-                         "layers are supported")
+        raise UserError(f"{source}: layer_types holds {windowed[0]!r}; only full_attention "
+                        "layers are supported")
     if hf.get("mlp_bias", False):
-        raise ValueError(f"{source}: mlp_bias=true is not supported (Llama ships with it off)")
+        raise UserError(f"{source}: mlp_bias=true is not supported (Llama ships with it off)")
     if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported (SwiGLU's "
-                         "'silu' only)")
+        raise UserError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported (SwiGLU's "
+                        "'silu' only)")
     rope_key, rope = _rope_field(hf, source)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
-        raise ValueError(f"{source}: {rope_key} has rope type {rope_type!r}, not supported (only "
-                         "the default RoPE and Llama 3's 'llama3')")
+        raise UserError(f"{source}: {rope_key} has rope type {rope_type!r}, not supported (only "
+                        "the default RoPE and Llama 3's 'llama3')")
     if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError(f"{source}: partial_rotary_factor is not supported (RoPE on every "
-                         "dimension of a head only)")
+        raise UserError(f"{source}: partial_rotary_factor is not supported (RoPE on every "
+                        "dimension of a head only)")
 
 
 def _rope_field(hf: dict, source: str) -> tuple[str, dict]:
@@ -336,7 +337,7 @@ def _rope_field(hf: dict, source: str) -> tuple[str, dict]:
     rope_scaling (older files, with rope_theta beside it)."""
     for key in ("rope_parameters", "rope_scaling"):
         if hf.get(key) and not isinstance(hf[key], dict):
-            raise ValueError(f"{source}: {key} must be an object, got {json.dumps(hf[key])}")
+            raise UserError(f"{source}: {key} must be an object, got {json.dumps(hf[key])}")
         if hf.get(key):
             return key, hf[key]
     return "rope_parameters", {}
@@ -349,8 +350,8 @@ def _llama3_rope(rope: dict, where: str) -> dict | None:
     for k in LLAMA3_ROPE:
         v = rope.get(k)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-            raise ValueError(f"{where}: llama3 RoPE needs {k!r}, a positive number, got "
-                             f"{json.dumps(v)}")
+            raise UserError(f"{where}: llama3 RoPE needs {k!r}, a positive number, got "
+                            f"{json.dumps(v)}")
     return {"rope_type": "llama3", **{k: rope[k] for k in LLAMA3_ROPE}}
 
 
@@ -359,7 +360,7 @@ def config_from_json(cls, path: str):
         try:
             hf = json.load(f)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from None
+            raise UserError(f"{path}: not valid JSON ({e})") from None
     return config_from_hf(cls, hf, source=path)
 
 
@@ -395,8 +396,8 @@ def _check_types(cls, kw: dict, source: str):
             ok = isinstance(v, (int, float) if f.type is float else int) and \
                 not isinstance(v, bool) and (v > 0 or (f.name == "head_dim" and v == 0))
         if not ok:
-            raise ValueError(f"{source}: {f.name!r} must be {kinds[f.type]}, got {json.dumps(v)} "
-                             f"({type(v).__name__})")
+            raise UserError(f"{source}: {f.name!r} must be {kinds[f.type]}, got {json.dumps(v)} "
+                            f"({type(v).__name__})")
     if not isinstance(getattr(torch, str(kw["torch_dtype"]), None), torch.dtype):
-        raise ValueError(f"{source}: torch_dtype {kw['torch_dtype']!r} is not a torch dtype "
-                         "(e.g. \"bfloat16\")")
+        raise UserError(f"{source}: torch_dtype {kw['torch_dtype']!r} is not a torch dtype "
+                        "(e.g. \"bfloat16\")")

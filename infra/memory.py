@@ -26,6 +26,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from infra.errors import UserError
+
 GB = 2**30
 OVERHEAD_GB = 1.0  # the CUDA context, cuBLAS/NCCL workspaces, the allocator's cached blocks
 MARGIN = 0.9  # plan to use at most this share of the device
@@ -257,7 +259,7 @@ def refuse_if_too_big(p: Plan, device: str):
              "the activations (--micro-batch-tokens, --activation-checkpointing)": p.activations,
              "the fp32 shards (more processes)": p.shards + p.grads}
     biggest = max(parts, key=parts.get)
-    raise ValueError(
+    raise UserError(
         f"the memory plan needs {p.peak / GB:.1f} GiB per process and {device} has "
         f"{p.capacity / GB:.1f} ({MARGIN:.0%}: {MARGIN * p.capacity / GB:.1f}): the largest part "
         f"is {biggest}, {parts[biggest] / GB:.1f} GiB (python dapo.py --plan ... prints the plan)")

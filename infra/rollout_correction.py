@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from infra import distributed
+from infra.errors import UserError
 
 MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 SAFETY_BOUND = 20.0  # |log rho| at most: exp(20) = 4.9e8, as verl's
@@ -56,8 +57,8 @@ def correct(old_logp, batch, cfg) -> Correction:
     if mode == "none":
         return Correction(1.0)
     if batch.rollout_logp is None:
-        raise ValueError(f"--rollout-correction {mode} needs the sampler's log-probs of its "
-                         "tokens, and this batch has none (Batch.rollout_logp)")
+        raise UserError(f"--rollout-correction {mode} needs the sampler's log-probs of its "
+                        "tokens, and this batch has none (Batch.rollout_logp)")
     with torch.no_grad():
         log_rho = (old_logp - batch.rollout_logp).masked_fill(~batch.response_mask, 0.0)  # (B, R)
         if mode.startswith("sequence"):  # every token of a response carries its product

@@ -11,6 +11,8 @@ from jinja2 import TemplateSyntaxError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from infra.errors import UserError
+
 MAX_RENDER_CHARS = 1_000_000
 MAX_RENDER_S = 5.0
 
@@ -79,7 +81,7 @@ def compile_template(source: str, where: str):
                           sort_keys=sort_keys)
 
     def raise_exception(message):
-        raise ValueError(f"chat template: {message}")
+        raise UserError(f"chat template: {message}")
 
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
@@ -87,5 +89,5 @@ def compile_template(source: str, where: str):
         return env.from_string(source)
     except TemplateSyntaxError as e:
         # compiled on load, so a broken template stops the run before any training
-        raise ValueError(f"{where}: the chat template does not compile: {e.message} (line "
-                         f"{e.lineno} of the template)") from None
+        raise UserError(f"{where}: the chat template does not compile: {e.message} (line "
+                        f"{e.lineno} of the template)") from None

@@ -136,5 +136,5 @@ def close(trackers: list):
 
 
 def close_all():
-    """Flush and close every tracker still open (launch.run's finally: a crash still flushes)."""
+    """Flush and close every tracker still open (launch.session's end: a crash still flushes)."""
     close(list(_open))

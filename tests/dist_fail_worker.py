@@ -7,9 +7,9 @@ mode is one way a rank can go wrong.
     resume  both resume from OUT_DIR's latest checkpoint, which lacks rank 1's trainer state
             (rank 1 would raise in loading it while rank 0 waits in the next collective)
     nan   rank 1's shard of one FSDP2-sharded parameter gets a NaN; both ranks run check_finite
-    dead  under launch.run, as dapo.py runs: rank 1 dies (os._exit) while rank 0 waits in a named
+    dead  in launch.session, as dapo.py runs: rank 1 dies (os._exit) while rank 0 waits in a named
           all-reduce; rank 0's error must be the last thing it prints
-    fsdp  under launch.run: rank 1 stops itself (SIGSTOP) while rank 0 runs an FSDP2 forward and
+    fsdp  in launch.session: rank 1 stops itself (SIGSTOP) while rank 0 runs an FSDP2 forward and
           backward, whose collectives no helper of ours names
 """
 import os
@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from infra import checkpoint  # noqa: E402
 from infra import distributed  # noqa: E402
+from infra.errors import UserError  # noqa: E402
 from model import Qwen2, preset  # noqa: E402
 
 POISONED = "model.layers.1.mlp.down_proj.weight"
@@ -30,14 +31,15 @@ def main(mode, timeout_s, out_dir=None):
     if mode == "dead":
         import launch
         from config import Config
-        launch.run(die_on_rank_1, Config(device="cpu", dist_timeout=float(timeout_s)))
+        with launch.session(Config(device="cpu", dist_timeout=float(timeout_s))) as cfg:
+            die_on_rank_1(cfg)
         return
     if mode == "fsdp":
         import launch
         from config import Config
-        with launch.user_errors_in_one_line():  # as dapo.py's command line
-            launch.run(stop_in_fsdp, Config(device="cpu", dist_timeout=float(timeout_s),
-                                            out_dir=out_dir))
+        cfg = Config(device="cpu", dist_timeout=float(timeout_s), out_dir=out_dir)
+        with launch.user_errors_in_one_line(), launch.session(cfg) as cfg:  # as dapo.py's
+            stop_in_fsdp(cfg)
         return
     rank, _, _ = distributed.init("cpu", timeout_s=float(timeout_s))
     torch.set_num_threads(1)
@@ -46,13 +48,13 @@ def main(mode, timeout_s, out_dir=None):
             os.kill(os.getpid(), signal.SIGSTOP)
         distributed.all_reduce(1, name="dynamic-sampling count")
     elif mode == "resume":
-        try:  # launch.run's shape: an error on one rank still reaches shutdown()
+        try:  # launch.session's shape: an error on one rank still reaches shutdown()
             ckpt = checkpoint.prepare_out_dir(out_dir, resume=True, overwrite=False)
             distributed.barrier("set-up")  # as sharding the model would
             # as checkpoint.load_trainer_state does
             torch.load(os.path.join(ckpt, f"trainer_rank{rank}.pt"), weights_only=True)
             distributed.all_reduce(1, name="first step")
-        except FileNotFoundError as e:
+        except UserError as e:
             print(f"rank {rank} raised: {e}", flush=True)
         finally:
             distributed.shutdown()

@@ -12,6 +12,7 @@ import torch
 from config import Config, check_flags
 from data import PromptIterator
 from infra import checkpoint, files, hf_io, metrics
+from infra.errors import UserError
 from model import Qwen2, preset
 
 
@@ -74,8 +75,8 @@ def test_a_full_disk_names_the_file_and_keeps_the_previous_checkpoint(
     save(tmp_path, 1, model, tiny_model_dir)
     monkeypatch.setattr(target, fake,
                         no_space if fake == "save_file" else torch_save_on_a_full_disk)
-    with pytest.raises(OSError, match=rf"could not write .*{file}: the disk is full .*Checkpoint "
-                                      r"step 2 not saved \(latest still names step_000001\)"):
+    with pytest.raises(UserError, match=rf"could not write .*{file}: the disk is full .*Checkpoint "
+                                        r"step 2 not saved \(latest still names step_000001\)"):
         save(tmp_path, 2, model, tiny_model_dir)
     monkeypatch.undo()
     # no half-written step_000002.tmp left taking space
@@ -142,7 +143,7 @@ def test_a_broken_latest_checkpoint_names_the_earlier_complete_one(tmp_path, mod
         os.remove(latest / broken)
     else:
         cut_in_half(latest / broken)
-    with pytest.raises(FileNotFoundError, match=rf"step_000004, which is not a complete "
+    with pytest.raises(UserError, match=rf"step_000004, which is not a complete "
                        rf"checkpoint: .*{problem}.*step_000002 is complete: to resume from it, "
                        r"remove .*step_000004 and write step_000002 into .*latest"):
         checkpoint.prepare_out_dir(str(tmp_path), resume=True, overwrite=False)
@@ -150,16 +151,16 @@ def test_a_broken_latest_checkpoint_names_the_earlier_complete_one(tmp_path, mod
 
 def test_a_broken_only_checkpoint_says_to_start_again(tmp_path, model, tiny_model_dir):
     cut_in_half(os.path.join(save(tmp_path, 1, model, tiny_model_dir), "trainer_rank0.pt"))
-    with pytest.raises(FileNotFoundError, match=r"trainer_rank0\.pt is truncated or corrupt\. No "
-                                                r"earlier checkpoint is complete: .*--overwrite"):
+    with pytest.raises(UserError, match=r"trainer_rank0\.pt is truncated or corrupt\. No "
+                                        r"earlier checkpoint is complete: .*--overwrite"):
         checkpoint.latest(str(tmp_path))
 
 # --- the run directory ----------------------------------------------------------------------------
 
 def test_a_new_run_refuses_a_directory_that_holds_one(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
-    with pytest.raises(FileExistsError, match=rf"{tmp_path} already holds a run "
-                                              r"\(metrics.jsonl\): pass --resume .*or --overwrite"):
+    with pytest.raises(UserError, match=rf"{tmp_path} already holds a run "
+                                        r"\(metrics.jsonl\): pass --resume .*or --overwrite"):
         checkpoint.prepare_out_dir(str(tmp_path), resume=False, overwrite=False)
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'  # untouched
 
@@ -183,8 +184,8 @@ def test_a_fresh_or_empty_directory_needs_no_flag(tmp_path):
 
 def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
-    with pytest.raises(FileNotFoundError, match=rf"--resume: {tmp_path} holds no checkpoint to "
-                                                r"continue from"):
+    with pytest.raises(UserError, match=rf"--resume: {tmp_path} holds no checkpoint to "
+                                        r"continue from"):
         checkpoint.prepare_out_dir(str(tmp_path), resume=True, overwrite=False)
     with pytest.raises(ValueError, match="--resume .* --overwrite"):  # refused with the flags
         check_flags(Config(resume=True, overwrite=True))
@@ -254,8 +255,8 @@ def test_overwrite_refuses_a_directory_whose_run_is_alive_naming_its_pid(tmp_pat
         assert run.stdout.readline() == "held\n"
         (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
         for resume, overwrite in [(False, True), (True, False), (False, False)]:
-            with pytest.raises(RuntimeError, match=rf"{tmp_path} is in use by a live run "
-                                                   rf"\(pid {run.pid}, "):
+            with pytest.raises(UserError, match=rf"{tmp_path} is in use by a live run "
+                                                rf"\(pid {run.pid}, "):
                 checkpoint.prepare_out_dir(str(tmp_path), resume=resume, overwrite=overwrite)
         assert (tmp_path / "metrics.jsonl").exists()  # nothing deleted
     finally:
@@ -389,7 +390,7 @@ def test_overwrite_empties_a_checkpoints_directory_that_is_a_link(tmp_path):
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
 def test_a_full_disk_while_logging_names_the_metrics_file():
     # /dev/full fails every write with ENOSPC, as a full disk does
-    with pytest.raises(OSError, match=r"could not write /dev/full: the disk is full"):
+    with pytest.raises(UserError, match=r"could not write /dev/full: the disk is full"):
         metrics.RunLog("/dev/full", 0, 1).write({"step": 1, "rollout/acc": 0.5})
 
 

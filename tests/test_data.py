@@ -15,6 +15,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 import toy
 from data import PromptIterator, check_vocab, encode_prompts, load_rows, load_tokenizer
+from infra.errors import UserError
 
 transformers = pytest.importorskip("transformers")
 
@@ -225,7 +226,7 @@ def test_eos_ids_of_a_base_checkpoint_include_the_chatml_turn_end(tmp_path):
 
 
 def test_missing_tokenizer_file_names_the_file(tmp_path):
-    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+    with pytest.raises(UserError, match="tokenizer.json"):
         load_tokenizer(str(tmp_path))
 
 
@@ -342,7 +343,7 @@ def test_parquet_without_pyarrow_says_how_to_get_it(tmp_path, monkeypatch):
     (tmp_path / "d.parquet").write_bytes(b"PAR1")
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # makes `import pyarrow...` raise ImportError
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
-    with pytest.raises(ImportError, match="requirements-extra.txt"):
+    with pytest.raises(UserError, match="requirements-extra.txt"):
         load_rows(str(tmp_path / "d.parquet"))
 
 

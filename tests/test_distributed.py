@@ -176,7 +176,7 @@ def test_a_stopped_rank_makes_the_others_fail_naming_the_collective(store_env):
 
 
 def test_a_dead_rank_leaves_the_first_error_last(store_env):
-    # before: launch.run's shutdown barrier failed too, and its error, raised last, hid the
+    # before: launch.session's shutdown barrier failed too, and its error, raised last, hid the
     # first ("barrier 'shutdown' failed: another rank has probably exited")
     waiting, dead = start_pair("dead", timeout_s=60, store_env=store_env)
     try:
@@ -188,7 +188,7 @@ def test_a_dead_rank_leaves_the_first_error_last(store_env):
     assert waiting.returncode != 0 and dead.returncode == 3
     assert "barrier 'shutdown'" not in out, out[-3000:]
     last = out.strip().splitlines()[-1]  # torch prefixes "[rank0]: " to a rank's traceback
-    assert ("RuntimeError: rank 0: all_reduce 'dynamic-sampling count' failed: another rank has "
+    assert ("UserError: rank 0: all_reduce 'dynamic-sampling count' failed: another rank has "
             "probably exited" in last), out[-3000:]
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from infra import health
+from infra.errors import UserError
 
 HEALTHY = {"rollout/truncated": 0.1, "train/groups_kept": 8, "train/groups_surplus": 0,
            "rollout/frac_all_correct": 0.2, "rollout/frac_all_wrong": 0.3, "actor/entropy": 0.8}
@@ -68,7 +69,7 @@ def test_sampling_without_signal_gives_up_after_the_bound(capsys):
     for n_gen in range(health.NO_SIGNAL_BOUND):
         health.check_sampling(n_gen, 0, 8)
     assert "dynamic sampling: 8 generation batches, 0 of 8" in capsys.readouterr().out
-    with pytest.raises(RuntimeError, match="no group with signal"):
+    with pytest.raises(UserError, match="no group with signal"):
         health.check_sampling(health.NO_SIGNAL_BOUND, 0, 8)
     health.check_sampling(health.NO_SIGNAL_BOUND, 1, 8)  # slow but alive: goes on
 
@@ -115,7 +116,7 @@ def test_a_run_that_never_had_a_group_to_train_on_exits_non_zero(tiny_model_dir,
 @pytest.mark.needs("all")
 def test_unbounded_dynamic_sampling_without_signal_gives_up(tiny_model_dir, tmp_path, capsys):
     import dapo
-    with pytest.raises(RuntimeError, match="no group with signal in 64 generation batches"):
+    with pytest.raises(UserError, match="no group with signal in 64 generation batches"):
         dapo.main(_dead_run(tiny_model_dir, tmp_path, max_gen_batches=0, gen_prompts=2,
                             train_prompts=2, mini_batch_prompts=2, group_size=2))
     assert "dynamic sampling: 56 generation batches, 0 of 2" in capsys.readouterr().out

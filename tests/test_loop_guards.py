@@ -15,6 +15,8 @@ import dapo
 import launch
 from batches import random_batch
 from config import check_flags, parse_args
+from data import PromptIterator
+from infra.errors import UserError
 from model import Qwen2, preset
 from test_dapo import _cfg, torch_kernel_path  # noqa: F401 (an autouse fixture)
 
@@ -93,7 +95,7 @@ def test_lengths_beyond_the_models_positions_are_refused_before_anything_is_writ
 def test_a_new_run_never_destroys_the_run_in_its_directory(tiny_model_dir, tmp_path):
     dapo.main(_cfg(tiny_model_dir, tmp_path, steps=1, eval_every=0))
     before = (tmp_path / "metrics.jsonl").read_text()
-    with pytest.raises(FileExistsError, match="--resume .* or --overwrite"):
+    with pytest.raises(UserError, match="--resume .* or --overwrite"):
         dapo.main(_cfg(tiny_model_dir, tmp_path, steps=1, eval_every=0, lr=1.0))
     assert (tmp_path / "metrics.jsonl").read_text() == before
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000001"
@@ -213,10 +215,16 @@ def multiply_mismatched_shapes():
     return torch.zeros(2, 3) @ torch.zeros(2, 3)
 
 
+def draw_from_no_rows():
+    return PromptIterator([], batch_size=1, seed=0)  # a guard of ours on its callers, not a flag
+
+
 @pytest.mark.parametrize("bug,error", [(unpack_three_into_two, ValueError),
-                                       (multiply_mismatched_shapes, RuntimeError)])
+                                       (multiply_mismatched_shapes, RuntimeError),
+                                       (draw_from_no_rows, ValueError)])
 def test_a_bug_keeps_its_traceback(bug, error):
-    # the types of a user's mistake, raised by Python or torch instead of a check of ours
+    # the types of a user's mistake, raised by Python, by torch or by a `raise` of ours that is
+    # not a UserError
     with pytest.raises(error):
         with launch.user_errors_in_one_line():
             bug()
@@ -273,20 +281,16 @@ def no_model(monkeypatch):
     monkeypatch.setattr(dapo.launch, "load_policy", lambda cfg: pytest.fail("loaded the model"))
 
 
-@pytest.mark.parametrize("flags,error,message", [
-    (dict(train_data="no/such.jsonl"), FileNotFoundError, "--train-data no/such.jsonl: no such "
-                                                          "file"),
-    (dict(val_data="no/such.parquet"), FileNotFoundError, "--val-data no/such.parquet: no such "
-                                                          "file"),
-    (dict(train_data="{tmp}/rows.csv"), ValueError, "--train-data .*/rows.csv: unknown data "
-                                                    "format"),
-    (dict(reward_fn="no/such.py:score"), ValueError, "--reward-fn 'no/such.py:score': no file"),
+@pytest.mark.parametrize("flags,message", [
+    (dict(train_data="no/such.jsonl"), "--train-data no/such.jsonl: no such file"),
+    (dict(val_data="no/such.parquet"), "--val-data no/such.parquet: no such file"),
+    (dict(train_data="{tmp}/rows.csv"), "--train-data .*/rows.csv: unknown data format"),
+    (dict(reward_fn="no/such.py:score"), "--reward-fn 'no/such.py:score': no file"),
 ], ids=["train-data", "val-data", "format", "reward-fn"])
-def test_a_missing_file_is_named_before_the_model_loads(tmp_path, no_model, flags, error,
-                                                        message):
+def test_a_missing_file_is_named_before_the_model_loads(tmp_path, no_model, flags, message):
     (tmp_path / "rows.csv").write_text("prompt,answer\n")
     flags = {k: v.format(tmp=tmp_path) for k, v in flags.items()}
-    with pytest.raises(error, match=message):
+    with pytest.raises(UserError, match=message):
         dapo.main(dapo.Config(out_dir=str(tmp_path / "run"), **flags))
     assert not (tmp_path / "run").exists()
 
@@ -295,8 +299,8 @@ def test_a_parquet_without_pyarrow_is_refused_before_the_model_loads(tmp_path, n
                                                                      monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # `import pyarrow` raises ImportError
     (tmp_path / "dapo-math-17k.parquet").write_bytes(b"PAR1")
-    with pytest.raises(ImportError, match=r"dapo-math-17k.parquet needs pyarrow.*pip install -r "
-                                          r"requirements-extra.txt"):
+    with pytest.raises(UserError, match=r"dapo-math-17k.parquet needs pyarrow.*pip install -r "
+                                        r"requirements-extra.txt"):
         dapo.main(dapo.Config(out_dir=str(tmp_path / "run"),
                               train_data=str(tmp_path / "dapo-math-17k.parquet")))
 
@@ -378,7 +382,7 @@ def test_a_directory_the_run_cannot_write_is_named_before_the_model_loads(tmp_pa
     out_dir = "/proc/dapo-run/x" if make is None else str(tmp_path / "run")
     if make:
         make(tmp_path)
-    with pytest.raises(OSError, match=message.format(d=tmp_path)):
+    with pytest.raises(UserError, match=message.format(d=tmp_path)):
         dapo.main(dapo.Config(out_dir=out_dir, eval_only=eval_only))
     assert not os.path.exists(tmp_path / "gone")
 

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 import model as model_module
+from infra.errors import UserError
 from model import (Attention, KVCache, ModelConfig, Qwen2, apply_rope, attention_mask_4d, preset,
                    rope_cos_sin)
 
@@ -330,9 +331,9 @@ def saved(tmp_path):
 
 def test_missing_file_names_the_file(tmp_path, saved):
     os.remove(saved / "model.safetensors")
-    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+    with pytest.raises(UserError, match="model.safetensors"):
         Qwen2.from_pretrained(str(saved))
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(UserError, match="config.json"):
         Qwen2.from_pretrained(str(tmp_path / "nowhere"))
 
 
@@ -483,8 +484,8 @@ def test_a_full_disk_names_the_file_and_leaves_the_directory_as_it_was(saved, mo
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(hf_io, "save_file", no_space)
-    with pytest.raises(OSError, match=r"could not write .*/\.tmp-ckpt-\w+/model\.safetensors: "
-                                      r"the disk is full"):
+    with pytest.raises(UserError, match=r"could not write .*/\.tmp-ckpt-\w+/model\.safetensors: "
+                                        r"the disk is full"):
         Qwen2(preset("tiny", vocab_size=50)).save_pretrained(str(saved))
     assert {name: (saved / name).read_bytes() for name in os.listdir(saved)} == before
     assert os.listdir(saved.parent) == ["ckpt"]  # no temporary directory left behind
