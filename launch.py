@@ -20,7 +20,7 @@ import torch
 
 from config import Config, check_flags
 from data import Tokenizer, check_data_file, check_vocab, load_rows, load_tokenizer
-from infra import checkpoint, distributed, health, hf_io, memory, precision, trackers
+from infra import checkpoint, distributed, health, hf_io, memory, precision, trackers, vllm_engine
 from infra.files import need_file
 from model import ModelConfig, Qwen2
 from reward import check_reward_fn, install_reward_fn, uninstall_reward_fn
@@ -50,6 +50,7 @@ def run(train, cfg: Config):
         raise SystemExit(1) from None
     finally:
         trackers.close_all()  # a crash still flushes what the trackers were given
+        vllm_engine.close_all()  # before the process group: vLLM's teardown uses it
         distributed.shutdown(after_error=sys.exc_info()[0] is not None)  # an exception in flight
 
 
@@ -87,6 +88,8 @@ def check_files(cfg: Config):
         if path:
             check_data_file(path, flag)
     install_custom_reward(cfg)
+    if cfg.rollout_engine == "vllm":  # not installed: one line now, not after the weights load
+        vllm_engine.import_vllm()
 
 
 def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:
@@ -111,6 +114,14 @@ def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:
     if cfg.compile:
         model.compile_blocks()
     return model, tok, tok_dir, resume_dir
+
+
+def rollout_engine(cfg: Config, model: Qwen2):
+    """--rollout-engine vllm: this process's vLLM engine with the policy's weights; None for
+    sampler.py, which reads the policy's own."""
+    if cfg.rollout_engine != "vllm":
+        return None
+    return vllm_engine.VLLMEngine(cfg, model)
 
 
 def load_sharded(model_dir: str, cfg: Config) -> Qwen2:
