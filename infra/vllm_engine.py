@@ -91,7 +91,10 @@ class VLLMEngine:
                     tensor_parallel_size=1, enforce_eager=not (self.cuda and cfg.compile),
                     gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                     max_model_len=cfg.max_prompt_len + cfg.max_response_len, seed=cfg.seed,
-                    logprobs_mode=logprobs_mode(cfg), enable_sleep_mode=self.cuda)
+                    logprobs_mode=logprobs_mode(cfg), enable_sleep_mode=self.cuda,
+                    # a prompt prefilled in chunks rewinds its request's seeded generator, which
+                    # a CPU generator cannot ("CPU Generator does not use offset")
+                    enable_chunked_prefill=self.cuda)
             except (ValueError, RuntimeError) as e:  # vLLM's: too little or too much memory
                 raise RuntimeError(
                     f"vLLM could not start with --vllm-gpu-memory-utilization "
