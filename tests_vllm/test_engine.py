@@ -61,6 +61,15 @@ def test_greedy_rollouts_are_the_samplers_tokens(setup):
     assert (gap <= bound(ours.logprobs[mask])).all(), gap.max()
 
 
+def test_an_eos_ends_the_response_and_is_its_last_token(setup):
+    model, tok, engine = setup
+    engine.sync(model)
+    first = generate(model, PROMPTS[:1], 1, temperature=0, eos_token_ids=[]).response_ids[0, 0]
+    got = engine.generate(model, PROMPTS[:1], MAX_NEW, temperature=0, top_p=1.0, top_k=0,
+                          eos_token_ids=[int(first)], generator=torch.Generator())
+    assert got.token_ids == [[int(first)]] and got.truncated == [False]
+
+
 @pytest.mark.parity
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampled_tokens_logprobs_are_the_trainers(setup, temperature):
