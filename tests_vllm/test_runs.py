@@ -55,7 +55,8 @@ def test_two_ranks_train_with_vllm_and_resume(tiny_dir, tmp_path):
 
 
 @pytest.mark.parametrize("share, says", [
-    (0.99, "error: vLLM could not start with --vllm-gpu-memory-utilization 0.99: "),
+    (0.99, "error: the memory plan needs "),  # more than the device: refused before vLLM starts
+    (0.01, "error: vLLM could not start with --vllm-gpu-memory-utilization 0.01: "),  # vLLM's
     (1.5, "error: bad flags: --vllm-gpu-memory-utilization must be in (0, 1], got 1.5"),
 ])
 def test_a_bad_memory_share_is_one_line(tiny_dir, tmp_path, share, says):
