@@ -43,9 +43,10 @@ test: $(VENV)/.test
 	$(PY) -m pytest -q $(XDIST) tests
 	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q $(XDIST) -m parity tests
 
-# --rollout-engine vllm's tests (tests_vllm/, ~6 minutes on 2 cores), in a venv of their own
-# (requirements-vllm.txt says why); the vision and audio packages vLLM pulls in, built for CUDA
-# torch, break its import: uninstalled. The parity tests run again under another CPU kernel set.
+# --rollout-engine vllm's tests (tests_vllm/: 4-8 minutes on 2 busy cores, the venv ~8 more the
+# first time), in a venv of their own (requirements-vllm.txt says why); the vision and audio
+# packages vLLM pulls in, built for CUDA torch, break its import: uninstalled. The parity tests
+# run again under another CPU kernel set, as in `make test`.
 $(VLLM_VENV)/.vllm: requirements-vllm.txt requirements.txt
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
