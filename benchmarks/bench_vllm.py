@@ -4,10 +4,10 @@ temperature 1, up to 512 new tokens, 4 of the 512 token ids ending a response (l
 geometric, mean ~128, a long tail), on the same random demo-sized model (hidden 128, 2 layers,
 head_dim 32). sampler.py with 64 slots (eager) against --rollout-engine vllm's engine
 (infra/vllm_engine.py: vLLM in this process, fp32, eager). Useful tokens/s (response tokens up to
-the EOS), wall time, best of --rounds after one warm-up each, both on one core (vLLM's threads
-bound to core 0, torch's set to 1).
+the EOS), wall time, best of --rounds after one warm-up each, on one thread each (torch's
+threads, which vLLM's CPU worker otherwise resets, printed with the result).
 
-    .venv-vllm/bin/python benchmarks/bench_vllm.py     # make test-vllm makes .venv-vllm
+    OMP_NUM_THREADS=1 .venv-vllm/bin/python benchmarks/bench_vllm.py   # make test-vllm makes it
 
 Without vLLM (`make bench` in .venv) it says it is skipped and exits 0.
 """
@@ -58,12 +58,14 @@ def main():
     if importlib.util.find_spec("vllm") is None:
         print("bench_vllm: skipped, vLLM is not installed here (make test-vllm makes .venv-vllm)")
         return
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")  # one core, as the sampler's
     torch.set_num_threads(1)
     model = demo_model()
     seqs = [p for p in ragged_prompts(RL_PROMPTS, DEMO["vocab_size"], seed=1) for _ in range(RL_G)]
 
+    threads = {}
+
     def sampler_run():
+        threads["sampler.py, 64 slots"] = torch.get_num_threads()
         out = generate(model, seqs, RL_NEW, temperature=1.0, eos_token_ids=RL_EOS,
                        slots=RL_SLOTS, generator=torch.Generator().manual_seed(0))
         return int(out.lengths.sum())
@@ -75,6 +77,7 @@ def main():
     engine = VLLMEngine(cfg, model)
 
     def vllm_run():
+        threads["vLLM engine"] = torch.get_num_threads()
         got = engine.generate(model, seqs, RL_NEW, temperature=1.0, top_p=1.0, top_k=0,
                               eos_token_ids=RL_EOS, generator=torch.Generator().manual_seed(0))
         return sum(len(t) for t in got.token_ids)
@@ -82,9 +85,10 @@ def main():
     vllm = best_rate(vllm_run, args.rounds)
     engine.close()
     print(f"\nRL-shaped rollout: {RL_PROMPTS} prompts x G={RL_G}, temperature 1, up to {RL_NEW} "
-          f"new tokens, demo-sized random model, one core, best of {args.rounds}")
+          f"new tokens, demo-sized random model, best of {args.rounds}")
     for name, (rate, tokens) in (("sampler.py, 64 slots", sampler), ("vLLM engine", vllm)):
-        print(f"  {name:<22} {rate:8.0f} tokens/s  ({tokens} response tokens)")
+        print(f"  {name:<22} {rate:8.0f} tokens/s  ({tokens} response tokens, "
+              f"{threads[name]} torch thread(s))")
 
 
 if __name__ == "__main__":
