@@ -5,8 +5,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 BENCH_VENV := .venv-bench
+VLLM_VENV := .venv-vllm
 
-.PHONY: run test bench bench-step gpu-check ablate notebook handout check grade clean
+.PHONY: run test test-vllm bench bench-step gpu-check ablate notebook handout check grade clean
 
 $(VENV)/.runtime: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +42,21 @@ XDIST := -n auto --dist loadfile --no-loadscope-reorder
 test: $(VENV)/.test
 	$(PY) -m pytest -q $(XDIST) tests
 	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q $(XDIST) -m parity tests
+
+# --rollout-engine vllm's tests (tests_vllm/: 4-8 minutes on 2 busy cores, the venv ~8 more the
+# first time), in a venv of their own (requirements-vllm.txt says why); the vision and audio
+# packages vLLM pulls in, built for CUDA torch, break its import: uninstalled. The parity tests
+# run again under another CPU kernel set, as in `make test`.
+$(VLLM_VENV)/.vllm: requirements-vllm.txt requirements.txt
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q -r requirements-vllm.txt
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.vllm
+	$(VLLM_VENV)/bin/python -m pytest -q tests_vllm
+	ATEN_CPU_CAPABILITY=default $(VLLM_VENV)/bin/python -m pytest -q -m parity tests_vllm
 
 bench: $(VENV)/.test
 	for f in benchmarks/bench_*.py; do $(PY) $$f || exit 1; done
@@ -95,4 +111,4 @@ grade: $(VENV)/.test
 	$(PY) course/assign.py grade $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) .pytest_cache runs
+	rm -rf $(VENV) $(BENCH_VENV) $(VLLM_VENV) .pytest_cache runs

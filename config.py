@@ -19,6 +19,7 @@ from infra.rollout_correction import MODES as CORRECTION_MODES
 
 
 REPORT_TO = ("jsonl", "tensorboard", "wandb", "trackio")  # --report-to, TRL's flag name
+ROLLOUT_ENGINES = ("sampler", "vllm")  # --rollout-engine
 
 
 def _flag(default, help_text, choices=None, **argparse_extra):
@@ -97,6 +98,13 @@ class Config:
                                               "as many as the memory plan fits)", type=slots_value)
     compile: bool = _flag(False, "decode with a torch.compile'd step (CUDA graphs on a GPU), and "
                                  "train with torch.compile'd decoder blocks")
+    rollout_engine: str = _flag("sampler", "what samples the rollouts: sampler.py, or a vLLM "
+                                           "engine beside each process's trainer, its weights "
+                                           "synced after every optimizer step (docs/vllm.md)",
+                                choices=ROLLOUT_ENGINES)
+    vllm_gpu_memory_utilization: float = _flag(0.3, "--rollout-engine vllm: the share of the "
+                                                    "device's memory the engine takes (vLLM's "
+                                                    "gpu_memory_utilization; on CPU, of RAM)")
     # update
     mini_batch_prompts: int = _flag(8, "prompts per optimizer step (paper: 32)")
     micro_batch_size: int = _flag(64, "sequences per forward/backward when --micro-batch-tokens "
@@ -117,11 +125,12 @@ class Config:
                                   "DAPO)")
     # the sampler/trainer mismatch (infra/rollout_correction.py); the paper predates it
     rollout_correction: str = _flag(
-        "none", "weigh each token's loss by rho = pi_old / pi_sampler (detached), TRL's modes: "
+        "auto", "weigh each token's loss by rho = pi_old / pi_sampler (detached), TRL's modes: "
         "token_truncate clamp(rho, C_min, C_max) (truncated IS; verl's rollout_is token), "
         "token_mask rho, 0 outside [C_min, C_max] (IcePop), sequence_* the same with rho's "
-        "product over the response (TRL's default: sequence_mask); none: the paper's (paper: none)",
-        choices=CORRECTION_MODES)
+        "product over the response (TRL's default: sequence_mask); none: the paper's; auto: "
+        "token_truncate with --rollout-engine vllm, else none (paper: none)",
+        choices=("auto",) + CORRECTION_MODES)
     rollout_is_min: float = _flag(0.0, "C_min of --rollout-correction, 0 = none (TRL's default; "
                                        "verl's IcePop example: 0.5)")
     rollout_is_max: float = _flag(2.0, "C_max of --rollout-correction (verl's default; TRL's 3.0; "
@@ -156,6 +165,11 @@ class Config:
     report_to: tuple[str, ...] = _flag(("jsonl",), "where the metrics go, one or more of "
                                        "jsonl tensorboard wandb trackio (metrics.jsonl is always "
                                        "written, listed or not)", choices=REPORT_TO)
+
+    def __post_init__(self):
+        if self.rollout_correction == "auto":  # vLLM's kernels are not the trainer's: correct
+            vllm = self.rollout_engine == "vllm"
+            self.rollout_correction = "token_truncate" if vllm else "none"
 
     @property
     def gen_batch_prompts(self) -> int:
@@ -238,6 +252,7 @@ def check_flags(cfg: Config, world: int = 1):
     if cfg.rollout_precision != "same" and world > 1:  # FSDP2 casts the weights for both
         problems.append(f"--rollout-precision runs in one process only, got {world}: FSDP2's "
                         "mixed precision (--precision) is the sampler's and the trainer's")
+    problems += _vllm_problems(cfg)
     if cfg.compile and world > 1:  # FSDP2's hooks on every block are not traceable into it
         problems.append(f"--compile runs in one process only, got {world}: the compiled decode "
                         "step is one graph, and FSDP2's hooks in each block cannot be traced")
@@ -256,6 +271,22 @@ def check_flags(cfg: Config, world: int = 1):
         problems.append("--resume continues the run in --out-dir, --overwrite deletes it: pick one")
     if problems:  # one line: the command line shows it as `error: bad flags: ...`
         raise UserError("bad flags: " + "; ".join(problems))
+
+
+def _vllm_problems(cfg: Config) -> list[str]:
+    """vLLM records a token's log-prob before temperature and truncation, or after both
+    (infra/vllm_engine.py): with both a temperature and a truncation neither is the trainer's."""
+    if cfg.rollout_engine != "vllm":
+        return []
+    problems = []
+    if not 0 < cfg.vllm_gpu_memory_utilization <= 1:
+        problems.append(f"--vllm-gpu-memory-utilization must be in (0, 1], got "
+                        f"{cfg.vllm_gpu_memory_utilization}")
+    if cfg.temperature != 1 and (cfg.top_p < 1 or cfg.top_k > 0):
+        problems.append(f"--rollout-engine vllm takes --temperature {cfg.temperature} or "
+                        f"--top-p/--top-k, not both: vLLM's log-probs are before both or after "
+                        "both, and the trainer's are after the temperature, before truncation")
+    return problems
 
 
 def _device_problems(device: str) -> list[str]:

@@ -17,6 +17,7 @@ No KL term and no reference model. Entropy is measured and logged, never added t
         --max-prompt-len 2048 --max-response-len 20480 --eval-samples 32 --eval-top-p 0.7 \\
         --eval-prompts 0
 """
+import contextlib
 import os
 import time
 from dataclasses import asdict, replace
@@ -29,9 +30,10 @@ from config import Config, parse_args
 from data import PromptIterator, Tokenizer, encode_prompts
 from infra import checkpoint, distributed, health, metrics, precision, rollout_correction, trackers
 from infra.errors import UserError
+from infra.vllm_engine import updating
 from model import response_logprobs
 from reward import Verifier, overlong_penalty
-from sampler import generate
+from sampler import Rollout, generate
 
 
 # ------------------------------------------------------------------------------------------------
@@ -112,33 +114,47 @@ def loss_mask(batch: Batch, cfg):
 # ------------------------------------------------------------------------------------------------
 # Rollout and evaluation
 
+def rollout_weights(model, engine):
+    """The weights a rollout reads: under FSDP the sampler's gathered once for all its tokens;
+    a vLLM engine holds its own copy, synced after every optimizer step."""
+    return distributed.gathered(model) if engine is None else contextlib.nullcontext()
+
+
 @torch.no_grad()
 def rollout(model, rows, tok: Tokenizer, cfg, verifier: Verifier, *, group_size, temperature,
-            top_p, top_k, generator) -> Batch:
+            top_p, top_k, generator, engine=None) -> Batch:
     """Sample group_size responses to each row's prompt and score them with the row's verifier;
-    --rollout-slots decode at a time (the KV cache's rows), a finished one making room."""
+    --rollout-slots decode at a time (the KV cache's rows), a finished one making room. engine:
+    --rollout-engine vllm's (infra/vllm_engine.py), the same record from vLLM; None: sampler.py."""
     prompts, _ = encode_prompts(rows, tok, cfg.max_prompt_len)
     sequences = [p for p in prompts for _ in range(group_size)]
-    with precision.autocast(cfg.sampler_precision, cfg.device):  # never around a step
-        out = generate(model, sequences, cfg.max_response_len, temperature=temperature,
-                       top_p=top_p, top_k=top_k, eos_token_ids=tok.eos_token_ids,
-                       pad_token_id=tok.pad_token_id, generator=generator,
-                       slots=cfg.rollout_slots or None, compile=cfg.compile)  # slots 0: all
+    settings = dict(temperature=temperature, top_p=top_p, top_k=top_k,
+                    eos_token_ids=tok.eos_token_ids, generator=generator)
+    if engine is not None:
+        got = engine.generate(model, sequences, cfg.max_response_len, **settings)
+        out = Rollout.from_responses(sequences, got.token_ids, got.logprobs, got.truncated,
+                                     tok.pad_token_id, cfg.device)
+    else:
+        with precision.autocast(cfg.sampler_precision, cfg.device):  # not around a step
+            out = generate(model, sequences, cfg.max_response_len, **settings,
+                           pad_token_id=tok.pad_token_id, slots=cfg.rollout_slots or None,
+                           compile=cfg.compile)  # slots 0: all
     texts = [tok.decode(ids[:n].tolist())  # decoded for the verifier alone, which reads text
              for ids, n in zip(out.response_ids, out.lengths.tolist())]
     return Batch.from_rollout(out, verifier.score_responses(rows, group_size, texts), group_size)
 
 
-def evaluate(model, rows, tok, cfg, verifier) -> dict:
+def evaluate(model, rows, tok, cfg, verifier, engine=None) -> dict:
     """avg@k (mean accuracy over k samples per problem: the paper's avg@32 on AIME) and pass@k
     (any of the k right). Under torch.distributed each rank takes every world_size-th problem
     and the counts are summed. A fresh generator: every evaluation draws the same numbers."""
     rank, world, k = distributed.rank(), distributed.world_size(), cfg.eval_samples
     mine = rows[rank::world]
     generator = torch.Generator(cfg.device).manual_seed(cfg.seed + 1 + rank)
-    with distributed.gathered(model):  # a rank without a problem samples one and ignores it
+    with rollout_weights(model, engine):  # a rank without a problem samples one, ignores it
         batch = rollout(model, mine or rows[:1], tok, cfg, verifier, group_size=k, top_k=0,
-                        temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, generator=generator)
+                        temperature=cfg.eval_temperature, top_p=cfg.eval_top_p,
+                        generator=generator, engine=engine)
     result = metrics.eval_metrics(batch, len(mine), len(rows), k)
     health.warn_evaluation(result, verifier.spec, verifier.take_errors(), batch)  # as a step
     return result
@@ -160,7 +176,7 @@ def groups_to_train(n_kept: int, cfg) -> int:
     return n_kept - n_kept % cfg.mini_batch_prompts
 
 
-def collect_batch(model, prompt_iter, tok, cfg, verifier, generator) -> Collected:
+def collect_batch(model, prompt_iter, tok, cfg, verifier, generator, engine=None) -> Collected:
     """Generation batches of prompts from pi_old (the current policy), scored, reward-shaped
     (technique 4) and filtered (technique 2), until train_prompts groups with signal are kept over
     all ranks, or max_gen_batches is reached; this rank's share of them is the training batch."""
@@ -176,10 +192,10 @@ def collect_batch(model, prompt_iter, tok, cfg, verifier, generator) -> Collecte
             break
         # --- Rollout (Algorithm 1, lines 3-5): pi_old samples G responses per prompt ---
         prompts = prompt_iter.next_batch()
-        with distributed.gathered(model):  # under FSDP: gather the weights once per generation
+        with rollout_weights(model, engine):  # FSDP: the sampler's gathered once per batch
             batch = rollout(model, prompts[rank::world], tok, cfg, verifier,
                             group_size=cfg.group_size, temperature=cfg.temperature,
-                            top_p=cfg.top_p, top_k=cfg.top_k, generator=generator)
+                            top_p=cfg.top_p, top_k=cfg.top_k, generator=generator, engine=engine)
         # --- DAPO technique 4: overlong reward shaping (paper Sec. 3.4, Eq. 13) ---
         batch = replace(batch, reward=shape_rewards(batch.response_lengths, batch.score, cfg))
         # --- Algorithm 1, line 9: group advantages (paper Eq. 9), one per response: here, where
@@ -293,9 +309,9 @@ def set_lr(opt, cfg, step):
 
 
 def train(cfg: Config, model, tok, tok_dir, resume_dir, train_rows, val_rows,
-          verifier: Verifier):  # a launch.Setup
+          verifier: Verifier, engine):  # a launch.Setup
     if cfg.eval_only:
-        result = evaluate(model, val_rows, tok, cfg, verifier)
+        result = evaluate(model, val_rows, tok, cfg, verifier, engine)
         metrics.report_eval(result, cfg.out_dir, asdict(cfg), trackers.open_all(cfg))
         return result
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -309,16 +325,17 @@ def train(cfg: Config, model, tok, tok_dir, resume_dir, train_rows, val_rows,
     alarms = health.Alarms(cfg.stop_when_stuck, verifier.spec)
     for step in range(start, cfg.steps):  # Algorithm 1, line 1
         if cfg.eval_every and step % cfg.eval_every == 0:
-            log.evaluated(step, evaluate(model, val_rows, tok, cfg, verifier))
+            log.evaluated(step, evaluate(model, val_rows, tok, cfg, verifier, engine))
         t0 = time.time()
         set_lr(opt, cfg, step)
         # --- Algorithm 1, lines 2-8: sample, reward, filter, until the batch is full ---
-        collected = collect_batch(model, prompt_iter, tok, cfg, verifier, generator)
+        collected = collect_batch(model, prompt_iter, tok, cfg, verifier, generator, engine)
         t_gen, logged = time.time() - t0, collected.metrics  # the step's row of metrics.jsonl
         if collected.to_train is not None:
             logged |= metrics.training_batch_metrics(collected.to_train)
             # --- Algorithm 1, lines 10-11: optimizer steps on the batch (Eq. 8) ---
-            logged |= update_policy(model, opt, collected.to_train, cfg)
+            with updating(engine, model):  # vLLM: asleep on a GPU, then given the new weights
+                logged |= update_policy(model, opt, collected.to_train, cfg)
         done = step + 1  # the steps taken: what metrics.jsonl and the checkpoints count
         log.step(done, logged, opt.param_groups[0]["lr"], t_gen, time.time() - t0 - t_gen)
         # a dead run: warn, and stop with --stop-when-stuck
@@ -330,7 +347,7 @@ def train(cfg: Config, model, tok, tok_dir, resume_dir, train_rows, val_rows,
             raise alarms.error()
     alarms.finish()  # a run that took no optimizer step trained nothing: a non-zero exit
     if cfg.eval_every and start < cfg.steps:
-        log.evaluated(cfg.steps, evaluate(model, val_rows, tok, cfg, verifier))
+        log.evaluated(cfg.steps, evaluate(model, val_rows, tok, cfg, verifier, engine))
         log.say_eval_change(cfg.eval_samples)
     return log.last_val
 

@@ -25,7 +25,8 @@ import torch
 
 from config import Config, check_flags
 from data import Tokenizer, check_data_file, check_vocab, load_rows, load_tokenizer
-from infra import checkpoint, distributed, files, health, hf_io, memory, precision, trackers
+from infra import (checkpoint, distributed, files, health, hf_io, memory, precision,
+                   trackers, vllm_engine)
 from infra.errors import UserError
 from infra.files import need_file
 from model import ModelConfig, Qwen2
@@ -60,6 +61,7 @@ def session(cfg: Config):
         raise timed_out from e
     finally:
         trackers.close_all()  # a crash still flushes what the trackers were given
+        vllm_engine.close_all()  # before the process group: vLLM's teardown uses it
         distributed.shutdown(after_error=sys.exc_info()[0] is not None)  # an exception in flight
 
 
@@ -88,6 +90,7 @@ class Setup:
     train_rows: list[dict]
     val_rows: list[dict]
     verifier: Verifier  # the built-in scorers and --reward-fn's function
+    engine: object | None  # --rollout-engine vllm's (infra/vllm_engine.py); None: sampler.py
 
 
 def setup(cfg: Config) -> Setup:
@@ -97,7 +100,8 @@ def setup(cfg: Config) -> Setup:
     check_lengths(cfg, *model_config(cfg))
     verifier = load_verifier(cfg)
     model, tok, tok_dir, resume_dir = load_policy(cfg)
-    return Setup(model, tok, tok_dir, resume_dir, *load_data(cfg, tok, verifier), verifier)
+    return Setup(model, tok, tok_dir, resume_dir, *load_data(cfg, tok, verifier), verifier,
+                 rollout_engine(cfg, model))
 
 
 def model_config(cfg: Config) -> tuple[ModelConfig, str | None]:
@@ -122,6 +126,8 @@ def check_files(cfg: Config):
         raise UserError("--reward-fn-all-rows needs --reward-fn FILE.py:NAME")
     if cfg.reward_fn:
         reward_fn_file(cfg.reward_fn)  # the file is there; load_verifier imports it
+    if cfg.rollout_engine == "vllm":  # not installed: one line now, not after the weights load
+        vllm_engine.import_vllm()
 
 
 def check_writable_dirs(cfg: Config):
@@ -156,6 +162,14 @@ def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:
     if cfg.compile:
         model.compile_blocks()
     return model, tok, tok_dir, resume_dir
+
+
+def rollout_engine(cfg: Config, model: Qwen2):
+    """--rollout-engine vllm: this process's vLLM engine with the policy's weights; None for
+    sampler.py, which reads the policy's own."""
+    if cfg.rollout_engine != "vllm":
+        return None
+    return vllm_engine.VLLMEngine(cfg, model)
 
 
 def load_sharded(model_dir: str, cfg: Config) -> Qwen2:

@@ -388,6 +388,8 @@ def _described(e: BaseException) -> str:
     """A verifier's error as the warnings and errors show it."""
     if isinstance(e, SystemExit):
         return f"SystemExit: the verifier called sys.exit({e.code!r})"
+    if isinstance(e, UserError):  # ours, which says what is wrong (a NaN score)
+        return str(e)
     return f"{type(e).__name__}: {e}"
 
 

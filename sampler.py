@@ -71,6 +71,26 @@ class Rollout:
     lengths: torch.Tensor  # (N,) long: response tokens, EOS included; T = lengths.max()
     truncated: torch.Tensor  # (N,) bool: cut by max_new_tokens before any EOS
 
+    @classmethod
+    def from_responses(cls, prompts: list[list[int]], responses: list[list[int]],
+                       logprobs: list[list[float]], truncated: list[bool], pad_token_id: int,
+                       device) -> "Rollout":
+        """The same record from responses another engine sampled (--rollout-engine vllm): each
+        response's tokens and their log-probs as lists, row i answering prompts[i]."""
+        prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, device)  # (N, P)
+        lengths = torch.tensor([len(r) for r in responses], device=device)  # (N,)
+        T = max(1, int(lengths.max()))
+        response_ids = torch.full((len(responses), T), pad_token_id, dtype=torch.long)
+        logp = torch.zeros(len(responses), T, dtype=torch.float32)
+        for i, (ids, lp) in enumerate(zip(responses, logprobs)):
+            response_ids[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+            logp[i, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
+        return cls(prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+                   response_ids=response_ids.to(device),
+                   response_mask=torch.arange(T, device=device) < lengths[:, None],  # (N, T)
+                   logprobs=logp.to(device), lengths=lengths,
+                   truncated=torch.tensor(truncated, device=device))
+
 
 def left_pad(prompts: list[list[int]], pad_token_id: int, device):
     """Token-id lists -> ids (N, P) long left-padded with pad_token_id, mask (N, P) bool."""

@@ -15,6 +15,11 @@ A run has two phases, and its peak is the larger:
 An --eval-only run builds no optimizer and takes no update: the rollout alone, its shards the fp32
 weights.
 
+With --rollout-engine vllm the engine's share (--vllm-gpu-memory-utilization of the device: its
+weights, activations and paged KV cache) replaces the sampler's gathered weights, KV cache,
+sampling and prefill. On a GPU it sleeps through the update (its memory freed); on CPU, where
+vLLM has no sleep mode, it stays (and vLLM takes the share of the machine's total RAM).
+
 The activations are what autograd keeps for the backward, per token and layer, counted on CPU
 with torch.autograd.graph.saved_tensors_hooks for every op of a block of each family
 (tests/test_memory.py checks the formulas against that count). Not counted: the CUDA context and
@@ -110,14 +115,20 @@ class Plan:
     gathered_update: int = 0  # the weights the training forward computes with, beyond the shards
     activations: int = 0
     head: int = 0
+    # --rollout-engine vllm (with_engine): its share of the device, and what of it the update keeps
+    engine_share: float = 0.0  # --vllm-gpu-memory-utilization; 0: the sampler
+    engine: int = 0
+    engine_in_update: int = 0
 
     @property
     def rollout(self) -> int:
-        return self.shards + self.gathered_rollout + self.kv_cache + self.sampling + self.prefill
+        return self.shards + self.gathered_rollout + self.kv_cache + self.sampling + \
+            self.prefill + self.engine
 
     @property
     def update(self) -> int:
-        return self.shards + self.grads + self.gathered_update + self.activations + self.head
+        return self.shards + self.grads + self.gathered_update + self.activations + self.head + \
+            self.engine_in_update
 
     @property
     def peak(self) -> int:
@@ -134,18 +145,22 @@ class Plan:
         where = f"{gb(self.capacity)} on {device}" if self.capacity else device
         sampler = "" if self.sampler_precision == self.precision else \
             f", rollout {self.sampler_precision}"
+        rollout = f"vLLM engine {gb(self.engine) if self.capacity else 'its share'} " \
+            f"(--vllm-gpu-memory-utilization {self.engine_share:g})" if self.engine_share else \
+            f"gathered weights {gb(self.gathered_rollout)} + KV cache {gb(self.kv_cache)} " \
+            f"({self.slots} slots x {self.positions} positions) + sampling " \
+            f"{gb(self.sampling)} + prefill {gb(self.prefill)}"
+        asleep = f" + vLLM engine {gb(self.engine_in_update)}" if self.engine_in_update else ""
         return "\n".join([
             f"memory plan per process ({_count(self.params)} parameters, {self.world} "
             f"process(es), {self.precision}{sampler}; {where}):",
-            f"  rollout  {gb(self.rollout):>6} = fp32 shards {gb(self.shards)} + gathered weights "
-            f"{gb(self.gathered_rollout)} + KV cache {gb(self.kv_cache)} ({self.slots} slots x "
-            f"{self.positions} positions) + sampling {gb(self.sampling)} + prefill "
-            f"{gb(self.prefill)}",
+            f"  rollout  {gb(self.rollout):>6} = fp32 shards {gb(self.shards)} + {rollout}",
             "  update     none: --eval-only builds no optimizer and takes no update" if
             self.eval_only else
             f"  update   {gb(self.update):>6} = fp32 shards {gb(self.shards)} + gradients "
             f"{gb(self.grads)} + gathered weights {gb(self.gathered_update)} + activations "
-            f"{gb(self.activations)} ({self.micro_tokens} tokens) + output layer {gb(self.head)}",
+            f"{gb(self.activations)} ({self.micro_tokens} tokens) + output layer {gb(self.head)}"
+            f"{asleep}",
             f"  peak     {gb(self.peak):>6} with {OVERHEAD_GB:g} GiB of overhead"
             + (f": {'fits' if self.fits else 'does NOT fit'} in {MARGIN:.0%} of "
                f"{gb(self.capacity)}" if self.capacity else "")])
@@ -171,6 +186,8 @@ def plan(m, cfg, world: int, capacity: int = 0, slots: int | None = None) -> Pla
                   gathered_rollout=gathered_rollout, capacity=capacity)
     if not cfg.eval_only:
         result = with_update(result, m, cfg)
+    if cfg.rollout_engine == "vllm":
+        return with_engine(result, cfg)
     wanted = slots if slots is not None else cfg.rollout_slots
     if wanted != "auto":
         return with_slots(result, m, cfg, int(wanted) or max_slots(cfg, world))  # 0: all
@@ -192,6 +209,15 @@ def with_slots(p: Plan, m, cfg, slots: int) -> Plan:
                    kv_cache=slots * p.positions * kv_bytes_per_token(m, act_bytes),
                    sampling=slots * SAMPLING_BYTES * m.vocab_size,
                    prefill=prefill_bytes(m, cfg, slots, act_bytes))
+
+
+def with_engine(p: Plan, cfg) -> Plan:
+    """p with a vLLM engine in place of the sampler: its share of the device, freed on a GPU
+    through the update (sleep mode), kept on CPU. Against no device (capacity 0) it is unknown."""
+    engine = int(cfg.vllm_gpu_memory_utilization * p.capacity)
+    return replace(p, gathered_rollout=0, engine_share=cfg.vllm_gpu_memory_utilization,
+                   engine=engine,
+                   engine_in_update=0 if cfg.device.startswith("cuda") else engine)
 
 
 def with_update(p: Plan, m, cfg) -> Plan:
@@ -252,9 +278,15 @@ def device_capacity(device: str) -> int:
 
 def refuse_if_too_big(p: Plan, device: str):
     """A one-line reason, naming the numbers and the flags to change, when p cannot fit."""
+    engine_weights = p.params * dtype_bytes(p.sampler_precision)
+    if p.engine and p.engine < engine_weights:
+        raise ValueError(f"--vllm-gpu-memory-utilization gives the vLLM engine "
+                         f"{p.engine / GB:.1f} GiB of {device}, less than the model's weights "
+                         f"({engine_weights / GB:.1f} GiB): raise it")
     if p.fits:
         return
     parts = {"the KV cache (--rollout-slots, --max-response-len)": p.kv_cache,
+             "the vLLM engine (--vllm-gpu-memory-utilization)": p.engine,
              "the gathered weights (a bigger card, or more of them)": p.gathered_rollout,
              "the activations (--micro-batch-tokens, --activation-checkpointing)": p.activations,
              "the fp32 shards (more processes)": p.shards + p.grads}

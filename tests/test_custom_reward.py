@@ -99,7 +99,7 @@ def test_a_nan_or_inf_score_stops_the_run_naming_the_function_and_the_response(t
                                          r"must be a finite number"):
         verifier.score("custom", "Answer: 8", "7")
     always = write(tmp_path / "always.py", f"def f(r, g):\n    return {bad}\n")
-    with pytest.raises(ValueError, match=rf"the check call f\('7', '7'\) failed: ValueError: "
+    with pytest.raises(ValueError, match=rf"the check call f\('7', '7'\) failed: "
                                          rf"--reward-fn .*:f returned {value}"):
         verifier = Verifier.load(f"{always}:f", False)
         verifier.check("7")

@@ -1,0 +1,70 @@
+"""--rollout-engine vllm where vLLM is not installed (this venv): its flags, its memory plan, and
+the one-line error that says what to install. The engine itself is tested in tests_vllm/
+(`make test-vllm`, in .venv-vllm)."""
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from config import Config, check_flags
+from infra import memory
+from model import preset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_correction_defaults_to_token_truncate_with_vllm_only():
+    assert Config(rollout_engine="vllm").rollout_correction == "token_truncate"
+    assert Config().rollout_correction == "none"  # the paper's loss, to the last bit
+    assert Config(rollout_engine="vllm", rollout_correction="none").rollout_correction == "none"
+
+
+@pytest.mark.parametrize("flags, says", [
+    (dict(vllm_gpu_memory_utilization=0.0), "--vllm-gpu-memory-utilization must be in (0, 1]"),
+    (dict(temperature=0.7, top_p=0.9), "--rollout-engine vllm takes --temperature 0.7 or"),
+    (dict(temperature=0.7, top_k=20), "--rollout-engine vllm takes --temperature 0.7 or"),
+])
+def test_vllm_flags_it_cannot_honour_are_refused(flags, says):
+    with pytest.raises(ValueError, match=says.replace("(", r"\(").replace("]", r"\]")):
+        check_flags(Config(rollout_engine="vllm", **flags))
+    check_flags(Config(**flags))  # the sampler takes them
+
+
+def test_the_memory_plan_counts_the_engine_in_place_of_the_samplers_parts():
+    m = preset("qwen2.5-1.5b")
+    gpu = 80 * memory.GB
+    cfg = Config(rollout_engine="vllm", device="cpu", precision="bf16",
+                 vllm_gpu_memory_utilization=0.4, rollout_slots=64)
+    plan = memory.plan(m, cfg, world=1, capacity=gpu)
+    assert plan.engine == int(0.4 * gpu)
+    assert plan.kv_cache == plan.sampling == plan.prefill == plan.gathered_rollout == 0
+    assert plan.rollout == plan.shards + plan.engine
+    assert plan.update - plan.engine_in_update == \
+        memory.plan(m, Config(device="cpu", precision="bf16"), world=1, capacity=gpu).update
+    assert plan.engine_in_update == plan.engine  # CPU: no sleep mode, the engine stays
+    # on a GPU it sleeps through the update (the device is not checked by plan())
+    cuda = memory.plan(m, Config(**{**cfg.__dict__, "device": "cuda"}), world=1, capacity=gpu)
+    assert cuda.engine_in_update == 0
+
+
+def test_a_share_smaller_than_the_engines_weights_is_refused():
+    m = preset("qwen2.5-7b")  # 7.6B parameters: 15 GB in bf16
+    cfg = Config(rollout_engine="vllm", precision="bf16", vllm_gpu_memory_utilization=0.1)
+    plan = memory.plan(m, cfg, world=8, capacity=80 * memory.GB)
+    with pytest.raises(ValueError, match="less than the model's weights"):
+        memory.refuse_if_too_big(plan, "cuda:0")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
+def test_without_vllm_the_run_stops_in_one_line_saying_what_to_install(tmp_path):
+    out = subprocess.run([sys.executable, "dapo.py", "--rollout-engine", "vllm", "--steps", "1",
+                          "--out-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "error: --rollout-engine vllm needs vLLM, which this Python does not have: pip install -r "
+        "requirements-vllm.txt on a CPU (make test-vllm makes .venv-vllm), pip install vllm on a "
+        "GPU (No module named 'vllm')"]
+    assert not os.listdir(tmp_path)  # stopped before anything was written
