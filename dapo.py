@@ -13,11 +13,7 @@ No KL term and no reference model. Entropy is measured and logged, never added t
 
     python dapo.py                  # the embedded demo: a tiny model learns the toy task on CPU
     python dapo.py --help           # every flag; the README has the paper's full command line
-    python dapo.py --eval-only --model PATH --val-data aime-2024.parquet --out-dir runs/eval \\
-        --max-prompt-len 2048 --max-response-len 20480 --eval-samples 32 --eval-top-p 0.7 \\
-        --eval-prompts 0
 """
-import contextlib
 import os
 import time
 from dataclasses import asdict, replace
@@ -114,18 +110,12 @@ def loss_mask(batch: Batch, cfg):
 # ------------------------------------------------------------------------------------------------
 # Rollout and evaluation
 
-def rollout_weights(model, engine):
-    """The weights a rollout reads: under FSDP the sampler's gathered once for all its tokens;
-    a vLLM engine holds its own copy, synced after every optimizer step."""
-    return distributed.gathered(model) if engine is None else contextlib.nullcontext()
-
-
 @torch.no_grad()
 def rollout(model, rows, tok: Tokenizer, cfg, verifier: Verifier, *, group_size, temperature,
             top_p, top_k, generator, engine=None) -> Batch:
-    """Sample group_size responses to each row's prompt and score them with the row's verifier;
-    --rollout-slots decode at a time (the KV cache's rows), a finished one making room. engine:
-    --rollout-engine vllm's (infra/vllm_engine.py), the same record from vLLM; None: sampler.py."""
+    """Sample group_size responses to each row's prompt and score them with the row's verifier:
+    with sampler.py, --rollout-slots at a time (the KV cache's rows), a finished one making room;
+    or with --rollout-engine vllm's engine (infra/vllm_engine.py), synced after every update."""
     prompts, _ = encode_prompts(rows, tok, cfg.max_prompt_len)
     sequences = [p for p in prompts for _ in range(group_size)]
     settings = dict(temperature=temperature, top_p=top_p, top_k=top_k,
@@ -134,8 +124,8 @@ def rollout(model, rows, tok: Tokenizer, cfg, verifier: Verifier, *, group_size,
         got = engine.generate(model, sequences, cfg.max_response_len, **settings)
         out = Rollout.from_responses(sequences, got.token_ids, got.logprobs, got.truncated,
                                      tok.pad_token_id, cfg.device)
-    else:
-        with precision.autocast(cfg.sampler_precision, cfg.device):  # not around a step
+    else:  # under FSDP the weights are gathered once for all the tokens; autocast: not a step
+        with distributed.gathered(model), precision.autocast(cfg.sampler_precision, cfg.device):
             out = generate(model, sequences, cfg.max_response_len, **settings,
                            pad_token_id=tok.pad_token_id, slots=cfg.rollout_slots or None,
                            compile=cfg.compile)  # slots 0: all
@@ -151,10 +141,10 @@ def evaluate(model, rows, tok, cfg, verifier, engine=None) -> dict:
     rank, world, k = distributed.rank(), distributed.world_size(), cfg.eval_samples
     mine = rows[rank::world]
     generator = torch.Generator(cfg.device).manual_seed(cfg.seed + 1 + rank)
-    with rollout_weights(model, engine):  # a rank without a problem samples one, ignores it
-        batch = rollout(model, mine or rows[:1], tok, cfg, verifier, group_size=k, top_k=0,
-                        temperature=cfg.eval_temperature, top_p=cfg.eval_top_p,
-                        generator=generator, engine=engine)
+    # a rank without a problem samples one and ignores it (every rank's forwards are collectives)
+    batch = rollout(model, mine or rows[:1], tok, cfg, verifier, group_size=k, top_k=0,
+                    temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, generator=generator,
+                    engine=engine)
     result = metrics.eval_metrics(batch, len(mine), len(rows), k)
     health.warn_evaluation(result, verifier.spec, verifier.take_errors(), batch)  # as a step
     return result
@@ -192,10 +182,9 @@ def collect_batch(model, prompt_iter, tok, cfg, verifier, generator, engine=None
             break
         # --- Rollout (Algorithm 1, lines 3-5): pi_old samples G responses per prompt ---
         prompts = prompt_iter.next_batch()
-        with rollout_weights(model, engine):  # FSDP: the sampler's gathered once per batch
-            batch = rollout(model, prompts[rank::world], tok, cfg, verifier,
-                            group_size=cfg.group_size, temperature=cfg.temperature,
-                            top_p=cfg.top_p, top_k=cfg.top_k, generator=generator, engine=engine)
+        batch = rollout(model, prompts[rank::world], tok, cfg, verifier, group_size=cfg.group_size,
+                        temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                        generator=generator, engine=engine)
         # --- DAPO technique 4: overlong reward shaping (paper Sec. 3.4, Eq. 13) ---
         batch = replace(batch, reward=shape_rewards(batch.response_lengths, batch.score, cfg))
         # --- Algorithm 1, line 9: group advantages (paper Eq. 9), one per response: here, where

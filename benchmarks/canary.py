@@ -57,9 +57,8 @@ MIN_MOVE = 4  # x the tolerance: the trainer's move must be one that the toleran
 
 def greedy(model, rows, tok, cfg):
     """The sampler's greedy responses and their log-probs, as the loop's rollout makes them."""
-    with distributed.gathered(model):
-        return dapo.rollout(model, rows, tok, cfg, Verifier(), group_size=1, temperature=0.0,
-                            top_p=1.0, top_k=0, generator=None)
+    return dapo.rollout(model, rows, tok, cfg, Verifier(), group_size=1, temperature=0.0,
+                        top_p=1.0, top_k=0, generator=None)  # the weights gathered inside
 
 
 @torch.no_grad()

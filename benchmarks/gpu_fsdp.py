@@ -119,9 +119,8 @@ def run(args, device, d) -> list[str]:
     g = torch.Generator(device).manual_seed(0)
 
     def rollout(model, run_cfg):
-        with distributed.gathered(model):
-            batch = dapo.rollout(model, rows, tok, run_cfg, Verifier(), group_size=cfg.group_size,
-                                 temperature=1.0, top_p=1.0, top_k=0, generator=g)
+        batch = dapo.rollout(model, rows, tok, run_cfg, Verifier(), group_size=cfg.group_size,
+                             temperature=1.0, top_p=1.0, top_k=0, generator=g)  # gathered inside
         adv = torch.randn(len(batch), generator=torch.Generator().manual_seed(1))
         return replace(batch, adv=adv.to(device))
 
