@@ -13,6 +13,9 @@ No KL term and no reference model. Entropy is measured and logged, never added t
 
     python dapo.py                  # the embedded demo: a tiny model learns the toy task on CPU
     python dapo.py --help           # every flag; the README has the paper's full command line
+    python dapo.py --eval-only --model PATH --val-data aime-2024.parquet --out-dir runs/eval \\
+        --max-prompt-len 2048 --max-response-len 20480 --eval-samples 32 --eval-top-p 0.7 \\
+        --eval-prompts 0
 """
 import os
 import time
