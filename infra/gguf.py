@@ -87,12 +87,13 @@ def read(gguf_file: str, progress=None) -> Converted:
         raise ValueError(f"{gguf_file}: architecture {meta.get('general.architecture')!r}; only "
                          "'llama' is converted")
     tensors = {t.name: t for t in reader.tensors}
+    # the metadata first: a file that cannot be converted fails before the long part
     config = llama_config(meta, tensors, gguf_file)
+    tokenizer = build_tokenizer(meta, gguf_file)
+    tokenizer_config, generation_config = token_configs(meta, config.hf)
     state = {}
     for name, tensor in (progress or iter)(tensors.items()):
         state[hf_key(name, gguf_file)] = hf_weight(tensor, config.hf, gguf_file)
-    tokenizer = build_tokenizer(meta, gguf_file)
-    tokenizer_config, generation_config = token_configs(meta, config.hf)
     return Converted(config, state, tokenizer, tokenizer_config, generation_config)
 
 
@@ -123,6 +124,8 @@ def llama_config(meta: dict, tensors: dict, source: str) -> HFConfig:
     scaling = meta.get("llama.rope.scaling.type", "none")
     if scaling != "none":
         raise ValueError(f"{source}: RoPE scaling {scaling!r} is not converted (plain RoPE only)")
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"{source}: no token_embd.weight tensor (not a complete model)")
     hidden, heads = need("embedding_length"), need("attention.head_count")
     embed_rows = tensors["token_embd.weight"].shape[1]  # GGUF lists dims innermost first
     tied = "output.weight" not in tensors
