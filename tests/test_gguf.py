@@ -360,12 +360,19 @@ def test_real_chat_template_ids_equal_transformers(real, real_reference_tokenize
                                      "SmolLM, trained by Hugging Face<|im_end|>\n")
 
 
+@pytest.fixture(scope="module")
+def real_reference_model(real):
+    """transformers' LlamaForCausalLM loaded from the real GGUF by its own GGUF loader."""
+    gguf_file, _ = real
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gguf_file), gguf_file=os.path.basename(gguf_file), dtype=torch.float32)
+
+
 @needs_real
 @pytest.mark.parity
-def test_real_weights_and_logits_equal_transformers_gguf_loader(real):
-    gguf_file, out_dir = real
-    expected = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(gguf_file), gguf_file=os.path.basename(gguf_file), dtype=torch.float32)
+def test_real_weights_and_logits_equal_transformers_gguf_loader(real, real_reference_model):
+    _, out_dir = real
+    expected = real_reference_model
     ours = transformers.LlamaForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
     reference = expected.state_dict()
     for key, value in ours.state_dict().items():
