@@ -39,8 +39,8 @@ def slots_value(text: str) -> int | str:
 @dataclass
 class Config:
     # what to train (the defaults are the embedded CPU demo; the README gives the paper's settings)
-    model: str = _flag("", "Hugging Face Qwen2 directory; empty: the demo's tiny model (paper: "
-                           "Qwen2.5-32B base)")
+    model: str = _flag("", "Hugging Face directory of a Qwen2/Qwen2.5, Llama or Qwen3; empty: "
+                           "the demo's tiny model (paper: Qwen2.5-32B base)")
     train_data: str = _flag("", ".parquet/.jsonl rows; empty: the toy task (paper: DAPO-Math-17k)")
     val_data: str = _flag("", ".parquet/.jsonl rows; empty: the toy task's test split (paper: "
                               "AIME-2024)")

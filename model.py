@@ -1,15 +1,19 @@
 """
-A Qwen2 / Qwen2.5 decoder in plain PyTorch: the same numbers as transformers' Qwen2ForCausalLM, in
-one file.
+A Qwen2 / Qwen2.5 decoder in plain PyTorch, which also runs the two families built the same way,
+Llama and Qwen3: the same numbers as transformers' Qwen2ForCausalLM, LlamaForCausalLM and
+Qwen3ForCausalLM, in one file.
 
-Per layer: RMSNorm -> attention (q/k/v with bias, grouped-query, RoPE) -> residual -> RMSNorm ->
-SwiGLU MLP -> residual. Weights load from and save to the Hugging Face safetensors layout
-(Qwen2.from_pretrained / save_pretrained, through infra/hf_io.py, which also reads and checks
-config.json), so a checkpoint moves freely between this file, transformers and vLLM. Parameter
-names mirror the HF keys (model.layers.N.self_attn.q_proj.weight, ...), so no key mapping is
-needed anywhere. At the end, response_logprobs(): the policy's log-probs of sampled responses,
-which the RL loss reads.
+Per layer: RMSNorm -> attention (grouped-query, RoPE) -> residual -> RMSNorm -> SwiGLU MLP ->
+residual. The families differ in the attention alone, a switch of ModelConfig (model_type):
+Qwen2 has biases on q, k and v; Llama none (and Llama 3.x rescales RoPE's slow frequencies);
+Qwen3 none, but an RMSNorm over each head of q and k. Weights load from and save to the Hugging
+Face safetensors layout (Qwen2.from_pretrained / save_pretrained, through infra/hf_io.py, which
+also reads and checks config.json), so a checkpoint moves freely between this file, transformers
+and vLLM. Parameter names mirror the HF keys (model.layers.N.self_attn.q_proj.weight, ...), so no
+key mapping is needed anywhere. At the end, response_logprobs(): the policy's log-probs of sampled
+responses, which the RL loss reads.
 """
+import math
 from dataclasses import dataclass
 
 import torch
@@ -24,27 +28,50 @@ from dapo_kernels import linear_logprobs_and_entropy, logprobs_and_entropy
 
 @dataclass
 class ModelConfig:
+    model_type: str = "qwen2"  # the family: "qwen2" (Qwen2, Qwen2.5), "llama" or "qwen3"
     vocab_size: int = 151936
     hidden_size: int = 896
     intermediate_size: int = 4864
     num_hidden_layers: int = 24
     num_attention_heads: int = 14
     num_key_value_heads: int = 2
-    head_dim: int = 0  # 0 = hidden_size // num_attention_heads (Qwen2's rule)
+    head_dim: int = 0  # 0 = hidden_size // num_attention_heads (Qwen3 sets its own)
     max_position_embeddings: int = 32768
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1000000.0
+    # Llama 3.x: {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"}; None: plain RoPE
+    rope_scaling: dict | None = None
+    attention_bias: bool = False  # Llama, Qwen3: biases on q, k, v and o (Qwen2: q, k, v always)
     tie_word_embeddings: bool = True
     torch_dtype: str = "bfloat16"  # the dtype the weights are stored in
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self):
+        if self.model_type not in hf_io.ARCHITECTURES:
+            raise ValueError(f"model_type {self.model_type!r} is none of "
+                             f"{', '.join(hf_io.ARCHITECTURES)}")
+        if self.rope_scaling and self.rope_scaling.get("rope_type") != "llama3":
+            raise ValueError(f"rope_scaling {self.rope_scaling} is not Llama 3's (rope_type "
+                             "'llama3'), the only one implemented")
         if self.head_dim == 0:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
+
+    @property
+    def qkv_bias(self) -> bool:  # the switches of Attention, from the family
+        return self.model_type == "qwen2" or self.attention_bias
+
+    @property
+    def o_bias(self) -> bool:
+        return self.model_type != "qwen2" and self.attention_bias
+
+    @property
+    def qk_norm(self) -> bool:  # Qwen3: RMSNorm over each head of q and k
+        return self.model_type == "qwen3"
 
     # config.json, read and written in infra/hf_io.py (checked there: model_type, RoPE, types)
     @classmethod
@@ -103,6 +130,29 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+def rope_inv_freq(cfg: ModelConfig, device=None):
+    """The angle each pair of dimensions turns by per position: theta^(-2i / head_dim), i <
+    head_dim / 2, in fp32 as transformers; Llama 3.x slows the slow ones down (llama3_rope)."""
+    d = cfg.head_dim
+    exponents = torch.arange(0, d, 2, dtype=torch.float, device=device) / d  # (d/2,)
+    inv_freq = 1.0 / (cfg.rope_theta ** exponents)
+    return llama3_rope(inv_freq, cfg.rope_scaling) if cfg.rope_scaling else inv_freq
+
+
+def llama3_rope(inv_freq, scaling: dict):
+    """Llama 3.x's long context: a pair whose wavelength (positions per turn) is longer than the
+    pre-training context / low_freq_factor turns `factor` times slower; one shorter than
+    context / high_freq_factor keeps its speed; in between, a blend of the two, linear in
+    context / wavelength (transformers' _compute_llama3_parameters)."""
+    context = scaling["original_max_position_embeddings"]  # of pre-training
+    low, high, factor = scaling["low_freq_factor"], scaling["high_freq_factor"], scaling["factor"]
+    wavelength = 2 * math.pi / inv_freq  # (d/2,)
+    smooth = (context / wavelength - low) / (high - low)  # 0 -> 1 across the band between
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    slow, fast = wavelength > context / low, wavelength < context / high
+    return torch.where(slow, inv_freq / factor, torch.where(fast, inv_freq, blended))
+
+
 def rope_cos_sin(positions, inv_freq, dtype):
     """positions (B, T) -> cos, sin (B, 1, T, head_dim), in fp32 then cast like transformers."""
     # exercise: rope
@@ -128,18 +178,23 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.n_head, self.n_kv_head, self.head_dim = H, Hkv, D
-        self.q_proj = nn.Linear(cfg.hidden_size, H * D, bias=True)  # Qwen2: bias on q, k, v ...
-        self.k_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=True)
-        self.v_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=True)
-        self.o_proj = nn.Linear(H * D, cfg.hidden_size, bias=False)  # ... and none on o
+        # Qwen2: a bias on q, k, v and none on o; Llama, Qwen3: none (or, attention_bias, on all)
+        self.q_proj = nn.Linear(cfg.hidden_size, H * D, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(H * D, cfg.hidden_size, bias=cfg.o_bias)
+        # Qwen3: each head of q and k normalised on its own, which keeps the attention logits
+        # bounded; elsewhere a no-op without weights
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
 
     def forward(self, x, cos, sin, mask, kv_cache=None, positions=None, cache_rows=None):
         B, T, _ = x.shape
         H, Hkv, D = self.n_head, self.n_kv_head, self.head_dim
-        q = self.q_proj(x).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
+        q = self.q_norm(self.q_proj(x).view(B, T, H, D)).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_norm(self.k_proj(x).view(B, T, Hkv, D)).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # after Qwen3's norms
         if kv_cache is None:
             y = self.attend(q, k, v, mask, decoding=False)
         else:  # store this step's keys/values at their positions, attend over the cached rows:
@@ -261,6 +316,8 @@ def attention_mask_4d(q_index, S, key_mask=None):
 
 
 class Qwen2(nn.Module):
+    """The decoder of every family (named for the first): embeddings, blocks, final norm, head."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
@@ -279,9 +336,7 @@ class Qwen2(nn.Module):
             self.apply(self._init_weights)
 
     def _rope_inv_freq(self, device=None):
-        d = self.config.head_dim
-        exponents = torch.arange(0, d, 2, dtype=torch.float, device=device) / d  # (d/2,)
-        return 1.0 / (self.config.rope_theta ** exponents)
+        return rope_inv_freq(self.config, device)
 
     def tie_weights(self):
         # Qwen2.5-0.5B/1.5B/3B share the input and output embeddings
@@ -364,10 +419,10 @@ class Qwen2(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str, dtype=None, device="cpu") -> "Qwen2":
-        """Load a Hugging Face Qwen2 directory (model.safetensors, or sharded files +
-        model.safetensors.index.json). The model is built on the meta device and the loaded tensors
-        are assigned in place: no second copy, so a 32B checkpoint needs its own size in memory, not
-        twice that. dtype defaults to the config's torch_dtype."""
+        """Load a Hugging Face Qwen2, Llama or Qwen3 directory (model.safetensors, or sharded
+        files + model.safetensors.index.json). The model is built on the meta device and the
+        loaded tensors are assigned in place: no second copy, so a 32B checkpoint needs its own
+        size in memory, not twice that. dtype defaults to the config's torch_dtype."""
         cfg = ModelConfig.from_json(need_file(path, "config.json"))
         dtype = dtype or getattr(torch, cfg.torch_dtype)
         with torch.device("meta"):

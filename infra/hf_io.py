@@ -62,8 +62,8 @@ def _checked_tensors(path: str, expected: dict, device, skip):
                     if key.endswith("rotary_emb.inv_freq") or key in skip:
                         continue
                     if key not in expected:
-                        raise ValueError(f"{file}: unexpected key {key!r} (not part of a "
-                                         "Qwen2 with this config)")
+                        raise ValueError(f"{file}: unexpected key {key!r} (not part of "
+                                         "the model its config.json describes)")
                     tensor = f.get_slice(key)
                     shape = tuple(tensor.get_shape())
                     if shape != tuple(expected[key]):
@@ -255,24 +255,30 @@ def _replace_dir(src, dst):
 # --------------------------------------------------------------------------------------------------
 # config.json <-> model.ModelConfig
 
+# The families model.py runs, each with the class transformers (and vLLM) load it as
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
 def config_from_hf(cls, hf: dict, source: str = "config.json"):
-    """A cls (model.ModelConfig) from a Hugging Face config.json dict (old top-level rope_theta or
-    newer rope_parameters)."""
-    if hf.get("model_type", "qwen2") != "qwen2":
-        raise ValueError(f"{source}: model_type is {hf['model_type']!r}; this project "
-                         "implements 'qwen2' only")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"{source}: rope type {rope_type!r} is not supported "
-                         "(only the default RoPE of Qwen2/Qwen2.5)")
-    if hf.get("use_sliding_window", False):
-        raise ValueError(f"{source}: use_sliding_window=true is not supported "
-                         "(Qwen2.5 ships with it off)")
+    """A cls (model.ModelConfig) from a Hugging Face config.json dict of a Qwen2/Qwen2.5, Llama or
+    Qwen3 (old top-level rope_theta and rope_scaling, or newer rope_parameters). What this project
+    does not compute (another family, a sliding window, other RoPE scalings) is refused, naming
+    the field."""
+    family = hf.get("model_type", "qwen2")
+    if family not in ARCHITECTURES:
+        raise ValueError(f"{source}: model_type is {family!r}; this project implements "
+                         f"{', '.join(map(repr, ARCHITECTURES))} (dense, full attention)")
+    _refuse_what_is_not_computed(hf, source)
     known = {f.name for f in fields(cls)}
     kw = {k: v for k, v in hf.items() if k in known and v is not None}
+    if family == "qwen2":  # transformers' Qwen2 has q/k/v biases whatever the file says
+        kw.pop("attention_bias", None)
+    rope_key, rope = _rope_field(hf, source)
     if "rope_theta" in rope:
         kw["rope_theta"] = rope["rope_theta"]
+    kw["rope_scaling"] = _llama3_rope(rope, f"{source}: {rope_key}")
     kw["torch_dtype"] = hf.get("torch_dtype") or hf.get("dtype") or "float32"
     for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
               "num_attention_heads"):
@@ -281,6 +287,53 @@ def config_from_hf(cls, hf: dict, source: str = "config.json"):
     kw.setdefault("num_key_value_heads", kw["num_attention_heads"])
     _check_types(cls, kw, source)
     return cls(**kw)
+
+
+def _refuse_what_is_not_computed(hf: dict, source: str):
+    """One line naming the field, for what a config.json may ask that model.py does not do."""
+    if hf.get("use_sliding_window", False):
+        raise ValueError(f"{source}: use_sliding_window=true is not supported "
+                         "(Qwen2.5 and Qwen3 ship with it off)")
+    windowed = [t for t in hf.get("layer_types") or () if t != "full_attention"]
+    if windowed:
+        raise ValueError(f"{source}: layer_types holds {windowed[0]!r}; only full_attention "
+                         "layers are supported")
+    if hf.get("mlp_bias", False):
+        raise ValueError(f"{source}: mlp_bias=true is not supported (Llama ships with it off)")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported (SwiGLU's "
+                         "'silu' only)")
+    rope_key, rope = _rope_field(hf, source)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"{source}: {rope_key} has rope type {rope_type!r}, not supported (only "
+                         "the default RoPE and Llama 3's 'llama3')")
+    if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(f"{source}: partial_rotary_factor is not supported (RoPE on every "
+                         "dimension of a head only)")
+
+
+def _rope_field(hf: dict, source: str) -> tuple[str, dict]:
+    """The RoPE settings and the key holding them: rope_parameters (transformers 5) or
+    rope_scaling (older files, with rope_theta beside it)."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if hf.get(key) and not isinstance(hf[key], dict):
+            raise ValueError(f"{source}: {key} must be an object, got {json.dumps(hf[key])}")
+        if hf.get(key):
+            return key, hf[key]
+    return "rope_parameters", {}
+
+
+def _llama3_rope(rope: dict, where: str) -> dict | None:
+    """Llama 3.x's rescaled RoPE as ModelConfig.rope_scaling holds it, or None for the default."""
+    if rope.get("rope_type", rope.get("type", "default")) == "default":
+        return None
+    for k in LLAMA3_ROPE:
+        v = rope.get(k)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise ValueError(f"{where}: llama3 RoPE needs {k!r}, a positive number, got "
+                             f"{json.dumps(v)}")
+    return {"rope_type": "llama3", **{k: rope[k] for k in LLAMA3_ROPE}}
 
 
 def config_from_json(cls, path: str):
@@ -293,11 +346,18 @@ def config_from_json(cls, path: str):
 
 
 def config_to_hf(cfg) -> dict:
-    """The config.json that transformers (and vLLM) read for a Qwen2ForCausalLM."""
+    """The config.json that transformers (and vLLM) read as the family's *ForCausalLM. A Llama
+    3.x RoPE goes as its own config.json has it: rope_scaling, with rope_theta beside it (read by
+    transformers 4 and 5 and vLLM)."""
     hf = asdict(cfg)
-    hf.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_act="silu",
-              use_sliding_window=False, attention_dropout=0.0, initializer_range=0.02,
-              use_cache=True)
+    hf.update(architectures=[ARCHITECTURES[cfg.model_type]], hidden_act="silu",
+              attention_dropout=0.0, initializer_range=0.02, use_cache=True)
+    if cfg.model_type == "qwen2":
+        del hf["attention_bias"]  # not a Qwen2 setting: its q, k, v always have biases
+    if cfg.model_type == "llama":
+        hf["mlp_bias"] = False
+    else:
+        hf["use_sliding_window"] = False
     return {k: v for k, v in hf.items() if v is not None}
 
 

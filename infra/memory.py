@@ -16,9 +16,10 @@ An --eval-only run builds no optimizer and takes no update: the rollout alone, i
 weights.
 
 The activations are what autograd keeps for the backward, per token and layer, counted on CPU
-with torch.autograd.graph.saved_tensors_hooks for every op of a Qwen2 block (tests/test_memory.py
-checks the formulas against that count). Not counted: the CUDA context and the allocator's
-fragmentation (OVERHEAD_GB and MARGIN below), a backward's transient gradients of one block.
+with torch.autograd.graph.saved_tensors_hooks for every op of a block of each family
+(tests/test_memory.py checks the formulas against that count). Not counted: the CUDA context and
+the allocator's fragmentation (OVERHEAD_GB and MARGIN below), a backward's transient gradients of
+one block.
 """
 import math
 from dataclasses import dataclass, replace
@@ -32,7 +33,7 @@ SAMPLING_BYTES = 24  # per slot and vocabulary entry: logits, tempered, softmax,
 
 
 def parameter_count(m) -> int:
-    """Parameters of a ModelConfig's Qwen2 (a tied head counted once)."""
+    """Parameters of a ModelConfig's model, of any family (a tied head counted once)."""
     return root_parameter_count(m) + m.num_hidden_layers * block_parameter_count(m)
 
 
@@ -43,10 +44,13 @@ def root_parameter_count(m) -> int:
 
 
 def block_parameter_count(m) -> int:
-    """Parameters of one block: q, k, v (with biases) and o, the SwiGLU MLP, the two norms."""
-    C, F = m.hidden_size, m.intermediate_size  # F: the MLP's width
-    q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
-    return C * q + q + 2 * (C * kv + kv) + q * C + 3 * C * F + 2 * C
+    """Parameters of one block: q, k, v and o with the family's biases (Qwen2: on q, k, v), the
+    norms of q's and k's heads (Qwen3), the SwiGLU MLP, the two norms."""
+    C, F, D = m.hidden_size, m.intermediate_size, m.head_dim  # F: the MLP's width
+    q, kv = m.num_attention_heads * D, m.num_key_value_heads * D
+    weights = C * q + 2 * C * kv + q * C + 3 * C * F + 2 * C
+    biases = (q + 2 * kv if m.qkv_bias else 0) + (C if m.o_bias else 0)
+    return weights + biases + (2 * D if m.qk_norm else 0)
 
 
 def dtype_bytes(precision: str) -> int:
@@ -71,6 +75,8 @@ def activation_bytes_per_token(m, mode: str, checkpointing: bool) -> float:
     layer = {"fp32": 24 * C + 16 * F + 8 * H * D + 8 * Hkv * D + 4 * H + 8,
              "autocast": 26 * C + 8 * F + 4 * H * D + 4 * Hkv * D + 4 * H + 8,
              "bf16": 16 * C + 8 * F + 4 * H * D + 4 * Hkv * D + 4 * H + 8}[mode]
+    if m.qk_norm:  # Qwen3's norms of each head of q and k: input, fp32 output, 1/rms per head
+        layer += (8 if mode == "fp32" else 6) * (H + Hkv) * D + 4 * (H + Hkv)
     outside = {"fp32": 8 * C + 8 * D + 12, "autocast": 8 * C + 8 * D + 12,
                "bf16": 6 * C + 4 * D + 12}[mode]  # RoPE's tables, the final norm
     if checkpointing:

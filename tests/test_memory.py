@@ -30,10 +30,12 @@ def small(name, **kw) -> ModelConfig:
                           "tie_word_embeddings": False, **kw})
 
 
+@pytest.mark.parametrize("family", ["qwen2", "llama", "llama-bias", "qwen3"])
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_parameter_count_is_the_models(name, tied):
-    m = small(name, tie_word_embeddings=tied)
+def test_parameter_count_is_the_models(name, tied, family):
+    m = small(name, tie_word_embeddings=tied, model_type=family.removesuffix("-bias"),
+              attention_bias=family.endswith("-bias"))
     assert memory.parameter_count(m) == num_params(Qwen2(m))
 
 
@@ -58,11 +60,12 @@ def saved_for_backward(model, ids, context) -> int:
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("mode", ["fp32", "autocast", "bf16"])
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_activations_are_what_autograd_keeps(name, mode, checkpointing):
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])  # a Llama keeps what a Qwen2 keeps
+def test_activations_are_what_autograd_keeps(name, mode, checkpointing, family):
     """The plan's activation bytes per token against the count (within 10%: measured exact on
     these shapes, except the checkpointed forward, whose one block kept whole is recomputed in the
     backward, not held by the forward: the plan counts it, the forward's count does not)."""
-    m = small(name)
+    m = small(name, model_type=family)
     torch.manual_seed(0)
     model = Qwen2(m).train()
     model.activation_checkpointing = checkpointing
@@ -173,14 +176,16 @@ def test_auto_slots_fill_what_is_left_and_no_more_than_a_rank_decodes():
 
 
 @pytest.mark.needs("all")
-def test_two_ranks_load_a_shard_each_and_the_same_weights(tmp_path):
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])  # Qwen3: no biases, q/k norms, head_dim
+def test_two_ranks_load_a_shard_each_and_the_same_weights(tmp_path, family):
     """A 38M-parameter model (152 MB in fp32, its weights saved in bf16 as a Hugging Face
     checkpoint is): each of 2 ranks reads its own rows, so its memory grows by half the fp32 model
     (measured 0.50), not the whole (loaded whole and then sharded: 1.05); and the ranks' weights
     gather to exactly what one process loads."""
     m = ModelConfig(vocab_size=8000, hidden_size=512, intermediate_size=2048,
                     num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-                    tie_word_embeddings=False, torch_dtype="bfloat16")
+                    tie_word_embeddings=False, torch_dtype="bfloat16", model_type=family,
+                    head_dim=128 if family == "qwen3" else 0)
     model_dir, out_dir = tmp_path / "model", tmp_path / "out"
     out_dir.mkdir()
     torch.manual_seed(0)
