@@ -242,6 +242,24 @@ def test_smollm_pre_tokenizer_splits_digits_first():
     assert pieces == {"smollm": ["x", "ĠĠ", "1"], "gpt2": ["x", "Ġ", "Ġ1"]}
 
 
+def fp32_logit_tolerance(layers: int, reference: torch.Tensor) -> float:
+    """Two fp32 computations of the same logits, summed in different orders: a few roundings of
+    eps each per layer, on the scale of the largest logit."""
+    return 16 * layers * torch.finfo(torch.float32).eps * float(reference.abs().max())
+
+
+@pytest.mark.parity
+def test_our_model_logits_equal_transformers_gguf_loader(tiny, tiny_reference):
+    """model.py's Llama, the model dapo.py trains, reads the converted directory."""
+    from model import Qwen2
+    _, out_dir = tiny
+    ours = Qwen2.from_pretrained(out_dir, dtype=torch.float32)
+    ids = torch.tensor([[1, 40, 270, 7, 99, 260, 2, 5]])
+    with torch.no_grad():
+        expected = tiny_reference(ids).logits
+        assert (ours(ids) - expected).abs().max() <= fp32_logit_tolerance(LAYERS, expected)
+
+
 @pytest.mark.parametrize("bad,message", [
     ("not_gguf", "not a GGUF file"),
     ("gpt2_arch", "architecture 'gpt2'; only 'llama'"),
@@ -383,3 +401,21 @@ def test_real_weights_and_logits_equal_transformers_gguf_loader(real, real_refer
         for messages in CONVERSATIONS:
             ids = torch.tensor([tok.apply_chat_template(messages)])
             assert torch.equal(ours(ids).logits, expected(ids).logits)
+
+
+@needs_real
+@pytest.mark.parity
+def test_real_our_model_logits_equal_transformers_gguf_loader(real, real_reference_model):
+    """model.py's Llama on the converted directory against transformers on the GGUF file."""
+    from model import Qwen2
+    _, out_dir = real
+    ours = Qwen2.from_pretrained(out_dir, dtype=torch.float32)
+    expected = real_reference_model
+    import data
+    tok = data.load_tokenizer(out_dir)
+    with torch.no_grad():
+        for messages in CONVERSATIONS:
+            ids = torch.tensor([tok.apply_chat_template(messages)])
+            reference = expected(ids).logits
+            tolerance = fp32_logit_tolerance(ours.config.num_hidden_layers, reference)
+            assert (ours(ids) - reference).abs().max() <= tolerance
