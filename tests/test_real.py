@@ -6,12 +6,25 @@ import sys
 from dataclasses import asdict
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "examples"))
 import real  # noqa: E402
 import sums  # noqa: E402
 from config import Config, parse_args  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory):
+    """A random tiny Llama (SmolLM2's family: no biases) with the toy tokenizer."""
+    from model import Qwen2, preset
+    from toy import make_toy_tokenizer
+    d = str(tmp_path_factory.mktemp("llama"))
+    tok = make_toy_tokenizer(d)
+    torch.manual_seed(0)
+    Qwen2(preset("tiny", model_type="llama", vocab_size=tok.vocab_size)).save_pretrained(d)
+    return d
 
 
 @pytest.mark.parametrize("response, truth, acc", [
@@ -91,7 +104,7 @@ def test_side_by_side_marks_each_answer_with_the_verifiers_verdict():
     assert left.strip() == "- Two plus three / is six, 6" and right == "+ 2 + 3 = 5"
 
 
-def test_make_real_runs_end_to_end_on_a_tiny_model(tiny_model_dir, tmp_path, monkeypatch,
+def test_make_real_runs_end_to_end_on_a_tiny_llama(tiny_llama_dir, tmp_path, monkeypatch,
                                                    capsys):
     # a random model answers no sum: without dynamic sampling its all-wrong groups still take the
     # optimizer step the run needs; one step, one evaluation of the held-out set at each end
@@ -100,7 +113,9 @@ def test_make_real_runs_end_to_end_on_a_tiny_model(tiny_model_dir, tmp_path, mon
                                  eval_every=1, eval_samples=1, precision="fp32")
     monkeypatch.setattr(real, "SETTINGS", small | {"dynamic_sampling": False})
     out = tmp_path / "real"
-    real.main(["--model", tiny_model_dir, "--out-dir", str(out), "--threads", "1"])
+    with open(os.path.join(tiny_llama_dir, "config.json")) as f:
+        assert json.load(f)["model_type"] == "llama"
+    real.main(["--model", tiny_llama_dir, "--out-dir", str(out), "--threads", "1"])
     printed = capsys.readouterr().out
     assert "python dapo.py --precision fp32 --steps 1" in printed
     assert printed.count("(answer ") == real.SHOWN  # the side-by-side table
