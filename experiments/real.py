@@ -1,6 +1,6 @@
 """
 A real pretrained model learns with DAPO on a CPU (`make real`): SmolLM2-135M-Instruct, a
-30-layer Llama, on sums of two numbers up to 12 (examples/sums.py), in about 10 minutes on 2 cores.
+30-layer Llama, on sums of two numbers up to 12 (examples/sums.py): 8 steps, ~7 minutes of CPU.
 
     python experiments/real.py                    # make real
     python experiments/real.py --seed 1 --out-dir runs/real-seed1
@@ -43,7 +43,8 @@ from sampler import generate  # noqa: E402
 # dapo.py's flags for this run. 8 prompts x 8 responses a step, one optimizer step each; lr 1e-5
 # (the paper's 1e-6 moves a 135M model too slowly for a 10-minute run); responses up to 32 tokens
 # (a right answer takes ~10; the base model's ramble is cut, and the soft overlong zone of the
-# last 8 teaches it to stop); bf16 autocast: 1.6x faster than fp32 on this CPU.
+# last 8 teaches it to stop); bf16 autocast: a step 1.3-1.5x faster than fp32 on this CPU
+# (benchmarks/bench_real.py).
 SETTINGS = dict(precision="bf16", steps=8, train_prompts=8, gen_prompts=12, group_size=8,
                 max_gen_batches=2, on_gen_cap="train", mini_batch_prompts=8, lr=1e-5,
                 warmup_steps=0, max_prompt_len=64, max_response_len=32, overlong_buffer=8,
@@ -108,7 +109,7 @@ def side_by_side(rows: list[dict], before: list[str], after: list[str]) -> str:
         height = max(map(len, cells))
         for i in range(height):
             left, right = (c[i] if i < len(c) else "" for c in cells)
-            lines.append(f"  {left:<{COLUMN + 2}} | {right}")
+            lines.append(f"  {left:<{COLUMN + 2}} | {right}".rstrip())
     return "\n".join(lines)
 
 
