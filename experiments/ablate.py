@@ -53,6 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import ablate_isolated  # noqa: E402
 import ablate_toy  # noqa: E402
 import dapo  # noqa: E402
+from infra.precision import resolve as resolve_precision  # noqa: E402
 from plot import read_metrics, series  # noqa: E402
 
 TECHNIQUES = ("clip_higher", "dynamic_sampling", "token_level_loss", "overlong_shaping",
@@ -210,8 +211,10 @@ def train_and_probe(acfg, row, seed):
     with open(os.path.join(cfg.out_dir, "log.txt"), "w") as log, contextlib.redirect_stdout(log), \
             contextlib.redirect_stderr(log):
         dapo.main(cfg)
+        # the probe samples in the run's precision (main resolves --precision for itself)
+        run = replace(cfg, precision=resolve_precision(cfg.precision, cfg.device))
         result = probe(os.path.join(cfg.out_dir, "checkpoints", f"step_{cfg.steps:06d}", "model"),
-                       cfg.val_data, acfg.probe_samples, seed, cfg)
+                       cfg.val_data, acfg.probe_samples, seed, run)
     with open(os.path.join(cfg.out_dir, "probe.json"), "w") as f:
         json.dump(result, f)
     wall = time.time() - t0

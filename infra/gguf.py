@@ -22,7 +22,6 @@ else is an error naming the file. Nothing here imports the root's modules.
 import os
 import tempfile
 from dataclasses import dataclass
-from importlib.metadata import version
 
 import gguf
 import numpy as np
@@ -159,13 +158,20 @@ def hf_key(name: str, source: str) -> str:
     raise UserError(f"{source}: tensor {name!r} is not part of a Llama this converts")
 
 
+# The tensor types gguf's numpy code dequantizes (gguf 0.19: the float types, the legacy and the
+# k-quants); any other is refused, naming the tensor
+DEQUANTIZED_NAMES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K",
+                     "Q4_K", "Q5_K", "Q6_K")
+DEQUANTIZED = frozenset(gguf.GGMLQuantizationType[name] for name in DEQUANTIZED_NAMES)
+
+
 def hf_weight(tensor, hf: dict, source: str) -> torch.Tensor:
     """One tensor, dequantized to fp32 in the Hugging Face layout (out_features, in_features)."""
-    try:
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    except NotImplementedError:
+    if tensor.tensor_type not in DEQUANTIZED:
         raise UserError(f"{source}: tensor {tensor.name!r} is {tensor.tensor_type.name}, which "
-                        f"gguf {version('gguf')} cannot dequantize") from None
+                        "this conversion does not dequantize (it takes "
+                        f"{', '.join(DEQUANTIZED_NAMES)})")
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     shape = tuple(int(n) for n in reversed(tensor.shape))
     weight = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)
     if ".attn_q." in tensor.name:

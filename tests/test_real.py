@@ -104,6 +104,7 @@ def test_side_by_side_marks_each_answer_with_the_verifiers_verdict():
     assert left.strip() == "- Two plus three / is six, 6" and right == "+ 2 + 3 = 5"
 
 
+@pytest.mark.needs("all")
 def test_make_real_runs_end_to_end_on_a_tiny_llama(tiny_llama_dir, tmp_path, monkeypatch,
                                                    capsys):
     # a random model answers no sum: without dynamic sampling its all-wrong groups still take the
