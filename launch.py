@@ -29,7 +29,7 @@ from infra import (checkpoint, distributed, files, health, hf_io, memory, precis
                    trackers, vllm_engine)
 from infra.errors import UserError
 from infra.files import need_file
-from model import ModelConfig, Qwen2
+from model import ModelConfig, Qwen2, rope_inv_freq
 from reward import Verifier, reward_fn_file
 
 
@@ -185,7 +185,7 @@ def load_sharded(model_dir: str, cfg: Config) -> Qwen2:
     with torch.no_grad():  # name -> (rows, the full shape, this rank's tensor)
         hf_io.load_rows_into(model_dir, distributed.local_rows(model), cfg.device,
                              skip=hf_io.tied_keys(model_cfg))
-    model.inv_freq = model._rope_inv_freq(cfg.device)
+    model.inv_freq = rope_inv_freq(model.config, cfg.device)
     checkpoint.check_finite(model, f"loading {model_dir}")  # every rank stops, naming the weight
     return model
 

@@ -313,12 +313,9 @@ class Qwen2(nn.Module):
         self.compiled_blocks = None  # compile_blocks(): the blocks of the forwards without a cache
         self.loaded_from = None  # from_pretrained's directory: save_pretrained's tokenizer files
         self.tie_weights()
-        self.register_buffer("inv_freq", self._rope_inv_freq(), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         if self.inv_freq.device.type != "meta":
             self.apply(self._init_weights)
-
-    def _rope_inv_freq(self, device=None):
-        return rope_inv_freq(self.config, device)
 
     def tie_weights(self):
         # Qwen2.5-0.5B/1.5B/3B share the input and output embeddings
@@ -416,7 +413,7 @@ class Qwen2(nn.Module):
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
         model.load_state_dict(state, strict=True, assign=True)
         model.tie_weights()  # assign=True replaced the Parameter objects: tie them again
-        model.inv_freq = model._rope_inv_freq(device)
+        model.inv_freq = rope_inv_freq(cfg, device)
         model.loaded_from = path
         return model
 

@@ -8,6 +8,7 @@ import torch
 
 from infra import memory
 from model import ModelConfig, Qwen2, num_params, rope_inv_freq
+from test_model import ours_from, randomise_biases_and_norms
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,18 +49,8 @@ def hf_config(case):
 
 def hf_model(case, seed=0):
     torch.manual_seed(seed)
-    m = transformers.AutoModelForCausalLM.from_config(hf_config(case)).float().eval()
-    # transformers inits biases and norms to constants; randomise so the test sees them
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    return m
-
-
-def ours_from(hf, tmp_path):
-    hf.save_pretrained(tmp_path / "hf")
-    return Qwen2.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    m = transformers.AutoModelForCausalLM.from_config(hf_config(case))
+    return randomise_biases_and_norms(m.float().eval())
 
 
 @pytest.mark.parity

@@ -27,8 +27,11 @@ def hf_model(vocab=257, kv_heads=2, heads=4, hidden=64, tied=True, layers=2, see
                                    num_attention_heads=heads, num_key_value_heads=kv_heads,
                                    rope_theta=1e6, tie_word_embeddings=tied,
                                    max_position_embeddings=512)
-    m = transformers.Qwen2ForCausalLM(cfg).float().eval()
-    # transformers inits biases and norms to constants; randomise so the test sees them
+    return randomise_biases_and_norms(transformers.Qwen2ForCausalLM(cfg).float().eval())
+
+
+def randomise_biases_and_norms(m):
+    """transformers inits biases and norms to constants; randomised, the tests see them."""
     with torch.no_grad():
         for name, p in m.named_parameters():
             if name.endswith("bias") or "norm" in name:
