@@ -330,9 +330,10 @@ def test_a_verifier_that_calls_sys_exit_is_a_verifier_error_not_the_end_of_the_r
         always = write(tmp_path / "always.py", "import sys\ndef f(r, g):\n    sys.exit(3)\n")
         verifier = Verifier.load(f"{always}:f", False)
         verifier.check("7")
-    at_import = write(tmp_path / "at_import.py", "import sys\nsys.exit()\n")
+    # sys.exit(4), not sys.exit(): once wandb has run in this process, its hook makes that 0
+    at_import = write(tmp_path / "at_import.py", "import sys\nsys.exit(4)\n")
     with pytest.raises(ValueError, match=r"importing .*at_import.py failed: SystemExit: the "
-                                         r"verifier called sys.exit\(None\)"):
+                                         r"verifier called sys.exit\(4\)"):
         reward.load_reward_fn(f"{at_import}:f")
 
 
