@@ -10,7 +10,7 @@ function's signature says which fields it reads. The three operations the loop n
     Batch.cat([...])        generation batches accumulated until the training batch is full
     batch.micro_batches()   the rows of each micro-batch, by count or by a budget of tokens
 
-and, across processes, dynamic sampling's buffer: group_number() and share_groups().
+and dynamic sampling's buffer across processes: group_number(), groups_to_train(), share_groups().
 
 Layout of row i (P = longest prompt, R = longest response of the batch):
 
@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from infra import distributed
+from infra.errors import UserError
 
 
 def _longest(mask) -> int:
@@ -162,32 +163,31 @@ def group_number(n_gen: int, prompts_per_gen: int, i: int) -> int:
     return n_gen * prompts_per_gen + i * distributed.world_size() + distributed.rank()
 
 
+def groups_to_train(n_kept: int, cfg) -> int:
+    """All of --train-prompts, or, when dynamic sampling stopped at --max-gen-batches short of
+    them, the whole mini-batches kept (a partial one would take a full optimizer step; the progress
+    bar says so), or with --on-gen-cap error verl's error."""
+    if n_kept >= cfg.train_prompts:
+        return cfg.train_prompts
+    if cfg.on_gen_cap == "error":
+        raise UserError(f"dynamic sampling found {n_kept} of {cfg.train_prompts} groups with "
+                        f"signal in --max-gen-batches {cfg.max_gen_batches} generation batches: "
+                        "raise the cap (0 = none), or train on them with --on-gen-cap train")
+    return n_kept - n_kept % cfg.mini_batch_prompts
+
+
 def share_groups(kept: dict[int, Batch], n_take: int, mini_batch_prompts: int,
-                 group_size: int) -> list[Batch]:
+                 group_size: int) -> Batch | None:
     """This rank's share of the responses of the first n_take groups kept over all ranks (kept:
     {global group number: its Batch of group_size responses}), each optimizer step's split evenly
     between the ranks: whole groups when each rank's share of a step is whole groups, else single
     responses (the paper's 32 prompts per step on 128 ranks; splitting every group would cost
-    ~1 s a step at 512 x 16)."""
+    ~1 s a step at 512 x 16). None when n_take is 0."""
+    if not n_take:
+        return None
     if mini_batch_prompts % distributed.world_size() == 0:  # whole groups fit each share
-        return distributed.share_in_order(kept, n_take, mini_batch_prompts)
+        return Batch.cat(distributed.share_in_order(kept, n_take, mini_batch_prompts))
     responses = {g * group_size + i: row for g, group in kept.items()
                  for i, row in enumerate(group.split(1))}
-    return distributed.share_in_order(responses, n_take * group_size,
-                                      mini_batch_prompts * group_size)
-
-
-@dataclass
-class PolicyLoss:
-    """dapo.policy_loss's result: what to back-propagate, and the tensors the clip metrics read."""
-    loss: torch.Tensor  # (): sum_it w_it l_it mask_it / denom
-    loss_tok: torch.Tensor  # (B, R): l_it, before the weight, the mask and the denominator
-    ratio: torch.Tensor  # (B, R): r_it, of the clamped log-ratio
-
-
-@dataclass
-class Collected:
-    """dapo.collect_batch's result: a step's training batch and what collecting it took."""
-    to_train: Batch | None  # this rank's share of the training batch; None when nothing was kept
-    generated: Batch  # every response this rank generated, kept or not (the alarms' example)
-    metrics: dict  # the rollout's and dynamic sampling's, summed over ranks
+    return Batch.cat(distributed.share_in_order(responses, n_take * group_size,
+                                                mini_batch_prompts * group_size))

@@ -19,20 +19,18 @@ No KL term and no reference model. Entropy is measured and logged, never added t
 """
 import os
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
 import launch
-from batch import Batch, Collected, PolicyLoss, group_number, share_groups
+from batch import Batch, group_number, groups_to_train, share_groups
 from config import Config, parse_args
 from data import PromptIterator, Tokenizer, encode_prompts
 from infra import checkpoint, distributed, health, metrics, precision, rollout_correction, trackers
-from infra.errors import UserError
-from infra.vllm_engine import updating
 from model import response_logprobs
 from reward import Verifier, overlong_penalty
-from sampler import Rollout, generate
+from sampler import Engine
 
 
 # ------------------------------------------------------------------------------------------------
@@ -54,14 +52,20 @@ def group_advantages(rewards, group_size, eps=1e-6):
 
 
 def keep_groups(acc, group_size):
-    """Which groups carry a learning signal: 0 < #correct < G (Eq. 11). A group all right or all
-    wrong has zero advantage everywhere: no gradient, only a smaller effective batch. acc (N,) is
-    correctness, not the shaped reward (a group all correct with different overlong penalties is
-    still dropped) -> (N/G,) bool. As verl: population std > 0, or a group of one."""
+    """Which groups carry a learning signal: 0 < #correct < G (Eq. 11); a group all right or all
+    wrong has zero advantage, so no gradient. acc (N,) is correctness, not the shaped reward ->
+    (N/G,) bool. As verl: population std > 0, or a group of one."""
     # exercise: keep_groups
     a = acc.float().view(-1, group_size)  # (N/G, G)
     return (a.std(1, unbiased=False) > 0) | (group_size == 1)
     # end exercise
+
+
+@dataclass
+class PolicyLoss:
+    loss: torch.Tensor  # (): sum_it w_it l_it mask_it / denom, what to back-propagate
+    loss_tok: torch.Tensor  # (B, R): l_it, before the weight, the mask and the denominator
+    ratio: torch.Tensor  # (B, R): r_it, of the clamped log-ratio
 
 
 def policy_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom, dual_clip=0.0,
@@ -70,18 +74,14 @@ def policy_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom, dual_c
 
         l_it = max(-A_i r_it, -A_i clip(r_it, 1 - eps_low, 1 + eps_high))
 
-    summed as sum_it w_it l_it mask_it / denom. With denom = the number of response tokens in the
-    whole mini-batch (counted before it is split into micro-batches, and over every rank), this is
-    Eq. 12's token-level mean: every token weighs the same, so long responses are not diluted.
-    Naive GRPO's loss (a mean per sequence, then over sequences) is denom = |o_i| * n_sequences.
-    logp, old_logp, loss_mask (B, R); adv (B,); denom a number or (B, 1). weight (B, R), detached:
-    the rollout correction's (infra/rollout_correction.py; 1 without it), in the sum, not in denom.
-    dual_clip > 1 caps the loss of a negative-advantage token at -A * c (verl's dual clip)."""
+    summed as sum_it w_it l_it mask_it / denom: Eq. 12's token-level mean with denom = the response
+    tokens of the whole mini-batch (all ranks), naive GRPO's mean of sequence means with denom =
+    |o_i| * n_sequences. logp, old_logp, loss_mask (B, R); adv (B,); denom a number or (B, 1);
+    weight (B, R), detached. dual_clip > 1 caps a negative-advantage token's loss at -A * c."""
     # exercise: policy_loss
     mask = loss_mask.float()
     adv = adv[:, None]  # (B, 1): one advantage for every token of a response
-    # clamped: exp() of a log-ratio above ~88.7 is inf, and one inf makes the whole gradient NaN
-    # (a clamped token gets no gradient: it is clipped anyway)
+    # clamped: exp() above ~88.7 is inf, and one inf makes the gradient NaN (clipped anyway)
     ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))  # (B, R)
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
     loss_tok = torch.maximum(-adv * ratio, -adv * clipped)  # (B, R) the pessimistic of the two
@@ -102,7 +102,7 @@ def shape_rewards(lengths, score, cfg):
     return score + torch.tensor(penalty, device=score.device)  # (N,)
 
 
-def loss_mask(batch: Batch, cfg):
+def tokens_in_loss(batch: Batch, cfg):
     """The response tokens in the loss: all of them, or (overlong filtering, an ablation row of
     the paper's Table 1) those of the responses that were not truncated. (B, R) bool."""
     if cfg.overlong_filtering:
@@ -115,36 +115,26 @@ def loss_mask(batch: Batch, cfg):
 
 @torch.no_grad()
 def rollout(model, rows, tok: Tokenizer, cfg, verifier: Verifier, *, group_size, temperature,
-            top_p, top_k, generator, engine=None) -> Batch:
-    """Sample group_size responses to each row's prompt and score them with the row's verifier:
-    with sampler.py, --rollout-slots at a time (the KV cache's rows), a finished one making room;
-    or with --rollout-engine vllm's engine (infra/vllm_engine.py), synced after every update."""
+            top_p, top_k, generator, engine: Engine | None = None) -> Batch:
+    """Sample group_size responses to each row's prompt with the engine (sampler.py's by default;
+    --rollout-engine vllm's) and score them with the row's verifier."""
     prompts, _ = encode_prompts(rows, tok, cfg.max_prompt_len)
-    sequences = [p for p in prompts for _ in range(group_size)]
-    settings = dict(temperature=temperature, top_p=top_p, top_k=top_k,
-                    eos_token_ids=tok.eos_token_ids, generator=generator)
-    if engine is not None:
-        got = engine.generate(model, sequences, cfg.max_response_len, **settings)
-        out = Rollout.from_responses(sequences, got.token_ids, got.logprobs, got.truncated,
-                                     tok.pad_token_id, cfg.device)
-    else:  # under FSDP the weights are gathered once for all the tokens; autocast: not a step
-        with distributed.gathered(model), precision.autocast(cfg.sampler_precision, cfg.device):
-            out = generate(model, sequences, cfg.max_response_len, **settings,
-                           pad_token_id=tok.pad_token_id, slots=cfg.rollout_slots or None,
-                           compile=cfg.compile)  # slots 0: all
-    texts = [tok.decode(ids[:n].tolist())  # decoded for the verifier alone, which reads text
-             for ids, n in zip(out.response_ids, out.lengths.tolist())]
-    return Batch.from_rollout(out, verifier.score_responses(rows, group_size, texts), group_size)
+    engine = engine or Engine(cfg, tok.pad_token_id)
+    sampled = engine.generate(model, [p for p in prompts for _ in range(group_size)],
+                              temperature=temperature, top_p=top_p, top_k=top_k,
+                              eos_token_ids=tok.eos_token_ids, generator=generator)
+    texts = tok.decode_rows(sampled.response_ids, sampled.lengths)  # the verifier reads text
+    return Batch.from_rollout(sampled, verifier.score_responses(rows, group_size, texts),
+                              group_size)
 
 
 def evaluate(model, rows, tok, cfg, verifier, engine=None) -> dict:
-    """avg@k (mean accuracy over k samples per problem: the paper's avg@32 on AIME) and pass@k
-    (any of the k right). Under torch.distributed each rank takes every world_size-th problem
-    and the counts are summed. A fresh generator: every evaluation draws the same numbers."""
+    """avg@k (mean accuracy over k samples a problem: the paper's avg@32 on AIME) and pass@k,
+    each rank taking every world_size-th problem, with a fresh generator: each draws alike."""
     rank, world, k = distributed.rank(), distributed.world_size(), cfg.eval_samples
     mine = rows[rank::world]
     generator = torch.Generator(cfg.device).manual_seed(cfg.seed + 1 + rank)
-    # a rank without a problem samples one and ignores it (every rank's forwards are collectives)
+    # a rank without a problem samples one and ignores it (under FSDP forwards are collectives)
     batch = rollout(model, mine or rows[:1], tok, cfg, verifier, group_size=k, top_k=0,
                     temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, generator=generator,
                     engine=engine)
@@ -156,23 +146,16 @@ def evaluate(model, rows, tok, cfg, verifier, engine=None) -> dict:
 # ------------------------------------------------------------------------------------------------
 # Algorithm 1, lines 2-8: sample, reward and filter until the batch is full
 
-def groups_to_train(n_kept: int, cfg) -> int:
-    """All of --train-prompts, or, when dynamic sampling stopped at --max-gen-batches short of
-    them, the whole mini-batches kept (a partial one would take a full optimizer step; the progress
-    bar says so), or with --on-gen-cap error verl's error."""
-    if n_kept >= cfg.train_prompts:
-        return cfg.train_prompts
-    if cfg.on_gen_cap == "error":
-        raise UserError(f"dynamic sampling found {n_kept} of {cfg.train_prompts} groups with "
-                        f"signal in --max-gen-batches {cfg.max_gen_batches} generation batches: "
-                        "raise the cap (0 = none), or train on them with --on-gen-cap train")
-    return n_kept - n_kept % cfg.mini_batch_prompts
+@dataclass
+class Collected:
+    to_train: Batch | None  # this rank's share of the training batch; None when nothing was kept
+    generated: Batch  # every response this rank generated, kept or not (the alarms' example)
+    metrics: dict  # the rollout's and dynamic sampling's, over all ranks
 
 
 def collect_batch(model, prompt_iter, tok, cfg, verifier, generator, engine=None) -> Collected:
-    """Generation batches of prompts from pi_old (the current policy), scored, reward-shaped
-    (technique 4) and filtered (technique 2), until train_prompts groups with signal are kept over
-    all ranks, or max_gen_batches is reached; this rank's share of them is the training batch."""
+    """Generation batches from pi_old, scored, reward-shaped and filtered until --train-prompts
+    groups with signal are kept over all ranks (or --max-gen-batches): this rank's share trains."""
     rank, world = distributed.rank(), distributed.world_size()
     kept: dict[int, Batch] = {}  # the groups with signal on this rank, by global group number
     gen_batches, ends = [], []  # this rank's generation batches, and the time each ended
@@ -190,20 +173,17 @@ def collect_batch(model, prompt_iter, tok, cfg, verifier, generator, engine=None
                         generator=generator, engine=engine)
         # --- DAPO technique 4: overlong reward shaping (paper Sec. 3.4, Eq. 13) ---
         batch = replace(batch, reward=shape_rewards(batch.response_lengths, batch.score, cfg))
-        # --- Algorithm 1, line 9: group advantages (paper Eq. 9), one per response: here, where
-        # each group is whole (its responses may then train on several ranks) ---
+        # --- Algorithm 1, line 9: group advantages (Eq. 9), here while each group is whole ---
         batch = replace(batch, adv=group_advantages(batch.reward, cfg.group_size))
         # --- DAPO technique 2: dynamic sampling (paper Sec. 3.2): keep the groups with signal ---
-        keep = keep_groups(batch.acc, cfg.group_size) if cfg.dynamic_sampling else \
-            torch.ones(batch.num_groups, dtype=torch.bool)  # (groups,) bool
+        keep = keep_groups(batch.acc, cfg.group_size) if cfg.dynamic_sampling else (
+            torch.ones(batch.num_groups, dtype=torch.bool))  # (groups,) bool
         kept |= {group_number(len(gen_batches), len(prompts), i): batch.groups([i])
                  for i in keep.nonzero().flatten().tolist()}
         gen_batches.append(batch)
         ends.append(time.time())
     n_take = groups_to_train(n_kept, cfg)
-    # this rank's share of the first n_take groups' responses, as one process would keep them
-    to_train = Batch.cat(share_groups(kept, n_take, cfg.mini_batch_prompts, cfg.group_size)) \
-        if n_take else None
+    to_train = share_groups(kept, n_take, cfg.mini_batch_prompts, cfg.group_size)
     generated = Batch.cat(gen_batches)
     return Collected(to_train, generated, metrics.collection_metrics(
         generated, to_train, n_kept, n_take, ends, cfg.group_size, cfg.train_prompts,
@@ -219,14 +199,14 @@ def old_logprobs(model, batch: Batch, cfg) -> tuple[torch.Tensor, torch.Tensor]:
     micro-batches: (N, R) each, 0 on padding."""
     old_logp = old_entropy = None
     parts = batch.micro_batches(cfg.micro_batch_size, cfg.micro_batch_tokens)
-    for index, real in distributed.even_out(parts):  # as many on every rank
+    for index, stand_in in distributed.even_out(parts):  # as many on every rank
         micro = batch.rows(index)
         with precision.autocast(cfg.precision, cfg.device):
             logp, entropy = response_logprobs(model, micro, cfg.temperature, cfg.fused_head)
         if old_logp is None:
             old_logp = logp.new_zeros(batch.response_ids.shape)  # (N, R)
             old_entropy = torch.zeros_like(old_logp)
-        if real:  # a stand-in micro-batch (infra/distributed.py) only keeps the ranks in step
+        if not stand_in:  # a stand-in only keeps the ranks' collectives in step
             old_logp[index, :logp.shape[1]] = logp.masked_fill(~micro.response_mask, 0.0)
             old_entropy[index, :logp.shape[1]] = entropy.masked_fill(~micro.response_mask, 0.0)
     return old_logp, old_entropy
@@ -234,25 +214,22 @@ def old_logprobs(model, batch: Batch, cfg) -> tuple[torch.Tensor, torch.Tensor]:
 
 def update_policy(model, opt, batch: Batch, cfg) -> dict:
     """One epoch over the batch in mini-batches (one optimizer step each) of micro-batches
-    (gradient accumulation). Under torch.distributed each rank holds its share of every
-    mini-batch. Returns the step's training metrics, summed over ranks."""
+    (gradient accumulation), each rank holding its share of every mini-batch -> the metrics."""
     model.train()
     world = distributed.world_size()
     mini_rows = cfg.mini_batch_prompts * cfg.group_size // world  # this rank's rows per step
     eps_high = cfg.eps_high if cfg.clip_higher else cfg.eps_low  # technique 1 off: PPO's clip
     stats = metrics.UpdateStats()
-    # pi_old (Algorithm 1, line 4): with several optimizer steps per rollout the policy moves
-    # between them, so the sampler's policy's log-probs are recomputed now (one step: pi_theta)
+    # pi_old (Algorithm 1, line 4): with several optimizer steps the policy moves between them
     if len(batch) > mini_rows:
         old_logp, old_entropy = old_logprobs(model, batch, cfg)
         stats.add_old_policy(old_logp, old_entropy, batch)
         batch = replace(batch, old_logp=old_logp)
     for mini_batch in batch.split(mini_rows):
-        # --- DAPO technique 3: the token-level loss's denominator, counted over the whole
-        # mini-batch on every rank before it is split into micro-batches, so that the gradient
-        # does not depend on the split (verl PR #623, TRL #5619: dividing per micro-batch) ---
+        # --- DAPO technique 3: the token-level loss's denominator, counted over the mini-batch
+        # on every rank before the micro-batch split (verl PR #623, TRL #5619 divided after) ---
         # exercise: token_count
-        mask = loss_mask(mini_batch, cfg)  # (B, R)
+        mask = tokens_in_loss(mini_batch, cfg)  # (B, R)
         n_tokens, n_seqs = distributed.all_reduce([mask.sum().item(), mask.any(-1).sum().item()])
         # end exercise
         if n_tokens == 0:
@@ -260,25 +237,25 @@ def update_policy(model, opt, batch: Batch, cfg) -> dict:
                 stats.add_old_policy(*old_logprobs(model, mini_batch, cfg), mini_batch)
             continue
         parts = mini_batch.micro_batches(cfg.micro_batch_size, cfg.micro_batch_tokens)
-        for index, real in distributed.even_out(parts):  # as many on every rank
+        for index, stand_in in distributed.even_out(parts):  # as many on every rank
             micro = mini_batch.rows(index)
-            mask = loss_mask(micro, cfg) & real  # (B, R); a stand-in micro-batch trains nothing
+            mask = tokens_in_loss(micro, cfg) & (not stand_in)  # (B, R)
             with precision.autocast(cfg.precision, cfg.device):  # the forward: not around a step
                 logp, entropy = response_logprobs(model, micro, cfg.temperature, cfg.fused_head)
             old_logp = micro.old_logp
             if old_logp is None:  # one optimizer step: this forward is pi_old's
                 old_logp = logp.detach()
-                stats.add_old_policy(old_logp, entropy, micro, real)
-            # naive GRPO (technique 3 off): each sequence's mean, then the mean over sequences
-            denom = n_tokens if cfg.token_level_loss else \
-                mask.sum(-1, keepdim=True).clamp(min=1) * n_seqs
-            # each token weighed by pi_old / pi_sampler (--rollout-correction; none in the paper)
-            corr = rollout_correction.correct(old_logp, micro, cfg)
+                stats.add_old_policy(old_logp, entropy, micro, stand_in)
+            denom = n_tokens if cfg.token_level_loss else (  # off: naive GRPO's sequence mean
+                mask.sum(-1, keepdim=True).clamp(min=1) * n_seqs)
+            correction = rollout_correction.correct(  # pi_old / pi_sampler (not in the paper)
+                old_logp, micro.rollout_logp, micro.response_mask, cfg.rollout_correction,
+                cfg.rollout_is_min, cfg.rollout_is_max)
             # --- DAPO technique 1: clip-higher, in the clipped surrogate (Sec. 3.1, Eq. 10) ---
-            out = policy_loss(logp, old_logp, micro.adv, mask, cfg.eps_low, eps_high, denom,
-                              cfg.dual_clip, corr.weight)
-            (out.loss * world).backward()  # FSDP averages gradients over ranks; the loss is global
-            stats.add_loss(out, logp, old_logp, micro.adv, mask, corr)
+            surrogate = policy_loss(logp, old_logp, micro.adv, mask, cfg.eps_low, eps_high, denom,
+                                    cfg.dual_clip, correction.weight)
+            (surrogate.loss * world).backward()  # FSDP averages gradients; the loss is global
+            stats.add_loss(surrogate, logp, old_logp, micro.adv, mask, correction)
         # Algorithm 1, line 11: one AdamW step on the mini-batch's gradient, its norm clipped
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         grad_norm, finite = checkpoint.gradient_is_finite(grad_norm)  # else skipped, and said
@@ -294,8 +271,7 @@ def update_policy(model, opt, batch: Batch, cfg) -> dict:
 # The training loop (paper Algorithm 1)
 
 def set_lr(opt, cfg, step):
-    """A linear warm-up over the first rollout steps, then constant (paper Sec. 4.1), from 0 at
-    step 0 as verl's constant-with-warm-up schedule."""
+    """A linear warm-up from 0, then constant (paper Sec. 4.1; verl's constant-with-warm-up)."""
     for group in opt.param_groups:
         group["lr"] = cfg.lr * min(1.0, step / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
 
@@ -322,15 +298,13 @@ def train(cfg: Config, model, tok, tok_dir, resume_dir, train_rows, val_rows,
         set_lr(opt, cfg, step)
         # --- Algorithm 1, lines 2-8: sample, reward, filter, until the batch is full ---
         collected = collect_batch(model, prompt_iter, tok, cfg, verifier, generator, engine)
-        t_gen, logged = time.time() - t0, collected.metrics  # the step's row of metrics.jsonl
+        t_gen, logged = time.time() - t0, collected.metrics
         if collected.to_train is not None:
-            logged |= metrics.training_batch_metrics(collected.to_train)
             # --- Algorithm 1, lines 10-11: optimizer steps on the batch (Eq. 8) ---
-            with updating(engine, model):  # vLLM: asleep on a GPU, then given the new weights
+            with engine.updating(model):  # vLLM: asleep on a GPU, then given the new weights
                 logged |= update_policy(model, opt, collected.to_train, cfg)
         done = step + 1  # the steps taken: what metrics.jsonl and the checkpoints count
         log.step(done, logged, opt.param_groups[0]["lr"], t_gen, time.time() - t0 - t_gen)
-        # a dead run: warn, and stop with --stop-when-stuck
         stuck = alarms.check(done, logged, collected.generated, tok, verifier.take_errors())
         if stuck or (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps:
             checkpoint.save(cfg.out_dir, done, model, tok_dir, opt, prompt_iter, generator,

@@ -79,6 +79,10 @@ class Tokenizer:
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
+    def decode_rows(self, ids, lengths) -> list[str]:
+        """The text of each row of ids (N, T) up to its length (lengths (N,)): the responses'."""
+        return [self.decode(row[:n].tolist()) for row, n in zip(ids, lengths.tolist())]
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

@@ -19,7 +19,7 @@ import contextlib
 import logging
 import os
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -31,6 +31,7 @@ from infra.errors import UserError
 from infra.files import need_file
 from model import ModelConfig, Qwen2, rope_inv_freq
 from reward import Verifier, reward_fn_file
+from sampler import Engine
 
 
 @contextlib.contextmanager
@@ -90,7 +91,7 @@ class Setup:
     train_rows: list[dict]
     val_rows: list[dict]
     verifier: Verifier  # the built-in scorers and --reward-fn's function
-    engine: object | None  # --rollout-engine vllm's (infra/vllm_engine.py); None: sampler.py
+    engine: Engine  # sampler.py's, or --rollout-engine vllm's
 
 
 def setup(cfg: Config) -> Setup:
@@ -101,7 +102,7 @@ def setup(cfg: Config) -> Setup:
     verifier = load_verifier(cfg)
     model, tok, tok_dir, resume_dir = load_policy(cfg)
     return Setup(model, tok, tok_dir, resume_dir, *load_data(cfg, tok, verifier), verifier,
-                 rollout_engine(cfg, model))
+                 rollout_engine(cfg, model, tok))
 
 
 def model_config(cfg: Config) -> tuple[ModelConfig, str | None]:
@@ -140,12 +141,25 @@ def check_writable_dirs(cfg: Config):
         files.check_writable(os.path.join(cfg.out_dir, "checkpoints"), "--out-dir's checkpoints")
 
 
+def open_run(cfg: Config) -> str | None:
+    """The checkpoint a run continues from (--resume) or None, with --out-dir ready for it
+    (--eval-only writes nothing there). A resume that would change the algorithm is refused."""
+    if cfg.eval_only:
+        resume_dir = checkpoint.latest(cfg.out_dir) if cfg.resume else None
+    else:  # never silently reuse a directory that holds a run
+        resume_dir = checkpoint.prepare_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite)
+    if resume_dir:
+        checkpoint.check_resume_config(checkpoint.saved_config(resume_dir), asdict(cfg),
+                                       where=resume_dir)
+    return resume_dir
+
+
 def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:
     """The policy in fp32 (the master weights) and its tokenizer, from --model, from the latest
     checkpoint with --resume, or the demo's base model; sharded with FSDP2 on several processes.
     Returns (model, tokenizer, the tokenizer's directory, the checkpoint to resume or None)."""
     torch.manual_seed(cfg.seed)
-    resume_dir = checkpoint.open_run(cfg)
+    resume_dir = open_run(cfg)
     sharded = distributed.world_size() > 1
     if resume_dir or cfg.model:
         tok_dir = os.path.join(resume_dir, "model") if resume_dir else cfg.model
@@ -164,12 +178,11 @@ def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:
     return model, tok, tok_dir, resume_dir
 
 
-def rollout_engine(cfg: Config, model: Qwen2):
-    """--rollout-engine vllm: this process's vLLM engine with the policy's weights; None for
-    sampler.py, which reads the policy's own."""
-    if cfg.rollout_engine != "vllm":
-        return None
-    return vllm_engine.VLLMEngine(cfg, model)
+def rollout_engine(cfg: Config, model: Qwen2, tok: Tokenizer) -> Engine:
+    """sampler.py, which reads the policy's own weights, or with --rollout-engine vllm this
+    process's vLLM engine, given the policy's weights."""
+    vllm = vllm_engine.VLLMEngine(cfg, model) if cfg.rollout_engine == "vllm" else None
+    return Engine(cfg, tok.pad_token_id, vllm)
 
 
 def load_sharded(model_dir: str, cfg: Config) -> Qwen2:

@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from infra import distributed
+from infra import distributed, precision, vllm_engine
 from infra.cuda_graphs import CUDAGraphDecode
 
 
@@ -425,3 +425,27 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: 
         bar.close()
         model.train(was_training)
     return out.rollout(prompts, pad_token_id)
+
+
+class Engine:
+    """What dapo.rollout() samples with: generate() under FSDP's gather (once for all the tokens)
+    and the sampler's autocast, or --rollout-engine vllm's engine (infra/vllm_engine.py), whose
+    token lists become the same Rollout."""
+
+    def __init__(self, cfg, pad_token_id: int, vllm: vllm_engine.VLLMEngine | None = None):
+        self.cfg, self.pad_token_id, self.vllm = cfg, pad_token_id, vllm
+
+    def generate(self, model, prompts: list[list[int]], **settings) -> Rollout:
+        cfg = self.cfg
+        if self.vllm is not None:
+            got = self.vllm.generate(model, prompts, cfg.max_response_len, **settings)
+            return Rollout.from_responses(prompts, got.token_ids, got.logprobs, got.truncated,
+                                          self.pad_token_id, cfg.device)
+        with distributed.gathered(model), precision.autocast(cfg.sampler_precision, cfg.device):
+            return generate(model, prompts, cfg.max_response_len, **settings,
+                            pad_token_id=self.pad_token_id, slots=cfg.rollout_slots or None,
+                            compile=cfg.compile)  # slots 0: all
+
+    def updating(self, model):
+        """Around the policy update: vLLM asleep on a GPU, then given the new weights."""
+        return vllm_engine.updating(self.vllm, model)

@@ -242,7 +242,7 @@ def probe(model_dir, rows_path, k, seed, cfg) -> dict:
                          group_size=k, temperature=1.0, top_p=1.0, top_k=0,
                          generator=torch.Generator().manual_seed(1000 + seed))
     lengths = batch.response_lengths
-    texts = [tok.decode(ids[:n].tolist()) for ids, n in zip(batch.response_ids, lengths.tolist())]
+    texts = tok.decode_rows(batch.response_ids, lengths)
     right = batch.acc.tolist()
     distinct = [len({t for t, good in zip(texts[i:i + k], right[i:i + k]) if good})
                 for i in range(0, len(texts), k)]

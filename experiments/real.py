@@ -91,7 +91,7 @@ def answers(model_dir: str, rows: list[dict], cfg, seed: int) -> list[str]:
                        top_p=cfg.eval_top_p, eos_token_ids=tok.eos_token_ids,
                        pad_token_id=tok.pad_token_id,
                        generator=torch.Generator().manual_seed(seed))
-    return [tok.decode(ids[:n].tolist()) for ids, n in zip(out.response_ids, out.lengths.tolist())]
+    return tok.decode_rows(out.response_ids, out.lengths)
 
 
 def side_by_side(rows: list[dict], before: list[str], after: list[str]) -> str:

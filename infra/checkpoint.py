@@ -18,9 +18,10 @@ checkpoint never holds a NaN or an inf. Under FSDP, rank 0 writes the full model
 own optimizer shard (resume needs the same world size; the model directory itself loads anywhere).
 Several nodes need a shared filesystem for out_dir.
 
-The run directory: open_run() refuses to start a new run over an old one unless told to, and a
-resume that would change the algorithm; resume() restores the trainer's state and drops the
-metrics the resumed run will log again. And the guard of every optimizer step: gradient_is_finite().
+The run directory: prepare_out_dir() refuses to start a new run over an old one unless told to,
+check_resume_config() a resume that would change the algorithm; resume() restores the trainer's
+state and drops the metrics the resumed run will log again. And the guard of every optimizer
+step: gradient_is_finite().
 """
 import json
 import math
@@ -29,7 +30,6 @@ import pickle
 import re
 import shutil
 import zipfile
-from dataclasses import asdict
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -288,18 +288,6 @@ def check_optimizer_state(saved: dict, opt, file: str, model=None):
 
 # --------------------------------------------------------------------------------------------------
 # The run directory: start, overwrite or resume
-
-def open_run(cfg) -> str | None:
-    """The checkpoint a run continues from (--resume) or None, with cfg.out_dir ready for it
-    (--eval-only writes nothing there). A resume that would change the algorithm is refused."""
-    if cfg.eval_only:
-        resume_dir = latest(cfg.out_dir) if cfg.resume else None
-    else:  # never silently reuse a directory that holds a run
-        resume_dir = prepare_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite)
-    if resume_dir:
-        check_resume_config(saved_config(resume_dir), asdict(cfg), where=resume_dir)
-    return resume_dir
-
 
 def resume(ckpt, model, opt, prompt_iter, generator, metrics_path: str, steps: int) -> int:
     """Restore the trainer of `model` from checkpoint ckpt and drop the rows of metrics.jsonl

@@ -66,23 +66,24 @@ class UpdateStats:
         self.sums["tokens"] += loss_mask.sum().item()
         self.correction.add_weights(correction, loss_mask)
 
-    def add_old_policy(self, old_logp, entropy, batch, real: bool = True):
+    def add_old_policy(self, old_logp, entropy, batch, stand_in: bool = False):
         """pi_old's log-probs and entropy (B, R) on a (micro-)batch.Batch's response tokens: its
-        entropy, and its distance to the sampler's log-probs (add_parity)."""
-        self.add_entropy(entropy, batch.response_mask, real)
-        self.add_parity(old_logp, batch.rollout_logp, batch.response_mask, real)
+        entropy, and its distance to the sampler's log-probs (add_parity); nothing for a stand-in
+        micro-batch (distributed.even_out)."""
+        if not stand_in:
+            self.add_entropy(entropy, batch.response_mask)
+            self.add_parity(old_logp, batch.rollout_logp, batch.response_mask)
 
-    def add_entropy(self, entropy, response_mask, real: bool = True):
+    def add_entropy(self, entropy, response_mask):
         """pi_old's entropy, summed over every response token (not only the loss's)."""
-        if real:
-            self.sums["entropy"] += (entropy.detach() * response_mask).sum().item()
+        self.sums["entropy"] += (entropy.detach() * response_mask).sum().item()
 
     @torch.no_grad()
-    def add_parity(self, logp, rollout_logp, response_mask, real: bool = True):
+    def add_parity(self, logp, rollout_logp, response_mask):
         """How far the trainer's pi_old log-probs (B, R) are from the sampler's for the same
         tokens, in float64 (so that the figure is the two computations' difference, not this
         sum's round-off). Skipped for a batch made without a sampler (rollout_logp None)."""
-        if rollout_logp is None or not real:
+        if rollout_logp is None:
             return
         mask = response_mask
         train, rollout = logp.double()[mask], rollout_logp.double()[mask]  # (tokens,)
@@ -195,10 +196,12 @@ def generation_cost(generated, trained, n_take: int, extra_s: float) -> dict:
 def collection_metrics(generated, to_train, n_kept: int, n_take: int, ends: list[float],
                        group_size: int, train_prompts: int, prompts_per_gen: int) -> dict:
     """A step's rollout metrics (every response generated), dynamic sampling's bookkeeping and
-    its cost; ends: when each generation batch ended."""
+    its cost, and the training batch's (None when nothing was kept); ends: when each generation
+    batch ended."""
     return (rollout_metrics(generated, group_size)
             | sampling_metrics(len(ends), n_kept, n_take, n_kept < train_prompts, prompts_per_gen)
-            | generation_cost(generated, to_train, n_take, ends[-1] - ends[0] if ends else 0.0))
+            | generation_cost(generated, to_train, n_take, ends[-1] - ends[0] if ends else 0.0)
+            | (training_batch_metrics(to_train) if to_train is not None else {}))
 
 
 def sampling_metrics(n_gen: int, n_kept: int, n_take: int, cap_hit: bool,

@@ -49,18 +49,18 @@ class Correction:
     c_max: float = math.inf
 
 
-def correct(old_logp, batch, cfg) -> Correction:
-    """The weights of --rollout-correction (the module docstring) for a (micro-)batch.Batch, from
-    the trainer's pi_old (B, R) and the sampler's log-probs of the same tokens (its
-    rollout_logp). Mode none: weight 1.0, so that the loss is the paper's to the last bit."""
-    mode, c_min, c_max = cfg.rollout_correction, cfg.rollout_is_min, cfg.rollout_is_max
+def correct(old_logp, rollout_logp, response_mask, mode: str, c_min: float,
+            c_max: float) -> Correction:
+    """The weights of --rollout-correction `mode` (the module docstring) for a micro-batch, from
+    the trainer's pi_old (B, R) and the sampler's log-probs of the same tokens (B, R) or None,
+    response_mask (B, R). Mode none: weight 1.0, so that the loss is the paper's to the last bit."""
     if mode == "none":
         return Correction(1.0)
-    if batch.rollout_logp is None:
+    if rollout_logp is None:
         raise UserError(f"--rollout-correction {mode} needs the sampler's log-probs of its "
                         "tokens, and this batch has none (Batch.rollout_logp)")
     with torch.no_grad():
-        log_rho = (old_logp - batch.rollout_logp).masked_fill(~batch.response_mask, 0.0)  # (B, R)
+        log_rho = (old_logp - rollout_logp).masked_fill(~response_mask, 0.0)  # (B, R)
         if mode.startswith("sequence"):  # every token of a response carries its product
             log_rho = log_rho.sum(-1, keepdim=True).expand_as(log_rho)  # (B, R)
         rho = log_rho.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp()

@@ -48,9 +48,10 @@ from dataclasses import replace
 import matplotlib.pyplot as plt
 import torch
 
+from batch import groups_to_train
 from config import Config, parse_args
-from dapo import (group_advantages, groups_to_train, keep_groups, policy_loss, rollout,
-                  shape_rewards, update_policy)
+from dapo import (group_advantages, keep_groups, policy_loss, rollout, shape_rewards,
+                  update_policy)
 from data import load_tokenizer
 from reward import Verifier, overlong_penalty
 from toy import TOY_MAX_DIGIT, TOY_MAX_TERMS, TOY_MIN_TERMS, demo_policy, toy_rows"""),

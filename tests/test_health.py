@@ -157,11 +157,12 @@ def test_responses_without_an_answer_warn_and_show_one(tiny_model_dir, tmp_path,
     # every token ends a response: each is one token long, finished, and has no "Answer:", as a
     # model that answers in another format than the verifier reads
     import dapo
-    from sampler import generate
+    import sampler
+    generate = sampler.generate
 
     def every_token_ends(*args, eos_token_ids, **kw):
         return generate(*args, eos_token_ids=list(range(args[0].config.vocab_size)), **kw)
-    monkeypatch.setattr(dapo, "generate", every_token_ends)
+    monkeypatch.setattr(sampler, "generate", every_token_ends)
     from test_dapo import _cfg
     dapo.main(_cfg(tiny_model_dir, tmp_path, steps=1, eval_every=0, dynamic_sampling=False))
     out = capsys.readouterr().out

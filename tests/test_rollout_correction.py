@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import dapo
+import sampler
 from batches import random_batch
 from config import Config, check_flags
 from infra import health
@@ -38,14 +39,7 @@ def constructed(mode):
     old_logp = torch.full((2, 4), -1.0, dtype=torch.float64, requires_grad=True)
     # the padding's sampler log-prob is 0 (the sampler's), far from pi_old's: it must not count
     rollout_logp = (old_logp.detach() - torch.tensor(RHO, dtype=torch.float64).log()) * MASK
-    batch = Batch(rollout_logp=rollout_logp, response_mask=MASK)
-    cfg = Config(rollout_correction=mode, rollout_is_min=C_MIN, rollout_is_max=C_MAX)
-    return correct(old_logp, batch, cfg), old_logp, rollout_logp
-
-
-class Batch:  # what correct() reads of a batch.Batch
-    def __init__(self, rollout_logp, response_mask):
-        self.rollout_logp, self.response_mask = rollout_logp, response_mask
+    return correct(old_logp, rollout_logp, MASK, mode, C_MIN, C_MAX), old_logp, rollout_logp
 
 
 @pytest.mark.parametrize("mode", CORRECTING)
@@ -243,13 +237,13 @@ def test_a_bf16_sampler_beside_an_fp32_trainer_is_measured_and_corrected(tiny_mo
                                                                          monkeypatch):
     in_autocast = {"sampler": [], "trainer": []}
 
-    def spy(phase, real):
+    def spy(phase, original):
         def call(*args, **kwargs):
             in_autocast[phase].append(torch.is_autocast_enabled("cpu"))
-            return real(*args, **kwargs)
+            return original(*args, **kwargs)
         return call
 
-    monkeypatch.setattr(dapo, "generate", spy("sampler", dapo.generate))
+    monkeypatch.setattr(sampler, "generate", spy("sampler", sampler.generate))
     monkeypatch.setattr(dapo, "response_logprobs", spy("trainer", dapo.response_logprobs))
     dapo.main(_cfg(tiny_model_dir, tmp_path, steps=1, eval_every=0, dynamic_sampling=False,
                    rollout_precision="bf16", rollout_correction="token_truncate"))
