@@ -35,6 +35,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import proc_status_kib, reset_peak_rss  # noqa: E402
 from dapo_kernels import linear_logprobs_and_entropy, logprobs_and_entropy  # noqa: E402
 
 MB = 2**20
@@ -59,22 +60,6 @@ def naive(logits, targets):
     logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)  # (N,)
     entropy = -(logp_all.exp() * logp_all).sum(-1)  # (N,)
     return logp.float(), entropy.float()
-
-
-def memory_kb():
-    status = dict(line.split(":", 1) for line in open("/proc/self/status"))
-    return int(status["VmRSS"].split()[0]), int(status["VmHWM"].split()[0])
-
-
-def reset_peak():
-    """Reset the kernel's RSS high-water mark to the current RSS; False where
-    /proc/self/clear_refs is read-only."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def subprocess_json(*args):
@@ -111,12 +96,13 @@ def measure(variant, pass_, rows, vocab):
     # RSS not to count
     run(logits[:8].detach().requires_grad_(backward), targets[:8], weights[:8])
     logits.requires_grad_(backward)
-    exact = reset_peak()
-    rss_before, _ = memory_kb()
+    exact = reset_peak_rss()
+    rss_before = proc_status_kib("VmRSS")
     t0 = time.perf_counter()
     entropy = run(logits, targets, weights)
     seconds = time.perf_counter() - t0
-    peak_kb = memory_kb()[1] if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak_kb = proc_status_kib("VmHWM") if exact else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     assert torch.isfinite(entropy).all()
     return {"extra_mb": (peak_kb - rss_before) / 1024, "seconds": seconds, "exact": exact}
 
@@ -172,12 +158,13 @@ def measure_head(variant, tokens, hidden_size, vocab):
     # below
     run(8)
     weight.grad = hidden.grad = None
-    exact = reset_peak()
-    rss_before, _ = memory_kb()
+    exact = reset_peak_rss()
+    rss_before = proc_status_kib("VmRSS")
     t0 = time.process_time()
     entropy = run(tokens)
     cpu_s = time.process_time() - t0
-    peak_kb = memory_kb()[1] if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak_kb = proc_status_kib("VmHWM") if exact else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     assert torch.isfinite(entropy).all()
     grads_mb = (weight.grad.nbytes + hidden.grad.nbytes) / MB
     return {"extra_mb": (peak_kb - rss_before) / 1024, "grads_mb": grads_mb, "cpu_s": cpu_s,

@@ -13,21 +13,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import timed_rounds  # noqa: E402
 from model import Qwen2, preset  # noqa: E402
-
-
-def best_step_times(steps, iters):
-    """Alternate the steps and keep each one's fastest time: on a shared machine other work only
-    ever slows a step down, so the minimum over interleaved repeats is the fair comparison."""
-    for step in steps:
-        step()  # warm-up: allocator, first-call dispatch
-    best = [float("inf")] * len(steps)
-    for _ in range(iters):
-        for i, step in enumerate(steps):
-            t0 = time.perf_counter()
-            step()
-            best[i] = min(best[i], time.perf_counter() - t0)
-    return best
 
 
 def main():
@@ -64,7 +51,13 @@ def main():
     with torch.no_grad():
         err = (ours(x) - theirs(x).logits).abs().max().item()
     n = args.batch * args.seq
-    t_ours, t_theirs = best_step_times([step_ours, step_theirs], args.iters)
+    for step in (step_ours, step_theirs):
+        step()  # warm-up: allocator, first-call dispatch
+    # each step's fastest of interleaved repeats (wall time): on a shared machine other work only
+    # ever slows a step down, so the minimum is the fair comparison
+    timed = timed_rounds(args.iters, {"ours": step_ours, "theirs": step_theirs},
+                         timer=time.perf_counter)
+    t_ours, t_theirs = (min(seconds for seconds, _ in rounds) for rounds in timed.values())
     r_ours, r_theirs = n / t_ours, n / t_theirs
     print(f"model fwd+bwd  hidden={args.hidden} layers={args.layers} vocab={args.vocab} "
           f"batch={args.batch}x{args.seq} threads={torch.get_num_threads()}  "

@@ -23,7 +23,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from dataclasses import replace
 
 import torch
@@ -34,6 +33,8 @@ import dapo  # noqa: E402
 import real  # noqa: E402
 import smollm2  # noqa: E402
 import sums  # noqa: E402
+from common import (FixedRows, clock, left_padded, lengths_to_eos,  # noqa: E402
+                    timed_rounds)
 from config import parse_args  # noqa: E402
 from data import encode_prompts, load_rows, load_tokenizer  # noqa: E402
 from launch import load_verifier  # noqa: E402
@@ -43,22 +44,6 @@ from sampler import generate  # noqa: E402
 
 PROMPTS, G, SLOTS = 8, 8, 64
 NEW_TOKENS = real.SETTINGS["max_response_len"]
-
-
-def clock():
-    # one thread: the process's CPU time (time spent descheduled does not count); else wall time
-    return time.process_time() if torch.get_num_threads() == 1 else time.perf_counter()
-
-
-def alternate(rounds: int, runs: dict) -> dict:
-    """{name: fn} -> {name: [(seconds, fn's output) per round]}, the fns called in turn."""
-    out = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, fn in runs.items():
-            t0 = clock()
-            result = fn()
-            out[name].append((clock() - t0, result))
-    return out
 
 
 def prompts_of(model_dir: str, tmp: str) -> tuple[list[list[int]], object]:
@@ -79,9 +64,7 @@ def rollout_part(model_dir: str, rounds: int, tmp: str):
     theirs = transformers.AutoModelForCausalLM.from_pretrained(model_dir,
                                                                dtype=torch.float32).eval()
     eos = tok.eos_token_ids
-    P = max(len(p) for p in prompts)
-    ids = torch.tensor([[tok.pad_token_id] * (P - len(p)) + p for p in prompts])  # (N, P)
-    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])  # (N, P)
+    ids, mask = left_padded(prompts, tok.pad_token_id)  # (N, P)
 
     def run_ours():
         out = generate(ours, prompts, NEW_TOKENS, eos_token_ids=eos, pad_token_id=tok.pad_token_id,
@@ -94,14 +77,10 @@ def rollout_part(model_dir: str, rounds: int, tmp: str):
         out = theirs.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0,
                               top_p=1.0, top_k=0, max_new_tokens=NEW_TOKENS, eos_token_id=eos,
                               pad_token_id=tok.pad_token_id)
-        new = out[:, P:]  # (N, T)
-        ended = torch.isin(new, torch.tensor(eos))
-        # tokens up to and including the first EOS (all of them when none came)
-        first = torch.where(ended.any(-1), ended.float().argmax(-1) + 1, new.shape[1])
-        return int(first.sum())
+        return sum(lengths_to_eos(out[:, ids.shape[1]:], eos))
 
-    timed = alternate(rounds, {"ours (sampler.generate, 64 slots)": run_ours,
-                               "transformers generate": run_theirs})
+    timed = timed_rounds(rounds, {"ours (sampler.generate, 64 slots)": run_ours,
+                                  "transformers generate": run_theirs})
     print(f"rollout: {len(prompts)} sequences ({PROMPTS} prompts x {G}), up to {NEW_TOKENS} new "
           f"tokens, fp32, {torch.get_num_threads()} thread(s), {rounds} rounds")
     rates = {}
@@ -136,9 +115,9 @@ def step_part(model_dir: str, rounds: int, tmp: str):
         dapo.update_policy(base, opt, collected.to_train, run)
         return t_collect, clock() - t0 - t_collect, int(collected.to_train.response_mask.sum())
 
-    timed = alternate(rounds, {"bf16, fused head": lambda: step(True, "bf16"),
-                               "bf16, unfused head": lambda: step(False, "bf16"),
-                               "fp32, fused head": lambda: step(True, "fp32")})
+    timed = timed_rounds(rounds, {"bf16, fused head": lambda: step(True, "bf16"),
+                                  "bf16, unfused head": lambda: step(False, "bf16"),
+                                  "fp32, fused head": lambda: step(True, "fp32")})
     print(f"RL step: {cfg.train_prompts} prompts x {cfg.group_size}, one optimizer step, "
           f"{torch.get_num_threads()} thread(s), {rounds} rounds (seconds)")
     for name, results in timed.items():
@@ -151,16 +130,6 @@ def step_part(model_dir: str, rounds: int, tmp: str):
     for name, other in (("unfused head", unfused), ("fp32", fp32)):
         ratios = ", ".join(f"{o / f:.2f}x" for f, o in zip(fused, other))
         print(f"  the whole step, {name} / bf16 fused head, round by round: {ratios}")
-
-
-class FixedRows:
-    """dapo.collect_batch's prompt source: the same rows every generation batch."""
-
-    def __init__(self, rows):
-        self.rows, self.batch_size = rows, len(rows)
-
-    def next_batch(self):
-        return self.rows
 
 
 def main():

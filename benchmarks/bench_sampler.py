@@ -56,6 +56,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import (clock, left_padded, lengths_to_eos, proc_status_kib,  # noqa: E402
+                    randomise_biases_and_norms, reset_peak_rss, timed_rounds)
 from model import ModelConfig, Qwen2, num_params  # noqa: E402
 from sampler import SPEED_UPS, generate  # noqa: E402
 
@@ -67,16 +69,17 @@ UNIFORM = {"demo": (DEMO, 64), "27M": (M27, 16)}  # name: (model config, batch s
 RL_PROMPTS, RL_G, RL_SLOTS, RL_NEW, RL_EOS = 64, 8, 64, 512, [1, 2, 3, 4]
 
 
+def random_model(cfg_kw) -> Qwen2:
+    """A random Qwen2 of this shape (seed 0), its biases and norm weights random too."""
+    torch.manual_seed(0)
+    model = Qwen2(ModelConfig(**cfg_kw, max_position_embeddings=1024, torch_dtype="float32"))
+    return randomise_biases_and_norms(model.eval())
+
+
 def build(cfg_kw, tmp):
     import transformers
     transformers.utils.logging.disable_progress_bar()  # its "Loading weights" bar, not ours
-    torch.manual_seed(0)
-    ours = Qwen2(ModelConfig(**cfg_kw, max_position_embeddings=1024, torch_dtype="float32")).eval()
-    # random biases and norm weights, so that nothing is a constant that hides a difference
-    with torch.no_grad():
-        for name, p in ours.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
+    ours = random_model(cfg_kw)
     ours.save_pretrained(tmp)
     hf = transformers.Qwen2ForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
     return ours, hf
@@ -88,32 +91,16 @@ def ragged_prompts(n, vocab, seed=0):
     return [torch.randint(5, vocab, (int(k),), generator=g).tolist() for k in lengths]
 
 
-def clock():
-    # one thread: the process's CPU time (time spent descheduled does not count); several: wall time
-    return time.process_time() if torch.get_num_threads() == 1 else time.perf_counter()
-
-
-def left_padded(prompts):
-    P = max(len(p) for p in prompts)
-    # left-padded, as transformers wants for generation
-    ids = torch.zeros(len(prompts), P, dtype=torch.long)
-    mask = torch.zeros(len(prompts), P, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, P - len(p):], mask[i, P - len(p):] = torch.tensor(p), 1
-    return ids, mask
+def rl_sequences():
+    """The rl part's sequences: the G samples of a prompt side by side, as dapo.py asks."""
+    return [p for p in ragged_prompts(RL_PROMPTS, DEMO["vocab_size"], seed=1) for _ in range(RL_G)]
 
 
 def best_times(rounds, runs):
     """{name: fn} -> {name: (best seconds, output)}, the fns called alternately for `rounds`
     rounds."""
-    best = {}
-    for _ in range(rounds):
-        for name, fn in runs.items():
-            t0 = clock()
-            out = fn()
-            dt = clock() - t0
-            best[name] = (min(dt, best.get(name, (float("inf"),))[0]), out)
-    return best
+    timed = timed_rounds(rounds, runs)
+    return {name: min(per_round, key=lambda r: r[0]) for name, per_round in timed.items()}
 
 
 def matmul_floor(model, batch, reps=20):
@@ -183,11 +170,6 @@ def uniform(rounds):
 # --------------------------------------------------------------------------------------------------
 # 2. rl and 3. memory
 
-def status_mib(key):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(key)) / 1024
-
-
 def memory_rise(slots):
     """In a fresh process: how far the resident memory rises above its size before the rl run (ours,
     with `slots`) at its peak, MiB (Linux: VmHWM). Fresh, because memory an earlier run freed stays
@@ -195,29 +177,20 @@ def memory_rise(slots):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = Qwen2(ModelConfig(**DEMO, max_position_embeddings=1024, torch_dtype="float32")).eval()
-    seqs = [p for p in ragged_prompts(RL_PROMPTS, DEMO["vocab_size"], seed=1) for _ in range(RL_G)]
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets the high-water mark to the current resident size
-    start = status_mib("VmRSS")
+    seqs = rl_sequences()
+    if not reset_peak_rss():  # VmHWM restarts from the current resident size
+        raise OSError("/proc/self/clear_refs is not writable: no peak to measure")
+    start = proc_status_kib("VmRSS")
     generate(model, seqs, RL_NEW, temperature=1.0, eos_token_ids=RL_EOS, slots=slots,
              generator=torch.Generator().manual_seed(0))
-    return status_mib("VmHWM") - start
-
-
-def hf_lengths(tokens):
-    """transformers' (N, new) outputs -> response lengths up to and including the first EOS."""
-    is_eos = torch.isin(tokens, torch.tensor(RL_EOS))
-    first = torch.where(is_eos.any(-1), is_eos.float().argmax(-1) + 1, tokens.shape[1])
-    return first.tolist()
+    return (proc_status_kib("VmHWM") - start) / 1024
 
 
 def rl(rounds, parts):
     import transformers
     with tempfile.TemporaryDirectory() as tmp:
         ours, hf = build(DEMO, tmp)
-    prompts = ragged_prompts(RL_PROMPTS, DEMO["vocab_size"], seed=1)
-    # the G samples of a prompt side by side, as dapo.py asks
-    seqs = [p for p in prompts for _ in range(RL_G)]
+    seqs = rl_sequences()
 
     def run_ours(slots, compile=False):
         rollout = generate(ours, seqs, RL_NEW, temperature=1.0, eos_token_ids=RL_EOS, slots=slots,
@@ -232,7 +205,7 @@ def rl(rounds, parts):
                 out = hf.generate(ids, attention_mask=mask, max_new_tokens=RL_NEW, do_sample=True,
                                   temperature=1.0, top_k=0, top_p=1.0, eos_token_id=RL_EOS,
                                   pad_token_id=0)
-            lengths += hf_lengths(out[:, ids.shape[1]:])
+            lengths += lengths_to_eos(out[:, ids.shape[1]:], RL_EOS)
         return lengths
 
     def run_hf_cb():
@@ -278,7 +251,7 @@ def rl(rounds, parts):
     if "memory" in parts:
         cfg = ours.config
         kv_bytes_per_row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim \
-            * 4 * (max(len(p) for p in prompts) + RL_NEW)
+            * 4 * (max(len(s) for s in seqs) + RL_NEW)
         print(f"\n3. memory, the rl run ({len(seqs)} sequences): peak rise of resident memory, MiB "
               f"(the KV cache)")
         # a fixed threshold: glibc otherwise raises it after each large free, and keeps later large
@@ -327,8 +300,7 @@ def alternate(variants, rounds):
     that none always runs on a warmer machine): tok/s per round, and each one's ratio to the
     first."""
     code = ONE_ROLLOUT.format(demo=DEMO, new=RL_NEW, eos=RL_EOS, slots=RL_SLOTS)
-    # the rl part's sequences
-    seqs = [p for p in ragged_prompts(RL_PROMPTS, DEMO["vocab_size"], seed=1) for _ in range(RL_G)]
+    seqs = rl_sequences()
     names = list(variants)
     width = max(10, *map(len, names))
     print(f"{'round':>5} " + " ".join(f"{n:>{width}}" for n in names) + "  ratios to the first")

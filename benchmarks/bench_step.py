@@ -47,13 +47,13 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 import warnings
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dapo  # noqa: E402
+from common import FixedRows, clock  # noqa: E402
 from config import Config  # noqa: E402
 from data import load_tokenizer  # noqa: E402
 from model import Qwen2  # noqa: E402
@@ -63,11 +63,6 @@ from toy import demo_base_model, make_toy_tokenizer, toy_rows  # noqa: E402
 PROMPTS, G, MAX_LEN, BUFFER, MICRO, LR = 32, 8, 40, 16, 64, 1e-6
 OURS, TRL = ("ours, defaults", "ours, eager", "ours, compiled"), "TRL"
 PHASES = ("generate", "reward", "rollout other", "update")
-
-
-def clock():
-    # one thread: the process's CPU time (time spent descheduled does not count); else wall time
-    return time.process_time() if torch.get_num_threads() == 1 else time.perf_counter()
 
 
 class Phases:
@@ -100,16 +95,6 @@ class Phases:
 
     def reset(self):
         self.spent = dict.fromkeys(PHASES, 0.0)
-
-
-class Rows:
-    """dapo.collect_batch's prompt source: the same rows as one generation batch."""
-
-    def __init__(self, rows):
-        self.rows, self.batch_size = rows, len(rows)
-
-    def next_batch(self):
-        return self.rows
 
 
 def base_model_dir(root):
@@ -151,8 +136,8 @@ class OurSide:
         return int(batch.response_mask.sum())
 
     def rollout(self, rows):
-        collected = dapo.collect_batch(self.model, Rows(rows), self.tok, self.cfg, self.verifier,
-                                       self.generator)
+        collected = dapo.collect_batch(self.model, FixedRows(rows), self.tok, self.cfg,
+                                       self.verifier, self.generator)
         return collected.to_train, collected.metrics  # its advantages computed
 
 

@@ -21,21 +21,10 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
-from bench_sampler import DEMO, RL_EOS, RL_G, RL_NEW, RL_PROMPTS, RL_SLOTS, ragged_prompts  # noqa
+from bench_sampler import (DEMO, RL_EOS, RL_G, RL_NEW, RL_PROMPTS, RL_SLOTS,  # noqa: E402
+                           random_model, rl_sequences)
 from config import Config  # noqa: E402
-from model import ModelConfig, Qwen2  # noqa: E402
 from sampler import generate  # noqa: E402
-
-
-def demo_model() -> Qwen2:
-    """bench_sampler's random demo-sized model, random biases and norms included."""
-    torch.manual_seed(0)
-    model = Qwen2(ModelConfig(**DEMO, max_position_embeddings=1024, torch_dtype="float32")).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    return model
 
 
 def best_rate(run, rounds: int) -> tuple[float, int]:
@@ -59,8 +48,8 @@ def main():
         print("bench_vllm: skipped, vLLM is not installed here (make test-vllm makes .venv-vllm)")
         return
     torch.set_num_threads(1)
-    model = demo_model()
-    seqs = [p for p in ragged_prompts(RL_PROMPTS, DEMO["vocab_size"], seed=1) for _ in range(RL_G)]
+    model = random_model(DEMO)  # bench_sampler's, random biases and norms included
+    seqs = rl_sequences()
 
     threads = {}
 

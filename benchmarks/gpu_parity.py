@@ -32,6 +32,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import randomise_biases_and_norms  # noqa: E402
 from infra.precision import BF16_UNIT_ROUNDOFF as U  # noqa: E402
 from model import Qwen2, preset  # noqa: E402
 
@@ -48,11 +49,7 @@ def hf_checkpoint(cfg, path):
         max_position_embeddings=cfg.max_position_embeddings, rope_theta=cfg.rope_theta,
         rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings)
     torch.manual_seed(0)
-    hf = transformers.Qwen2ForCausalLM(hf_cfg)
-    with torch.no_grad():  # transformers' init makes biases 0 and norms 1: randomise them
-        for name, p in hf.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
+    hf = randomise_biases_and_norms(transformers.Qwen2ForCausalLM(hf_cfg))
     hf.to(torch.bfloat16).save_pretrained(path)
 
 

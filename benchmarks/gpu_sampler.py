@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import canary  # noqa: E402 (benchmarks/canary.py: its tolerance, 2 bf16 ulps of a log-prob)
+from common import left_padded, lengths_to_eos  # noqa: E402
 from model import Qwen2, num_params, preset  # noqa: E402
 from sampler import compiled_decode_step, decode_one_token, generate, prefill_slots  # noqa: E402
 
@@ -91,19 +92,12 @@ def main():
     def hf_run():
         lengths = []
         for b in range(args.hf_batches):
-            part = seqs[b * args.slots:(b + 1) * args.slots]
-            P = max(len(q) for q in part)
-            ids = torch.zeros(len(part), P, dtype=torch.long)
-            mask = torch.zeros(len(part), P, dtype=torch.long)
-            for i, q in enumerate(part):
-                ids[i, P - len(q):], mask[i, P - len(q):] = torch.tensor(q), 1
+            ids, mask = left_padded(seqs[b * args.slots:(b + 1) * args.slots])  # (B, P)
             with torch.no_grad():
                 out = hf.generate(ids.to(device), attention_mask=mask.to(device),
                                   max_new_tokens=args.max_new, do_sample=True, temperature=1.0,
-                                  top_k=0, top_p=1.0, eos_token_id=eos, pad_token_id=0)[:, P:].cpu()
-            is_eos = torch.isin(out, torch.tensor(eos))
-            first = torch.where(is_eos.any(-1), is_eos.float().argmax(-1) + 1, out.shape[1])
-            lengths += first.tolist()
+                                  top_k=0, top_p=1.0, eos_token_id=eos, pad_token_id=0)
+            lengths += lengths_to_eos(out[:, ids.shape[1]:].cpu(), eos)
         return lengths
 
     # the check first: its compiled half compiles the decode step (once per process)
