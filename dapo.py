@@ -277,7 +277,7 @@ def set_lr(opt, cfg, step):
 
 
 def train(cfg: Config, model, tok, tok_dir, resume_dir, train_rows, val_rows,
-          verifier: Verifier, engine):  # a launch.Setup
+          verifier: Verifier, engine: Engine):  # a launch.Setup
     if cfg.eval_only:
         result = evaluate(model, val_rows, tok, cfg, verifier, engine)
         metrics.report_eval(result, cfg.out_dir, asdict(cfg), trackers.open_all(cfg))
