@@ -422,9 +422,9 @@ class Engine:
     def generate(self, model, prompts: list[list[int]], **settings) -> Rollout:
         cfg = self.cfg
         if self.vllm is not None:
-            got = self.vllm.generate(model, prompts, cfg.max_response_len, **settings)
-            return Rollout.from_responses(prompts, got.token_ids, got.logprobs, got.truncated,
-                                          self.pad_token_id, cfg.device)
+            sampled = self.vllm.generate(model, prompts, cfg.max_response_len, **settings)
+            return Rollout.from_responses(prompts, sampled.token_ids, sampled.logprobs,
+                                          sampled.truncated, self.pad_token_id, cfg.device)
         with distributed.gathered(model), precision.autocast(cfg.sampler_precision, cfg.device):
             return generate(model, prompts, cfg.max_response_len, **settings,
                             pad_token_id=self.pad_token_id, slots=cfg.rollout_slots or None,
