@@ -131,10 +131,10 @@ SPEED_UPS = ("SHARE_PROMPTS",)
 
 
 def filter_logits(logits, top_k: int = 0, top_p: float = 1.0):
-    """Set every logit (..., V, after temperature) outside the top-k, then outside the top-p nucleus, to -inf; top_k=0
-    and top_p=1.0 are off. Ties stay together: top-k keeps every logit equal to the k-th largest,
-    top-p keeps a token iff the tokens strictly more likely hold less than top_p of the mass
-    (renormalised after top-k), so the argmax always survives."""
+    """Set every logit (..., V; after the temperature) outside the top-k, then outside the top-p
+    nucleus, to -inf; top_k=0 and top_p=1.0 are off. Ties stay together: top-k keeps every logit
+    equal to the k-th largest, top-p keeps a token iff the tokens strictly more likely hold less
+    than top_p of the mass (renormalised after top-k), so the argmax always survives."""
     # exercise: filter_logits
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (..., 1)
@@ -306,8 +306,7 @@ class Responses:
         return cls(ids, logprobs, [0] * N, [False] * N)
 
     def rollout(self, prompts: list[list[int]], pad_token_id: int) -> Rollout:
-        """-> the Rollout of prompts, without the scratch row and the columns no sequence
-        reached."""
+        """-> the Rollout of prompts, less the scratch row and the columns no sequence reached."""
         N, device = len(prompts), self.ids.device
         prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, device)  # (N, P)
         lengths = torch.tensor(self.lengths, device=device)  # (N,)
