@@ -1,26 +1,21 @@
 """
-Data: a model directory's tokenizer and chat template, the DAPO datasets, and the prompt
-iterator of the loop.
+Data: a model directory's tokenizer and chat template, the DAPO datasets, and the loop's prompt
+iterator (the CPU demo's toy task lives in toy.py).
 
 - load_tokenizer(path): tokenizer.json through the `tokenizers` library, plus the model's own chat
   template rendered with jinja2 the way transformers renders it, so prompt ids are the ones
   transformers (and verl) would produce.
 - load_rows(path, tokenizer): DAPO-Math-17k / AIME-2024 rows from parquet (needs pyarrow:
-  requirements-extra.txt) or JSONL with the same columns. The released DAPO-Math-17k parquet repeats
-  each of its ~17.9k prompts ~100 times (DAPO #15, #36), so duplicates are dropped on load. Every
-  row is checked on load (a reward function for its data_source; with the tokenizer, a prompt that
-  renders and encodes), so a bad row stops the run before it starts, with its file and line, instead
-  of at the step that draws it.
+  requirements-extra.txt) or JSONL with the same columns. Duplicates are dropped (the released
+  DAPO-Math-17k parquet repeats each of its ~17.9k prompts ~100 times: DAPO #15, #36), and every
+  row is checked on load, so a bad row stops the run before it starts, naming its file and line.
 - check_vocab(...): the model's embedding has a row for every token id the tokenizer can produce.
 - encode_prompts(...): chat template + left truncation to the prompt limit, as verl's
   truncation="left".
-- PromptIterator: shuffled fixed-size batches over epochs, with a state a checkpoint saves and a
-  resume restores.
-The toy task of the CPU demo lives in toy.py.
+- PromptIterator: shuffled fixed-size batches over epochs, with a state a checkpoint saves.
 
-Messages go through the `logging` module (logger "data"): INFO for what a load did (rows read,
-duplicates dropped, prompts truncated), WARNING for rows skipped as unusable. The entry point
-decides where they go (logging.basicConfig).
+Messages go through `logging` (logger "data"): INFO for what a load did, WARNING for rows skipped;
+the entry point decides where they go.
 """
 import hashlib
 import json
