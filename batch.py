@@ -30,16 +30,13 @@ def _longest(mask) -> int:
     return int(mask.sum(-1).max()) if len(mask) else 0
 
 
-PROMPT_FIELDS = ("prompt_ids", "prompt_mask")  # left-padded: the real tokens end at column P
-# right-padded: they start at column 0
-RESPONSE_FIELDS = ("response_ids", "response_mask", "rollout_logp", "old_logp")
+PROMPT_FIELDS = ("prompt_ids", "prompt_mask")  # left-padded
+RESPONSE_FIELDS = ("response_ids", "response_mask", "rollout_logp", "old_logp")  # right-padded
 
 
 @dataclass
 class Batch:
-    """G responses to each prompt, group after group: rows [i G, (i + 1) G) answer prompt i.
-    rollout() makes one; the loop adds the reward, the advantage and pi_old's log-probs with
-    dataclasses.replace, so which fields a function needs is visible in its signature."""
+    """G responses to each prompt, group after group: rows [i G, (i + 1) G) answer prompt i."""
     prompt_ids: torch.Tensor  # (N, P) long, left-padded
     prompt_mask: torch.Tensor  # (N, P) bool: True on prompt tokens
     response_ids: torch.Tensor  # (N, R) long, right-padded
@@ -58,17 +55,18 @@ class Batch:
     old_logp: torch.Tensor | None = None  # (N, R) fp32: log pi_old of each response token
 
     @classmethod
-    def from_rollout(cls, out, scores, group_size: int) -> "Batch":
+    def from_rollout(cls, rollout, scores, group_size: int) -> "Batch":
         """From the sampler's Rollout and the verifier's reward.Scores of each response."""
-        device = out.response_ids.device
+        device = rollout.response_ids.device
         reward_error = None
         if scores.reward_error is not None:
             reward_error = torch.tensor(scores.reward_error, dtype=torch.bool, device=device)
-        return cls(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask,
-                   response_ids=out.response_ids, response_mask=out.response_mask,
+        return cls(prompt_ids=rollout.prompt_ids, prompt_mask=rollout.prompt_mask,
+                   response_ids=rollout.response_ids, response_mask=rollout.response_mask,
                    score=torch.tensor(scores.score, device=device),
                    acc=torch.tensor(scores.acc, dtype=torch.bool, device=device),
-                   truncated=out.truncated, group_size=group_size, rollout_logp=out.logprobs,
+                   truncated=rollout.truncated, group_size=group_size,
+                   rollout_logp=rollout.logprobs,
                    no_answer=torch.tensor(scores.no_answer, dtype=torch.bool, device=device),
                    reward_error=reward_error)
 
@@ -90,14 +88,14 @@ class Batch:
     def rows(self, index) -> "Batch":
         """The rows at `index` (a slice or a tensor of indices), padding columns that none of
         them uses trimmed away."""
-        out = {name: t[index] for name, t in self.tensors().items()}
-        P, R = _longest(out["prompt_mask"]), _longest(out["response_mask"])
+        picked = {name: t[index] for name, t in self.tensors().items()}
+        P, R = _longest(picked["prompt_mask"]), _longest(picked["response_mask"])
         for name in PROMPT_FIELDS:
-            out[name] = out[name][:, out[name].shape[1] - P:]
+            picked[name] = picked[name][:, picked[name].shape[1] - P:]
         for name in RESPONSE_FIELDS:
-            if name in out:
-                out[name] = out[name][:, :R]
-        return replace(self, **out)
+            if name in picked:
+                picked[name] = picked[name][:, :R]
+        return replace(self, **picked)
 
     def groups(self, index) -> "Batch":
         """Whole groups: index is a (num_groups,) bool mask or a tensor of group numbers."""
@@ -116,9 +114,9 @@ class Batch:
 
     def micro_batches(self, max_rows: int, max_tokens: int = 0) -> list[torch.Tensor]:
         """Row indices of each micro-batch: max_rows rows at a time or, with max_tokens, rows
-        sorted by length and packed while the micro-batch's padded size (rows x its longest prompt
-        + longest response) stays within max_tokens, so that little of the forward and backward
-        is spent on padding and memory is bounded by tokens. A longer row goes alone."""
+        sorted by length and packed while the micro-batch's padded size (rows x (longest prompt +
+        longest response)) stays within max_tokens, which bounds padding and memory. A longer row
+        goes alone."""
         if not max_tokens:
             return [torch.arange(i, min(i + max_rows, len(self)), device=self.prompt_ids.device)
                     for i in range(0, len(self), max_rows)]
@@ -141,21 +139,21 @@ class Batch:
         """One batch from several, prompts re-padded on the left and responses on the right."""
         P = max(b.prompt_ids.shape[1] for b in batches)
         R = max(b.response_ids.shape[1] for b in batches)
-        out = {}
+        joined = {}
         for name in batches[0].tensors():
             parts = [getattr(b, name) for b in batches]
             if name in PROMPT_FIELDS:
                 parts = [F.pad(t, (P - t.shape[1], 0)) for t in parts]
             elif name in RESPONSE_FIELDS:
                 parts = [F.pad(t, (0, R - t.shape[1])) for t in parts]
-            out[name] = torch.cat(parts)
-        return replace(batches[0], **out)
+            joined[name] = torch.cat(parts)
+        return replace(batches[0], **joined)
 
 
 # --------------------------------------------------------------------------------------------------
 # Dynamic sampling's buffer over several processes (Algorithm 1, lines 6-8): the groups each rank
-# kept are numbered in the order one process would have generated them, and the first N of them
-# are shared out, so that N ranks train on exactly the responses one process would
+# kept are numbered in the order one process would have generated them and the first N shared
+# out, so the ranks train on exactly the responses one process would
 
 def group_number(n_gen: int, prompts_per_gen: int, i: int) -> int:
     """The global number of this rank's i-th group of its n_gen-th generation batch (rank r
@@ -164,9 +162,9 @@ def group_number(n_gen: int, prompts_per_gen: int, i: int) -> int:
 
 
 def groups_to_train(n_kept: int, cfg) -> int:
-    """All of --train-prompts, or, when dynamic sampling stopped at --max-gen-batches short of
-    them, the whole mini-batches kept (a partial one would take a full optimizer step; the progress
-    bar says so), or with --on-gen-cap error verl's error."""
+    """How many kept groups to train on: all of --train-prompts or, when dynamic sampling stopped
+    at --max-gen-batches short of them, the whole mini-batches kept (a partial one would take a full
+    optimizer step), or with --on-gen-cap error verl's error."""
     if n_kept >= cfg.train_prompts:
         return cfg.train_prompts
     if cfg.on_gen_cap == "error":
@@ -181,8 +179,7 @@ def share_groups(kept: dict[int, Batch], n_take: int, mini_batch_prompts: int,
     """This rank's share of the responses of the first n_take groups kept over all ranks (kept:
     {global group number: its Batch of group_size responses}), each optimizer step's split evenly
     between the ranks: whole groups when each rank's share of a step is whole groups, else single
-    responses (the paper's 32 prompts per step on 128 ranks; splitting every group would cost
-    ~1 s a step at 512 x 16). None when n_take is 0."""
+    responses (the paper's 32 prompts per step on 128 ranks). None when n_take is 0."""
     if not n_take:
         return None
     if mini_batch_prompts % distributed.world_size() == 0:  # whole groups fit each share

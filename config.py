@@ -196,7 +196,7 @@ MAX_DIST_TIMEOUT_S = 1e9
 def _not_finite(cfg: Config) -> dict[str, str]:
     """{field: its problem} for each float flag that is NaN or infinite (--reward-timeout inf
     means no limit): a NaN passes every `>= low` check below, and trains on a NaN loss."""
-    out = {}
+    problems = {}
     for f in fields(Config):
         value = getattr(cfg, f.name)
         if not isinstance(f.default, float) or math.isfinite(value):
@@ -204,8 +204,9 @@ def _not_finite(cfg: Config) -> dict[str, str]:
         if f.name == "reward_timeout" and value == math.inf:
             continue
         limit = " or inf (no limit)" if f.name == "reward_timeout" else ""
-        out[f.name] = f"--{f.name.replace('_', '-')} must be a finite number{limit}, got {value}"
-    return out
+        problems[f.name] = (f"--{f.name.replace('_', '-')} must be a finite number{limit}, "
+                            f"got {value}")
+    return problems
 
 
 def check_flags(cfg: Config, world: int = 1):

@@ -1,26 +1,21 @@
 """
-Data: a model directory's tokenizer and chat template, the DAPO datasets, and the prompt
-iterator of the loop.
+Data: a model directory's tokenizer and chat template, the DAPO datasets, and the loop's prompt
+iterator (the CPU demo's toy task lives in toy.py).
 
 - load_tokenizer(path): tokenizer.json through the `tokenizers` library, plus the model's own chat
   template rendered with jinja2 the way transformers renders it, so prompt ids are the ones
   transformers (and verl) would produce.
 - load_rows(path, tokenizer): DAPO-Math-17k / AIME-2024 rows from parquet (needs pyarrow:
-  requirements-extra.txt) or JSONL with the same columns. The released DAPO-Math-17k parquet repeats
-  each of its ~17.9k prompts ~100 times (DAPO #15, #36), so duplicates are dropped on load. Every
-  row is checked on load (a reward function for its data_source; with the tokenizer, a prompt that
-  renders and encodes), so a bad row stops the run before it starts, with its file and line, instead
-  of at the step that draws it.
+  requirements-extra.txt) or JSONL with the same columns. Duplicates are dropped (the released
+  DAPO-Math-17k parquet repeats each of its ~17.9k prompts ~100 times: DAPO #15, #36), and every
+  row is checked on load, so a bad row stops the run before it starts, naming its file and line.
 - check_vocab(...): the model's embedding has a row for every token id the tokenizer can produce.
 - encode_prompts(...): chat template + left truncation to the prompt limit, as verl's
   truncation="left".
-- PromptIterator: shuffled fixed-size batches over epochs, with a state a checkpoint saves and a
-  resume restores.
-The toy task of the CPU demo lives in toy.py.
+- PromptIterator: shuffled fixed-size batches over epochs, with a state a checkpoint saves.
 
-Messages go through the `logging` module (logger "data"): INFO for what a load did (rows read,
-duplicates dropped, prompts truncated), WARNING for rows skipped as unusable. The entry point
-decides where they go (logging.basicConfig).
+Messages go through `logging` (logger "data"): INFO for what a load did, WARNING for rows skipped;
+the entry point decides where they go.
 """
 import hashlib
 import json
@@ -147,7 +142,12 @@ def load_tokenizer(path: str) -> Tokenizer:
                if _token_text(config.get(name))}
 
     eos = gen.get("eos_token_id")
-    eos_ids = list(eos) if isinstance(eos, list) else [eos] if eos is not None else []
+    if isinstance(eos, list):
+        eos_ids = list(eos)
+    elif eos is not None:
+        eos_ids = [eos]
+    else:
+        eos_ids = []
     chatml = ["<|im_end|>"] if template and "<|im_end|>" in template else []
     candidates = [special.get("eos_token")] + chatml
     for token in candidates:
@@ -167,12 +167,10 @@ def load_tokenizer(path: str) -> Tokenizer:
 
 
 def check_vocab(model_vocab_size: int, tokenizer: Tokenizer, model_dir: str):
-    """Every id the tokenizer can produce must have a row in the model's embedding. The model's may
-    be larger (Qwen2.5 pads 151665 tokens to 151936 rows); smaller would index past the embedding
-    during the first rollout. The EOS ids must be tokens of the tokenizer (another id is never
-    sampled, so every response would run to --max-response-len) and the pad id a row of the
-    embedding (an IndexError after the rollout otherwise): generation_config.json gives them as
-    numbers, unchecked."""
+    """Every id the tokenizer can produce must have a row in the model's embedding, which may be
+    larger (Qwen2.5 pads 151665 tokens to 151936 rows). The EOS ids, numbers in
+    generation_config.json, must be tokens (another id is never sampled: every response would run
+    to --max-response-len), and the pad id a row of the embedding."""
     needed = max(tokenizer._tok.get_vocab(with_added_tokens=True).values()) + 1
     if model_vocab_size < needed:
         raise UserError(f"the model in {model_dir} has vocab_size {model_vocab_size} "
@@ -272,16 +270,15 @@ def load_rows(path: str, tokenizer: Tokenizer | None = None, dedupe: bool = True
     A row that breaks the schema (not an object, no data_source, a prompt that is not a list of
     messages) or that cannot be used (a data_source without a reward function; with a tokenizer, a
     prompt its chat template cannot render or it cannot encode) stops the load with an error naming
-    the file and row: better now than at the step that draws it, hours and checkpoints later. A row
-    without a ground truth or with an empty prompt is skipped and counted, with a WARNING. With
-    dedupe, a prompt seen before is dropped (the first copy is kept) and the count is logged;
-    AIME-2024's 32 copies of each problem collapse to 30 rows, so sample k responses per row for
-    avg@k. Reading the 1.79M-row DAPO-Math-17k parquet this way takes a minute or so (200k rows:
-    ~17 s on a busy 2-core machine): it happens once per run, and a deduplicated JSONL copy loads in
-    a second."""
+    the file and row, not at the step that draws it hours later. A row without a ground truth or
+    with an empty prompt is skipped and counted, with a WARNING. With dedupe, a prompt seen before
+    is dropped (the first copy is kept) and the count is logged; AIME-2024's 32 copies of each
+    problem collapse to 30 rows, so sample k responses per row for avg@k. The 1.79M-row
+    DAPO-Math-17k parquet takes about a minute, once per run; a deduplicated JSONL copy loads in a
+    second."""
     source = datafiles.read_rows(path)
     verifier = verifier or Verifier()
-    rows, wheres, seen, skipped = [], [], {}, {}
+    rows, wheres, first_ground_truth, skipped = [], [], {}, {}
     n_read = n_dup = n_conflict = 0
     for where, row in source:
         n_read += 1
@@ -292,11 +289,11 @@ def load_rows(path: str, tokenizer: Tokenizer | None = None, dedupe: bool = True
             continue
         key = (row["data_source"], tuple((m["role"], m["content"]) for m in row["prompt"]))
         gt = row["reward_model"]["ground_truth"]
-        if dedupe and key in seen:
+        if dedupe and key in first_ground_truth:
             n_dup += 1
-            n_conflict += seen[key] != gt
+            n_conflict += first_ground_truth[key] != gt
             continue
-        seen[key] = gt
+        first_ground_truth[key] = gt
         rows.append(row)
         wheres.append(where)
     for reason, places in skipped.items():
@@ -316,9 +313,7 @@ def load_rows(path: str, tokenizer: Tokenizer | None = None, dedupe: bool = True
 
 def _check_prompts(rows, wheres, tokenizer: Tokenizer, chunk: int = 4096):
     """Render every row's prompt with the chat template and encode it, as the rollout will; raise
-    naming the first row that fails. The ids are not kept: the rollout encodes the rows it draws.
-    Measured: ~6 s for 20k DAPO-style prompts on a busy 2-core machine, nearly all of it in the
-    tokenizer."""
+    naming the first row that fails. The ids are not kept: the rollout encodes the rows it draws."""
     for start in range(0, len(rows), chunk):
         texts = []
         for row, where in zip(rows[start:start + chunk], wheres[start:start + chunk]):
@@ -346,17 +341,17 @@ def encode_prompts(rows: list[dict], tokenizer: Tokenizer,
     than max_prompt_len keeps its last max_prompt_len tokens, as verl's truncation="left" (the
     question and the generation prompt are at the end). Returns (prompt ids per row, how many were
     truncated)."""
-    out, n_truncated = [], 0
+    prompts, n_truncated = [], 0
     for row in rows:
         ids = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True)
         if len(ids) > max_prompt_len:
             ids = ids[-max_prompt_len:]
             n_truncated += 1
-        out.append(ids)
+        prompts.append(ids)
     if n_truncated:
         log.info("%d of %d prompts were longer than %d tokens and lost their beginning",
                  n_truncated, len(rows), max_prompt_len)
-    return out, n_truncated
+    return prompts, n_truncated
 
 
 class PromptIterator:
@@ -388,7 +383,7 @@ class PromptIterator:
 
     def rows_hash(self) -> str:
         """sha256 of the rows in order, as sorted-key JSON: the same file loads to the same hash
-        on any machine (~0.3 s for the toy task's 20k rows on a busy 2-core machine)."""
+        on any machine."""
         if self._rows_hash is None:
             text = json.dumps(self.rows, sort_keys=True, default=str)
             self._rows_hash = hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -401,7 +396,7 @@ class PromptIterator:
 
     def load_state_dict(self, state: dict):
         mine = self.state_dict()
-        # rows_sha256: absent from checkpoints written before it was added
+        # a key the state lacks is not checked (older checkpoints hold no rows_sha256)
         for k in ("seed", "num_rows", "batch_size", "rows_sha256"):
             if k in state and state[k] != mine[k]:
                 raise UserError(f"prompt iterator state is for {k}={state[k]}, this run has "

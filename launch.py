@@ -2,10 +2,9 @@
 Set-up for dapo.py's loop: the processes, the policy, the tokenizer and the data. Nothing here is
 DAPO; it is what a run needs before Algorithm 1 starts.
 
-    with session(cfg) as cfg:  the flags, the files they name and the directories the run writes
-                               checked; torch.distributed started under torchrun; logging; on the
-                               way out the trackers flushed and the processes shut down, and a run
-                               stuck (health.RunStuck) said in one line
+    with session(cfg) as cfg:  the flags and the files and directories they name checked,
+                               torch.distributed started under torchrun, logging; on the way
+                               out, the trackers flushed and the processes shut down
     plan(cfg)                  the memory plan from the model's config.json, printed (--plan N:
                                then dapo.py stops, status 0)
     setup(cfg)                 the lengths checked against the positions, the verifier, the
@@ -57,7 +56,8 @@ def session(cfg: Config):
         distributed.say(f"error: {stuck}")
         raise SystemExit(1) from None
     except RuntimeError as e:  # a rank stopped while this one waited inside FSDP2's collectives
-        if (timed_out := distributed.timeout_error(e, cfg.dist_timeout)) is None:
+        timed_out = distributed.timeout_error(e, cfg.dist_timeout)
+        if timed_out is None:
             raise
         raise timed_out from e
     finally:
@@ -68,9 +68,9 @@ def session(cfg: Config):
 
 def plan(cfg: Config) -> Config:
     """The memory plan per process (infra/memory.py) of the policy's config.json with these flags,
-    printed by rank 0: against this device when the processes planned (--plan N, else this
-    launch's) are this launch's, else against no device. A run that cannot fit the device stops
-    with the numbers. Returns cfg with --rollout-slots auto resolved to the slots that fit."""
+    printed by rank 0, against this device unless --plan N plans another number of processes. A
+    run that cannot fit the device stops with the numbers. Returns cfg with --rollout-slots auto
+    resolved to the slots that fit."""
     planned = cfg.plan or distributed.world_size()
     capacity = memory.device_capacity(cfg.device) if planned == distributed.world_size() else 0
     memory_plan = memory.plan(model_config(cfg)[0], cfg, planned, capacity)
@@ -109,8 +109,10 @@ def model_config(cfg: Config) -> tuple[ModelConfig, str | None]:
     """The shape of the policy a run will load, from config.json alone: the checkpoint's
     (--resume), --model's or the demo's. Returns (it, the config.json read, None for the demo)."""
     if cfg.resume or cfg.model:
-        model_dir = os.path.join(checkpoint.latest(cfg.out_dir), "model") if cfg.resume else \
-            cfg.model
+        if cfg.resume:
+            model_dir = os.path.join(checkpoint.latest(cfg.out_dir), "model")
+        else:
+            model_dir = cfg.model
         config_json = need_file(model_dir, "config.json")
         return ModelConfig.from_json(config_json), config_json
     from toy import demo_model_config  # the demo's, imported only where it is chosen
@@ -132,10 +134,9 @@ def check_files(cfg: Config):
 
 
 def check_writable_dirs(cfg: Config):
-    """The directories a run writes (--out-dir: metrics, eval.json, the lock; its checkpoints/,
-    unless --eval-only), each checked writable, by every rank (each writes its optimizer shard):
-    an unwritable checkpoints/ was found at the first save, with the default --save-every 0 the
-    end of the run."""
+    """The directories a run writes (--out-dir; its checkpoints/ unless --eval-only), checked
+    writable by every rank (each writes its optimizer shard) now, not at the first save (with
+    --save-every 0, the end of the run)."""
     files.check_writable(cfg.out_dir, "--out-dir")
     if not cfg.eval_only:
         files.check_writable(os.path.join(cfg.out_dir, "checkpoints"), "--out-dir's checkpoints")
@@ -163,8 +164,10 @@ def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:
     sharded = distributed.world_size() > 1
     if resume_dir or cfg.model:
         tok_dir = os.path.join(resume_dir, "model") if resume_dir else cfg.model
-        model = load_sharded(tok_dir, cfg) if sharded else \
-            Qwen2.from_pretrained(tok_dir, dtype=torch.float32, device=cfg.device)
+        if sharded:
+            model = load_sharded(tok_dir, cfg)
+        else:
+            model = Qwen2.from_pretrained(tok_dir, dtype=torch.float32, device=cfg.device)
     else:
         from toy import demo_policy
         tok_dir, model = demo_policy(cfg.out_dir, cfg.device, cfg.seed)
@@ -225,10 +228,14 @@ def load_data(cfg: Config, tok, verifier: Verifier) -> tuple[list[dict], list[di
                         "toy sums (pass --train-data, e.g. DAPO-Math-17k's parquet file)")
     if not (cfg.train_data and cfg.val_data):
         from toy import toy_rows  # the demo's task, where a file is not given
-    train_rows = load_rows(cfg.train_data, tok, verifier=verifier) if cfg.train_data else \
-        toy_rows(20000, seed=cfg.seed, split="train")
-    val_rows = load_rows(cfg.val_data, tok, verifier=verifier) if cfg.val_data else \
-        toy_rows(1000, seed=cfg.seed, split="test")
+    if cfg.train_data:
+        train_rows = load_rows(cfg.train_data, tok, verifier=verifier)
+    else:
+        train_rows = toy_rows(20000, seed=cfg.seed, split="train")
+    if cfg.val_data:
+        val_rows = load_rows(cfg.val_data, tok, verifier=verifier)
+    else:
+        val_rows = toy_rows(1000, seed=cfg.seed, split="test")
     if not cfg.eval_only and len(train_rows) < cfg.gen_batch_prompts:
         raise UserError(f"{cfg.train_data}: {len(train_rows)} usable rows, fewer than "
                         f"{cfg.gen_batch_flag} {cfg.gen_batch_prompts} (the prompts of one "
@@ -252,10 +259,9 @@ def load_verifier(cfg: Config) -> Verifier:
 
 @contextlib.contextmanager
 def user_errors_in_one_line():
-    """Around the command line's run: a user's mistake (a UserError, raised by the checks of
-    config.py, data.py, reward.py and infra/ with a message that names the flag or the file and
-    what to do) is one line `error: ...`, from rank 0 only, exit status 2
-    (infra/distributed.fail). Any other exception is a bug, and keeps its traceback."""
+    """Around the command line's run: a user's mistake (a UserError, whose message names the flag
+    or the file and what to do) is one line `error: ...` from rank 0, exit status 2
+    (infra/distributed.fail). Any other exception is a bug and keeps its traceback."""
     try:
         yield
     except UserError as e:

@@ -1,17 +1,15 @@
 """
-A Qwen2 / Qwen2.5 decoder in plain PyTorch, which also runs the two families built the same way,
-Llama and Qwen3: the same numbers as transformers' Qwen2ForCausalLM, LlamaForCausalLM and
-Qwen3ForCausalLM, in one file.
+A Qwen2 / Qwen2.5 decoder in plain PyTorch that also runs Llama and Qwen3, the families built the
+same way: the same numbers as transformers' Qwen2ForCausalLM, LlamaForCausalLM and
+Qwen3ForCausalLM.
 
 Per layer: RMSNorm -> attention (grouped-query, RoPE) -> residual -> RMSNorm -> SwiGLU MLP ->
-residual. The families differ in the attention alone, a switch of ModelConfig (model_type):
-Qwen2 has biases on q, k and v; Llama none (and Llama 3.x rescales RoPE's slow frequencies);
-Qwen3 none, but an RMSNorm over each head of q and k. Weights load from and save to the Hugging
-Face safetensors layout (Qwen2.from_pretrained / save_pretrained, through infra/hf_io.py, which
-also reads and checks config.json), so a checkpoint moves freely between this file, transformers
-and vLLM. Parameter names mirror the HF keys (model.layers.N.self_attn.q_proj.weight, ...), so no
-key mapping is needed anywhere. At the end, response_logprobs(): the policy's log-probs of sampled
-responses, which the RL loss reads.
+residual. The families differ in the attention alone (ModelConfig.model_type): Qwen2 has biases on
+q, k and v; Llama none (and Llama 3.x rescales RoPE's slow frequencies); Qwen3 none, but an RMSNorm
+over each head of q and k. Parameter names are the Hugging Face keys, so checkpoints load and save
+in the HF safetensors layout (from_pretrained / save_pretrained, through infra/hf_io.py) with no key
+mapping, and move freely between this file, transformers and vLLM. At the end, response_logprobs():
+the policy's log-probs of sampled responses, which the RL loss reads.
 """
 import math
 from dataclasses import dataclass
@@ -87,8 +85,7 @@ class ModelConfig:
         return hf_io.config_to_hf(self)
 
 
-# Small named shapes. The vocab of the toy ones is set by whoever builds them (the tokenizer
-# decides it).
+# Small named shapes. The toy ones take their vocab from their tokenizer.
 _TOY = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=1024, torch_dtype="float32")
 PRESETS = {
@@ -123,9 +120,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # in fp32 (or wider): the mean of squares of bf16 activations loses too much precision;
-        # cast back before the weight, exactly as transformers does (the order of the cast changes
-        # the bits). A float64 model stays float64 throughout, for the tests' exact comparisons
+        # in fp32 (float64 stays float64): a bf16 mean of squares loses too much precision. Cast
+        # back before the weight, as transformers does: the order of the cast changes the bits
         h = x.to(torch.promote_types(x.dtype, torch.float32))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -179,13 +175,11 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.n_head, self.n_kv_head, self.head_dim = H, Hkv, D
-        # Qwen2: a bias on q, k, v and none on o; Llama, Qwen3: none (or, attention_bias, on all)
         self.q_proj = nn.Linear(cfg.hidden_size, H * D, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(H * D, cfg.hidden_size, bias=cfg.o_bias)
-        # Qwen3: each head of q and k normalised on its own, which keeps the attention logits
-        # bounded; elsewhere a no-op without weights
+        # Qwen3 normalises each head of q and k, which keeps the attention logits bounded
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
 
@@ -209,12 +203,11 @@ class Attention(nn.Module):
         B, H, T, D = q.shape
         Hkv = k.shape[1]
         # exercise: attention
-        # GQA: each group of n_head / n_kv_head query heads shares one k/v head; enable_gqa does the
-        # sharing without materialising repeated copies of k and v
+        # GQA: each group of n_head / n_kv_head query heads shares one k/v head (enable_gqa: with
+        # no repeated copies of k and v)
         if decoding:
-            # one decode token: fold each group's query heads into the query-length dim, so every
-            # cached k/v head is read once per step, not once per query head (the (B, 1, 1, S) mask
-            # broadcasts over the fold)
+            # fold each group's query heads into the query-length dim, so each cached k/v head is
+            # read once, not once per query head; the (B, 1, 1, S) mask broadcasts over the fold
             q = q.view(B, Hkv, H // Hkv, D)  # (B, Hkv, H/Hkv, D)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).view(B, H, 1, D)
         else:
@@ -252,10 +245,9 @@ class Block(nn.Module):
 @dataclass
 class KVCache:
     """Preallocated keys and values, one row per sequence (the sampler's "slots"). A token's index
-    in its row is its RoPE position, so rows fill, end and refill independently: a step writes each
-    token's keys at its own position, in its own row, and reads positions [0, length) of the rows.
-    One tensor per layer, as in gpt-fast: torch.compile writes a whole tensor in place, but a slice
-    of a bigger one as copy, write, copy back (!!)."""
+    in its row is its RoPE position, so rows fill, end and refill independently. One tensor per
+    layer, as in gpt-fast: torch.compile writes a whole tensor in place, but a slice of a bigger one
+    as copy, write, copy back (!!)."""
     k: list[torch.Tensor]  # per layer (B, Hkv, max_len, D)
     v: list[torch.Tensor]  # per layer (B, Hkv, max_len, D)
     length: int = 0  # the positions a step reads; 0 = max_len
@@ -271,8 +263,7 @@ class KVCache:
         # exercise: kv_cache
         n = k.shape[0]
         index = torch.arange(n, device=k.device) if rows is None else rows  # (n,)
-        # index[:, None] and positions index dims 0 and 2 together: the indexed shape is
-        # (n, T, Hkv, D)
+        # index[:, None] and positions index dims 0 and 2 together: the target is (n, T, Hkv, D)
         # in the cache's dtype: under autocast, RoPE's fp32 tables make k fp32, the cache is bf16
         self.k[layer][index[:, None], :, positions] = k.transpose(1, 2).to(self.k[layer].dtype)
         self.v[layer][index[:, None], :, positions] = v.transpose(1, 2).to(self.v[layer].dtype)
@@ -287,9 +278,8 @@ class KVCache:
 def attention_mask_4d(q_index, S, key_mask=None):
     """q_index (B, T): the key index each query sits at (its column without a cache, its position
     with one); key_mask (B, S) bool or None: False on padding keys -> (B, 1, T, S) bool: a query
-    sees key j iff j <= its own index and j is no padding. A padding query also sees itself, so no
-    row is empty (an all-False row gives NaN on some SDPA backends, which would then leak through
-    0 * NaN into any masked loss)."""
+    sees key j iff j <= its own index and j is no padding. A padding query also sees itself: an
+    all-False row gives NaN on some SDPA backends, which 0 * NaN leaks into any masked loss."""
     k_index = torch.arange(S, device=q_index.device)  # (S,)
     mask = k_index <= q_index[..., None]  # (B, T, S)
     if key_mask is not None:
@@ -324,17 +314,16 @@ class Qwen2(nn.Module):
 
     # transformers' init: N(0, 0.02) for matrices, zero biases (RMSNorm weights start at 1)
     @staticmethod
-    def _init_weights(m):
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def compile_blocks(self):
-        """torch.compile each decoder block for the forwards without a KV cache (the training
-        forward, pi_old's): norms, RoPE and SwiGLU fused, one graph per block, so that FSDP2's
-        per-block hooks stay outside the graphs. Any sequence length (dynamic shapes); the weights
-        and their names are the model's own."""
+        """torch.compile each decoder block (norms, RoPE and SwiGLU fused; dynamic shapes) for the
+        forwards without a KV cache (the training forward, pi_old's): one graph per block keeps
+        FSDP2's per-block hooks outside the graphs. The weights and their names stay the model's."""
         self.compiled_blocks = [torch.compile(block, dynamic=True) for block in self.model.layers]
 
     def new_kv_cache(self, batch_size: int, max_len: int) -> KVCache:
@@ -353,14 +342,13 @@ class Qwen2(nn.Module):
         input_ids (B, T). positions (B, T): RoPE positions, default arange(T); pass them for
         left-padded batches so each sequence's first real token sits at position 0.
         attention_mask (B, T) bool, True on real tokens.
-        kv_cache (a KVCache, or a view of one from kv_cache.upto(S)): write this step's keys/values
-        at index `positions` of cache rows `cache_rows` (B,) (default: rows 0..B-1), then let each
-        query attend to the keys of its row at indices <= its position (an attention_mask is then
-        over those S keys).
-        Returns logits (B, T, V) in fp32, or head(hidden, lm_head_weight) when a head function is
-        given: a loss that applies the output layer in chunks (and, under FSDP, while the root's
-        weights are gathered) instead of holding all (B*T, V) logits, or a sampler that needs the
-        last position only.
+        kv_cache (a KVCache, or a view kv_cache.upto(S)): write this step's keys/values at index
+        `positions` of cache rows `cache_rows` (B,) (default: rows 0..B-1), then let each query
+        attend to the keys of its row at indices <= its position (an attention_mask is then over
+        those S keys).
+        Returns logits (B, T, V) in fp32, or head(hidden, lm_head_weight) when a head is given: a
+        loss that applies the output layer in chunks instead of holding (B*T, V) logits (under
+        FSDP, while the root's weights are gathered), or a sampler that needs one position.
         """
         B, T = input_ids.shape
         if positions is None:
@@ -374,16 +362,13 @@ class Qwen2(nn.Module):
         else:
             mask = None  # full causal (is_causal)
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
-        # computed once, shared by all layers
-        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
-        # the rollout's forwards (with a cache) run the plain blocks: its decode step is compiled
-        # apart, by the sampler
-        blocks = self.compiled_blocks if self.compiled_blocks and kv_cache is None else \
-            self.model.layers
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)  # shared by all layers
+        # forwards with a cache (the rollout's) run the plain blocks: the sampler compiles its own
+        use_compiled = self.compiled_blocks and kv_cache is None
+        blocks = self.compiled_blocks if use_compiled else self.model.layers
         for block in blocks:
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-                # keep only each block's input and recompute its activations in the backward:
-                # memory traded for compute
+                # keep each block's input only and recompute its activations in the backward
                 x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, mask, use_reentrant=False)
             else:
                 x = block(x, cos, sin, mask, kv_cache, positions, cache_rows)
@@ -399,9 +384,8 @@ class Qwen2(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str, dtype=None, device="cpu") -> "Qwen2":
         """Load a Hugging Face Qwen2, Llama or Qwen3 directory (model.safetensors, or sharded
-        files + model.safetensors.index.json). The model is built on the meta device and the
-        loaded tensors are assigned in place: no second copy, so a 32B checkpoint needs its own
-        size in memory, not twice that. dtype defaults to the config's torch_dtype."""
+        files + model.safetensors.index.json), dtype by default the config's torch_dtype. Built on
+        the meta device, the model takes the loaded tensors in place: no second copy in memory."""
         cfg = ModelConfig.from_json(need_file(path, "config.json"))
         dtype = dtype or getattr(torch, cfg.torch_dtype)
         with torch.device("meta"):
@@ -420,8 +404,8 @@ class Qwen2(nn.Module):
     def save_pretrained(self, path: str, max_shard_bytes: int = 5 * 2**30,
                         tokenizer_dir: str | None = None):
         """config.json and safetensors, with the tokenizer files of tokenizer_dir (by default the
-        directory from_pretrained read) beside them: a complete Hugging Face directory, which
-        transformers and vLLM load whole. A model built from a config alone has no tokenizer."""
+        directory from_pretrained read) beside them: a Hugging Face directory that transformers and
+        vLLM load whole (a model built from a config alone has no tokenizer files)."""
         hf_io.save_hf_checkpoint(self.state_dict(), self.config, path, max_shard_bytes,
                                  tokenizer_dir=tokenizer_dir or self.loaded_from)
 
@@ -438,12 +422,10 @@ def response_logprobs(model: Qwen2, batch, temperature: float, fused_head: bool 
 
         batch:     pad pad p0 p1 p2 | r0 r1 r2 pad        row i of the model's input:
                                                           p0 p1 p2 r0 r1 r2 pad pad pad
-    so a real token never has padding before it, plain causal attention is the whole mask, and
-    SDPA may take a flash kernel (no flash kernel takes an explicit mask; the math kernel holds
-    (B, H, T, T) scores). The output layer runs inside the model's forward (so that FSDP has it
-    gathered) on response positions only. Fused (the default), it runs chunk by chunk inside the
-    log-prob kernel and the (B, R, V) logits never exist; unfused, they do (6 GB for one
-    20k-token response at Qwen2.5's vocabulary)."""
+    so plain causal attention is the whole mask and SDPA may take a flash kernel (none takes an
+    explicit mask). The output layer runs inside the model's forward (where FSDP has it gathered)
+    on response positions only; fused (the default), chunk by chunk inside the log-prob kernel, so
+    the (B, R, V) logits never exist (unfused: 6 GB for a 20k-token response at Qwen2.5's vocab)."""
     P, (B, R) = batch.prompt_ids.shape[1], batch.response_ids.shape
     prompt_len = batch.prompt_mask.sum(-1)  # (B,)
     T = int((prompt_len + batch.response_mask.sum(-1)).max())  # the longest row's real tokens

@@ -8,14 +8,11 @@ reads the LAST line of the form "Answer: ..." in the last 300 characters of the 
 that text and the ground truth with the same fixed list of string edits, and compares the two as
 strings. No symbolic maths: "1/2" and "0.5" differ, "\\frac12" and "\\frac{1}{2}" agree.
 
-The edits below are data, in the order they are applied. The order is part of the semantics
-(removing "\\text{}" before "\\text{}^2" would leave a stray "^2"; dropping spaces before removing
-"an " would never match it), so this file applies them exactly as math_dapo does, and
-tests/test_reward.py pins the behaviour on the edge cases.
+The edits below are data, applied in math_dapo's order, which is part of the semantics (removing
+"\\text{}" before "\\text{}^2" would leave a stray "^2"); tests/test_reward.py pins the edge cases.
 
-Model output is untrusted: nothing here executes or evaluates it. Only 300 characters are ever read,
-so every call is fast whatever the response (megabytes, thousands of "Answer:" lines, unbalanced
-braces).
+Model output is untrusted: nothing here executes or evaluates it, and only its last 300 characters
+are read, so every call is fast whatever the response.
 """
 import contextlib
 import functools
@@ -35,10 +32,8 @@ import numpy as np
 from infra.errors import UserError
 
 WINDOW = 300  # characters read from the end of a response (the longest MATH-500 answer has 159)
-# the rest of the line after "Answer:", any case
-ANSWER_RE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
-# the prediction when no "Answer:" line is found (it then goes through normalise too)
-NO_ANSWER = "[INVALID]"
+ANSWER_RE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")  # the rest of the line after "Answer:"
+NO_ANSWER = "[INVALID]"  # the prediction when no "Answer:" line is found (normalised too)
 
 # --- normalisation, step 1: literal replacements (old, new), in order -----------------------------
 REPLACEMENTS = [
@@ -130,10 +125,9 @@ def found_answer(result: dict) -> bool:
 
 @functools.lru_cache(maxsize=2**16)
 def normalized_ground_truth(ground_truth: str) -> str:
-    """normalize(ground_truth), computed once per distinct ground truth. The "$...$" regex above is
-    quadratic in the length of a line without "$" (a 10k-character ground truth takes ~0.8 s), and a
-    group's G responses all share one ground truth. A prediction needs no cache: it is cut to WINDOW
-    characters before it is normalised."""
+    """normalize(ground_truth), once per distinct ground truth: the "$...$" regex above is
+    quadratic in the length of a line without "$", and a group's G responses share one ground
+    truth. A prediction needs no cache: it is cut to WINDOW characters first."""
     return normalize(ground_truth)
 
 
@@ -158,8 +152,7 @@ def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float =
     # end exercise
 
 
-# The data_source of the CPU demo's toy task (toy.py): the same math_dapo check scores it, so the
-# demo exercises the real verifier
+# The CPU demo's toy task (toy.py): math_dapo scores it too, so the demo runs the real verifier
 TOY_DATA_SOURCE = "toy_sum"
 # Which verifier scores a row, by its data_source, as verl's default_compute_score dispatches
 SCORERS = {
@@ -205,7 +198,7 @@ class Scores:
 CUSTOM_DATA_SOURCE = "custom"  # the data_source of plain {"prompt", "answer"} rows (data.py)
 SLOW_SCORE_S = 10.0  # one call of the custom verifier this long: say so (once a run)
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # the rewards' dtype (batch.Batch.score)
-MAX_TIMER_S = 1e8  # setitimer's longest here is ~1e9 s (the platform's time_t): 3 years is plenty
+MAX_TIMER_S = 1e8  # under setitimer's limit (the platform's time_t): 3 years is plenty
 # A verifier's sys.exit() is one of its errors: a SystemExit let through would end the run with
 # exit status 0, losing every step since the last checkpoint (KeyboardInterrupt still stops it)
 VERIFIER_ERRORS = (Exception, SystemExit)
@@ -264,8 +257,8 @@ class Verifier:
         stops the run before it starts, not at the first rollout."""
         gt = example_ground_truth
         try:
-            out = _as_score(self._call(gt, gt), self.spec)
-            _check_finite(out["score"], self.spec, gt, gt)
+            result = _as_score(self._call(gt, gt), self.spec)
+            _check_finite(result["score"], self.spec, gt, gt)
         except VERIFIER_ERRORS as e:
             raise UserError(f"--reward-fn {self.spec}: the check call "
                             f"{self.spec.rpartition(':')[2]}({gt!r}, {gt!r}) failed: "
@@ -283,23 +276,21 @@ class Verifier:
         (-1), marked reward_fn_error and remembered for the step's warning (the first of them,
         with its response), and the run goes on. A NaN or an inf stops it."""
         try:
-            out = _as_score(self._call(response_text, ground_truth), self.spec)
+            result = _as_score(self._call(response_text, ground_truth), self.spec)
         except VERIFIER_ERRORS as e:
             if not self.first_error:
                 self.first_error = (f"{_described(e)}, on a row of data_source "
                                     f"{data_source!r}, ground truth {_excerpt(ground_truth)}, "
                                     f"response {_excerpt(response_text)}")
             return {"score": -1.0, "acc": False, "pred": "", "reward_fn_error": True}
-        _check_finite(out["score"], self.spec, response_text, ground_truth)
-        return out
+        _check_finite(result["score"], self.spec, response_text, ground_truth)
+        return result
 
     def _call(self, response_text: str, ground_truth: str):
         """reward_fn(response_text, ground_truth), said to be slow after SLOW_SCORE_S and stopped
-        with a TimeoutError after timeout_s. A SIGALRM timer: it interrupts Python code (a sympy
-        simplification that runs away), not a call stuck inside C code (a regex, an extension),
-        and exists only in the main thread of a Unix process: elsewhere it runs unwatched. A
-        function that sets its own SIGALRM (a timeout decorator) takes the timer over for its
-        call."""
+        with a TimeoutError after timeout_s. The SIGALRM timer interrupts Python code, not a call
+        stuck in C (a regex, an extension); outside a Unix main thread the call runs unwatched. A
+        function that sets its own SIGALRM (a timeout decorator) takes the timer over."""
         with _same_directory():
             return self._call_timed(response_text, ground_truth)
 
@@ -420,9 +411,9 @@ def _exact_number(x) -> bool:
 
 
 def _check_finite(score: float, spec: str, response_text: str, ground_truth: str):
-    """A NaN or an inf reward is a bug of the verifier, not a wrong answer: it makes its group's
-    advantages NaN, then the gradient, and every update is skipped; so is a score beyond
-    float32's range, where the rewards are held (an inf there). Raise naming both."""
+    """A NaN or an inf reward, or one beyond float32's range (the rewards' dtype), is a bug of the
+    verifier, not a wrong answer: it would make its group's advantages and the gradient NaN.
+    Raise naming the response and the ground truth."""
     if not math.isfinite(score) or abs(score) > FLOAT32_MAX:
         raise UserError(f"--reward-fn {spec} returned {score} for the response "
                         f"{_excerpt(response_text)} (ground truth {_excerpt(ground_truth)}): a "

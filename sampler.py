@@ -1,10 +1,7 @@
 """
 The rollout engine: KV-cached sampling from model.Qwen2 with continuous batching, returning what RL
-training needs.
-
-DAPO spends most of its wall time here: 16 responses per prompt, hundreds of prompts per step,
-lengths from a few tokens to the limit. In the spirit of gpt-fast's generate.py, generation is a few
-small functions that compose:
+training needs. DAPO spends most of its wall time here. As in gpt-fast's generate.py, generation is
+a few small functions that compose:
 
     prefill_slots()     one forward over new prompts: writes their keys/values into free cache slots
     decode_one_token()  one forward of one new token per slot against the cache
@@ -13,11 +10,12 @@ small functions that compose:
     generate()          runs them in a loop of named phases over a table of the slots (SlotTable):
                         sample, record, retire, agree across ranks, decode, refill
 
-Continuous batching: the KV cache has B rows ("slots") of max_len positions, however many sequences
-there are. A token's index in its slot is its RoPE position, and a query sees the keys of its own
-slot up to its own position, so every slot keeps its own length. Below, B = 3 and the sequences
-a, b, c, d, e wait in this order (lower case: prompt tokens, upper case: response tokens, `.`:
-stale keys that no query can see):
+Continuous batching: the KV cache has B rows ("slots") of max_len positions, allocated once. A
+token's index in its slot is its RoPE position and a query sees only its own slot's keys up to its
+own position, so every slot keeps its own length, and a slot whose sequence ends takes the next
+waiting one instead of decoding padding until the longest response ends. Below, B = 3 and the
+sequences a, b, c, d, e wait in this order (lower case: prompt tokens, upper case: response tokens,
+`.`: stale keys that no query can see):
 
     position:   0  1  2  3  4  5  6
     slot 0:     a  a  a  A  A  A             a samples an EOS: its slot is retired ...
@@ -28,24 +26,18 @@ stale keys that no query can see):
     slot 1:     b  b  B  B  B  B                 while b and c decode on
     slot 2:     c  c  c  c  C  C
 
-A decode step feeds one token per slot, and every slot reads the keys up to the furthest slot's
-position (masked past its own), so the step's shapes change with that length only. (Slots sorted
-by length into spans, each reading up to its own furthest slot in a forward of its own, decoded a
-long-tailed CPU rollout ~1.1x faster: too little for their code; docs/performance.md.)
+A decode step feeds one token per slot and reads the keys up to the furthest slot's position
+(masked past each slot's own), so its shapes change with that length only.
 
-Shared prompts (SHARE_PROMPTS): the G samples of a group have one prompt, and any slot decoding it
-holds its keys at positions [0, len(prompt)). A slot that takes a prompt another slot holds copies
-those positions (and the prompt's next-token logits, kept until its last sample has a slot)
-instead of prefilling; the prompts no slot holds are prefilled once each, in one forward for the
-step's free slots:
+Shared prompts (SHARE_PROMPTS): the G samples of a group have one prompt. A slot that takes a prompt
+another slot holds copies its positions [0, len(prompt)) and its next-token logits instead of
+prefilling it; the prompts no slot holds are prefilled once each, in one forward:
 
     slot 0:     e  e  e  E  E  E  E
     slot 1:     e  e  e                  the next sample of e: slot 0's positions 0-2 copied
 
-Prompt sharing is a module flag: with it False and slots=None, generate is plain batched
-decoding (docs/performance.md measures what it buys). The cache is allocated once,
-B x max_len. Lockstep batching (every row decodes until the longest one ends) spends most of a
-long-tailed rollout decoding padding; here a slot is busy as long as sequences wait.
+With SHARE_PROMPTS False and slots=None, generate is plain batched decoding; docs/performance.md
+measures what each part buys.
 """
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -66,8 +58,7 @@ class Rollout:
     prompt_mask: torch.Tensor  # (N, P) bool: True on real prompt tokens
     response_ids: torch.Tensor  # (N, T) long: sampled tokens, pad_token_id after the end
     response_mask: torch.Tensor  # (N, T) bool: True on every generated token, EOS included
-    # (N, T) fp32: log-prob of each sampled token (see sample()); 0 where masked
-    logprobs: torch.Tensor
+    logprobs: torch.Tensor  # (N, T) fp32: each sampled token's log-prob (sample()); 0 if masked
     lengths: torch.Tensor  # (N,) long: response tokens, EOS included; T = lengths.max()
     truncated: torch.Tensor  # (N,) bool: cut by max_new_tokens before any EOS
 
@@ -113,8 +104,7 @@ def prefill_slots(model, prompts: list[list[int]], slots: list[int], kv_cache):
     -> each prompt's next-token logits (n, V)."""
     device = kv_cache.k[0].device
     P = max(len(p) for p in prompts)
-    # right-padded: each prompt starts at position 0 of its slot, and since a query sees keys up to
-    # its own position only, the pads after a prompt stay out of its view (decoding overwrites them)
+    # right-padded: a prompt starts at position 0 of its slot, and no query sees the pads after it
     ids = torch.zeros(len(prompts), P, dtype=torch.long)  # (n, P)
     for row, p in enumerate(prompts):
         ids[row, :len(p)] = torch.tensor(p)
@@ -129,24 +119,22 @@ def prefill_slots(model, prompts: list[list[int]], slots: list[int], kv_cache):
 
 
 def decode_one_token(model, tokens, positions, kv_cache):
-    """tokens (B,), one per slot, at positions (B,) -> next-token logits (B, V).
-    kv_cache: a view kv_cache.upto(S) with S above every position; each slot reads its own keys up
-    to its position."""
+    """tokens (B,), one per slot, at positions (B,) -> next-token logits (B, V). kv_cache: a view
+    kv_cache.upto(S), S above every position."""
     return model(tokens[:, None], positions=positions[:, None], kv_cache=kv_cache,
                  head=last_token_logits)
 
 
-# The speed-up, switchable (False: the loop without it, for reading or as a reference)
-SHARE_PROMPTS = True  # a prompt a slot holds is copied, not prefilled (False: a prefill each)
-SPEED_UPS = ("SHARE_PROMPTS",)  # the names (all False: plain batching)
+# The speed-up, switchable: False gives the plain loop, for reading or as a reference
+SHARE_PROMPTS = True  # a prompt a slot holds is copied, not prefilled
+SPEED_UPS = ("SHARE_PROMPTS",)
 
 
 def filter_logits(logits, top_k: int = 0, top_p: float = 1.0):
-    """Set every logit outside the top-k, then outside the top-p nucleus, to -inf (logits (..., V),
-    already divided by the temperature). top_k=0 and top_p=1.0 are no-ops. Ties are kept together:
-    top-k keeps every token whose logit equals the k-th largest, and top-p keeps a token iff the
-    tokens strictly more likely than it hold less than top_p of the mass (renormalised after top-k),
-    so the argmax always survives."""
+    """Set every logit (..., V; after the temperature) outside the top-k, then outside the top-p
+    nucleus, to -inf; top_k=0 and top_p=1.0 are off. Ties stay together: top-k keeps every logit
+    equal to the k-th largest, top-p keeps a token iff the tokens strictly more likely hold less
+    than top_p of the mass (renormalised after top-k), so the argmax always survives."""
     # exercise: filter_logits
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (..., 1)
@@ -165,10 +153,9 @@ def filter_logits(logits, top_k: int = 0, top_p: float = 1.0):
 def sample(logits, temperature: float, top_k: int, top_p: float, generator=None):
     """logits (B, V) fp32 -> tokens (B,) long, logprobs (B,) fp32.
 
-    The log-prob is that of the drawn token under log_softmax(logits / temperature), BEFORE
-    top-k/top-p truncation (under log_softmax(logits) when greedy, temperature 0): the full
-    distribution of the policy at that temperature, which is what the trainer's own forward
-    computes, not the truncated one actually sampled from."""
+    The log-prob is the drawn token's under log_softmax(logits / temperature) (logits when greedy)
+    BEFORE top-k/top-p truncation: the policy's full distribution, which the trainer's forward
+    computes too, not the truncated one sampled from."""
     # exercise: sample
     if temperature == 0:
         token = logits.argmax(-1)  # (B,); top-k and top-p always keep the argmax: nothing to do
@@ -176,10 +163,9 @@ def sample(logits, temperature: float, top_k: int, top_p: float, generator=None)
     else:
         scaled = logits / temperature  # (B, V)
         probs = filter_logits(scaled, top_k, top_p).softmax(-1)  # (B, V)
-        # invert the CDF with one uniform per row. V random draws per row (torch.multinomial, the
-        # exponential race) cost 15 ns each on a CPU core: more than the decode step at vocab 8192.
-        # float64, so that no token's share of the mass rounds away; u in (0, total] never lands on
-        # a token of zero probability
+        # invert the CDF with one uniform per row: torch.multinomial draws V per row, which on a
+        # CPU costs more than a small model's decode step. float64, so that no token's mass rounds
+        # away; u in (0, total] never lands on a token of zero probability
         cdf = probs.double().cumsum(-1)  # (B, V)
         u = 1 - torch.rand(len(cdf), 1, dtype=torch.float64, device=cdf.device, generator=generator)
         token = torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(-1)  # (B,): first cdf >= u
@@ -189,10 +175,9 @@ def sample(logits, temperature: float, top_k: int, top_p: float, generator=None)
 
 
 def agree_across_ranks(working: bool, prefilling: bool) -> tuple[bool, bool]:
-    """-> (does any rank still have sequences, does any rank run a prefill forward this step). Each
-    forward is a collective under FSDP, so every rank runs the same forwards: a rank with nothing
-    left decodes dummy rows, and answers another rank's prefill with a dummy one (as does a rank
-    whose refill only copies keys), until all are done."""
+    """-> (does any rank still have sequences, does any rank prefill this step). Under FSDP each
+    forward is a collective, so every rank runs the same forwards: a rank with nothing to run
+    decodes dummy rows and answers another rank's prefill with a dummy one."""
     any_working, any_prefilling = distributed.all_reduce([working, prefilling], op="max",
                                                          name="sampler's decode-loop flags")
     return bool(any_working), bool(any_prefilling)
@@ -222,7 +207,7 @@ def copy_rows(kv_cache, source: list[int], to: list[int], n: int):
     source, to = torch.tensor(source, device=device), torch.tensor(to, device=device)
     for cache in kv_cache.k + kv_cache.v:
         head = cache[:, :, :n]  # a view: index_copy_ writes through to the cache
-        # index_select + index_copy_: about half the time of an advanced-index gather and put
+        # index_select + index_copy_: faster than an advanced-index gather and put
         head.index_copy_(0, to, head.index_select(0, source))
 
 
@@ -274,7 +259,7 @@ class SlotTable:
             held.update(new)
         wanted = [self.prompt_of[self.seq[s]] for s in free]  # each refilled slot's prompt
         copies = [(held[p], s) for p, s in zip(wanted, free) if held[p] != s]  # the rest: copied
-        # keys past a prompt's end come along too: stale, as a query sees up to its position only
+        # keys past a prompt's end come along too, stale: no query sees past its own position
         copy_rows(self.kv_cache, [h for h, _ in copies], [s for _, s in copies],
                   max((self.position[s] for _, s in copies), default=0))
         logits[free] = torch.stack([self.prompt_logits[p] for p in wanted])  # (len(free), V)
@@ -296,9 +281,8 @@ class SlotTable:
         return done
 
     def decode(self, model, decode, token) -> torch.Tensor:
-        """Every slot feeds its token (B,) at its position, reading the keys up to the furthest
-        slot's (a free slot decodes a dummy token at position 0) -> next-token logits (B, V). The
-        busy slots move on one position."""
+        """Every slot feeds its token (B,) at its position -> next-token logits (B, V); the busy
+        slots move on one position."""
         positions = torch.tensor(self.position, device=token.device)  # (B,)
         logits = decode(model, token, positions, self.kv_cache.upto(max(self.position) + 1))
         for s in self.busy():
@@ -322,8 +306,7 @@ class Responses:
         return cls(ids, logprobs, [0] * N, [False] * N)
 
     def rollout(self, prompts: list[list[int]], pad_token_id: int) -> Rollout:
-        """-> the Rollout of prompts, without the scratch row and the columns no sequence
-        reached."""
+        """-> the Rollout of prompts, less the scratch row and the columns no sequence reached."""
         N, device = len(prompts), self.ids.device
         prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, device)  # (N, P)
         lengths = torch.tensor(self.lengths, device=device)  # (N,)
@@ -339,8 +322,8 @@ def check_settings(prompts, max_new_tokens, temperature, top_k, top_p, slots):
     """generate's arguments that no rollout can honour -> a ValueError that names them."""
     if not prompts or min(len(p) for p in prompts) == 0:
         raise ValueError("generate needs at least one prompt, and no empty prompt")
-    if max_new_tokens < 1 or temperature < 0 or top_k < 0 or not 0 < top_p <= 1 or \
-            (slots is not None and slots < 1):
+    if (max_new_tokens < 1 or temperature < 0 or top_k < 0 or not 0 < top_p <= 1
+            or (slots is not None and slots < 1)):
         raise ValueError(f"bad sampling settings: max_new_tokens={max_new_tokens} (>= 1), "
                          f"temperature={temperature} (>= 0), top_k={top_k} (>= 0), "
                          f"top_p={top_p} (in (0, 1]), slots={slots} (>= 1)")
@@ -351,9 +334,11 @@ def eos_tensor(model, eos_token_ids, device) -> torch.Tensor:
     empty."""
     if eos_token_ids is None:
         eos_token_ids = model.config.eos_token_id
-    eos_token_ids = [] if eos_token_ids is None else [eos_token_ids] \
-        if isinstance(eos_token_ids, int) else list(eos_token_ids)
-    return torch.tensor(eos_token_ids, dtype=torch.long, device=device)
+    if eos_token_ids is None:
+        eos_token_ids = []
+    elif isinstance(eos_token_ids, int):
+        eos_token_ids = [eos_token_ids]
+    return torch.tensor(list(eos_token_ids), dtype=torch.long, device=device)
 
 
 def new_slot_table(model, prompts: list[list[int]], max_new_tokens: int,
@@ -378,22 +363,19 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: 
     and <|endoftext|>); None takes the model config's eos_token_id, an empty list never stops early.
     generator: a torch.Generator on the model's device, for reproducible samples. progress: a tqdm
     bar over finished sequences (under torch.distributed, on one rank only).
-    slots: how many sequences decode at once: the KV cache holds slots x (longest prompt +
-    max_new_tokens) positions, whatever the number of prompts; default one slot per prompt. A slot
-    whose sequence ends takes the next waiting one.
-    compile: decode with a torch.compile'd step (on a GPU, replayed as CUDA graphs). The first call
-    compiles (seconds on CPU, a minute or more for a large model on a GPU); later calls reuse it.
+    slots: how many sequences decode at once (default: one per prompt); the KV cache holds
+    slots x (longest prompt + max_new_tokens) positions.
+    compile: decode with a torch.compile'd step (on a GPU, replayed as CUDA graphs).
 
     Under torch.distributed every rank calls this with its own prompts (any number) and the same
-    max_new_tokens and compile: ranks run the same forward calls until the last one is done. T of
-    the result is this rank's longest response, so it can differ between ranks."""
+    max_new_tokens and compile. T of the result is this rank's longest response."""
     check_settings(prompts, max_new_tokens, temperature, top_k, top_p, slots)
     device = model.model.embed_tokens.weight.device
     eos = eos_tensor(model, eos_token_ids, device)
     table = new_slot_table(model, prompts, max_new_tokens, slots)
     B, _, max_len, _ = table.kv_cache.k[0].shape
     decode = compiled_decode_step(B, max_len, device) if compile else decode_one_token
-    out = Responses.empty(len(prompts), max_new_tokens, pad_token_id, device)
+    responses = Responses.empty(len(prompts), max_new_tokens, pad_token_id, device)
     logits = torch.zeros(B, model.config.vocab_size, device=device)  # (B, V): next-token logits
     was_training = model.training
     model.eval()  # no dropout in Qwen2, but generation is inference: say so
@@ -404,11 +386,12 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: 
             # 1) sample: a token for every row (a free one too, drawn into the scratch row)
             token, logp = sample(logits, temperature, top_k, top_p, generator)  # (B,), (B,)
             # 2) record: each at its sequence's next response index
-            out.ids[table.seq, table.n_new], out.logprobs[table.seq, table.n_new] = token, logp
+            responses.ids[table.seq, table.n_new] = token
+            responses.logprobs[table.seq, table.n_new] = logp
             # 3) retire: the sequences that drew an EOS or reached max_new_tokens leave their slots
             ended = torch.isin(token, eos).tolist()  # the host learns which rows ended: one sync
             for i, length, cut in table.retire(ended, max_new_tokens):
-                out.lengths[i], out.truncated[i] = length, cut
+                responses.lengths[i], responses.truncated[i] = length, cut
                 bar.update(1)
             # 4) agree across ranks: go on while any rank works; prefill when any rank does
             working, prefilling = agree_across_ranks(bool(table.waiting or table.busy()),
@@ -424,7 +407,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: 
     finally:
         bar.close()
         model.train(was_training)
-    return out.rollout(prompts, pad_token_id)
+    return responses.rollout(prompts, pad_token_id)
 
 
 class Engine:
@@ -438,9 +421,9 @@ class Engine:
     def generate(self, model, prompts: list[list[int]], **settings) -> Rollout:
         cfg = self.cfg
         if self.vllm is not None:
-            got = self.vllm.generate(model, prompts, cfg.max_response_len, **settings)
-            return Rollout.from_responses(prompts, got.token_ids, got.logprobs, got.truncated,
-                                          self.pad_token_id, cfg.device)
+            sampled = self.vllm.generate(model, prompts, cfg.max_response_len, **settings)
+            return Rollout.from_responses(prompts, sampled.token_ids, sampled.logprobs,
+                                          sampled.truncated, self.pad_token_id, cfg.device)
         with distributed.gathered(model), precision.autocast(cfg.sampler_precision, cfg.device):
             return generate(model, prompts, cfg.max_response_len, **settings,
                             pad_token_id=self.pad_token_id, slots=cfg.rollout_slots or None,

@@ -2,27 +2,24 @@
 The toy task of the CPU demo, and the demo's "base model" trained on it.
 
 The task: sums of 2-3 digits from 0 to 5 ("3+5+2"), answered with the sum in the `Answer: ...`
-format that the real math_dapo verifier reads (reward.SCORERS routes TOY_DATA_SOURCE to it). Rows
-follow the DAPO schema, so the loop cannot tell them from DAPO-Math-17k. Held-out problems come from
-a disjoint part of the problem space (a hash of the problem text), never seen in warm-up or RL, and
-each of their steps (running sum + next term) is a step of some training problem.
+format that the real math_dapo verifier reads. Rows follow the DAPO schema, so the loop cannot tell
+them from DAPO-Math-17k. Held-out problems (a hash of the problem text) are never seen in warm-up or
+RL, but each of their steps (running sum + next term) is a step of some training problem.
 
 The base model: DAPO starts from a pretrained model that already writes in the expected format and
-is right now and then. A randomly initialised model never writes "Answer: ..." at all, so every
-reward would be -1 and RL would have nothing to learn. So, like pretraining, demo_base_model() fits
-a tiny Qwen2 by next-token prediction to noisy responses (toy_warmup_pairs()) of two kinds:
-- worked: a running sum, then the answer ("3+5=8, 8+2=10.\nAnswer: 10"). Right almost always (a step
-  slips with probability TOY_STEP_ERROR), but only a fraction TOY_WORK_PROB (half) of the warm-up
-  responses work it out;
+is right now and then; a randomly initialised one never writes "Answer: ...", so every reward would
+be -1 and RL would have nothing to learn. So demo_base_model() fits a tiny Qwen2 by next-token
+prediction to noisy responses (toy_warmup_pairs()) of two kinds:
+- worked: a running sum, then the answer ("3+5=8, 8+2=10.\nAnswer: 10"), right unless a step slips
+  (probability TOY_STEP_ERROR); a fraction TOY_WORK_PROB (half) of the responses;
 - direct: "Answer: 12", a guess, right about 1 time in 16.
-So the base model can solve most problems (it has seen how) but half the time does not bother:
-held-out accuracy starts near 0.3, while pass@4 is 0.65-0.85. This is what RL on a real base model
-does at scale: the reward teaches the model to use the reasoning it already has, and the gain is
-the RL phase's alone (more warm-up teaches the same mixture). A fraction TOY_RAMBLE of the
-responses repeat a filler sentence before the answer, so lengths vary widely and ~1 in 6 runs past
-TOY_MAX_RESPONSE_LEN, where truncation cuts off the Answer line too: overlong shaping and the
+So the base model can solve most problems but half the time does not bother: held-out accuracy
+starts near 0.3 while pass@4 is 0.65-0.85. That is what RL on a real base model works with at
+scale: the reward teaches the model to use the reasoning it already has (more warm-up would only
+teach the same mixture). A fraction TOY_RAMBLE of the responses repeat a filler sentence before the
+answer, so some run past TOY_MAX_RESPONSE_LEN and lose their Answer line: overlong shaping and the
 token-level loss have something to act on (paper Sec. 3.3-3.4). The warm-up is cached like a
-downloaded checkpoint, keyed by its settings, so repeated demo runs skip it.
+downloaded checkpoint, keyed by its settings.
 """
 import functools
 import itertools
@@ -48,8 +45,8 @@ TOY_DATA_SOURCE = reward.TOY_DATA_SOURCE
 TOY_MIN_TERMS, TOY_MAX_TERMS = 2, 3  # terms per problem...
 # ...each in [0, TOY_MAX_DIGIT]: few enough addition facts for a 2-minute warm-up to learn
 TOY_MAX_DIGIT = 5
-# chance that a warm-up response works the sum out step by step... (0.3 measured worse: fewer
-# worked examples, and at some seeds a base model that miscopies the terms, which RL keeps)
+# chance that a warm-up response works the sum out step by step... (with fewer worked examples,
+# some seeds give a base model that miscopies the terms, which RL keeps)
 TOY_WORK_PROB = 0.5
 TOY_GUESS_MAX = 15  # ...otherwise it states a guess, uniform in [0, TOY_GUESS_MAX]
 TOY_STEP_ERROR = 0.05  # chance that a step of the working slips...
@@ -140,10 +137,9 @@ def toy_steps(terms) -> list[tuple[int, int]]:
 
 def held_out_problems() -> frozenset[str]:
     """The test split: the problems whose hash falls in bucket 0, less those with a step that no
-    other problem takes. Why: a step such as 9+4 occurs only in 4+5+4 and 5+4+4, and 10+t only in
-    5+5+t, so held out, it is an addition the warm-up and RL never show, which a 2-layer model
-    can only guess; measured, the demo's low seeds slipped on exactly those. Held-out problems are
-    new combinations of steps that training shows, the generalisation the demo is about."""
+    training problem takes (10+t occurs only in 5+5+t: held out, it is an addition training never
+    shows, which a 2-layer model can only guess). Held-out problems are new combinations of steps
+    that training shows, the generalisation the demo is about."""
     return _held_out(*_task())[1]
 
 
@@ -155,11 +151,11 @@ def _task() -> tuple[int, int, int, int]:
 def _held_out(min_terms: int, max_terms: int, max_digit: int,
               buckets: int) -> tuple[list[tuple[int, ...]], frozenset[str]]:
     """The test split: its problems as term tuples (sorted), and as texts."""
-    every = [p for n in range(min_terms, max_terms + 1)
-             for p in itertools.product(range(max_digit + 1), repeat=n)]  # term tuples
-    hashed = {p for p in every if zlib.crc32(_text(p).encode()) % buckets == 0}
-    trained = {step for p in every if p not in hashed for step in toy_steps(p)}
-    held = sorted(p for p in hashed if all(step in trained for step in toy_steps(p)))
+    problems = [p for n in range(min_terms, max_terms + 1)
+                for p in itertools.product(range(max_digit + 1), repeat=n)]  # term tuples
+    bucket_0 = {p for p in problems if zlib.crc32(_text(p).encode()) % buckets == 0}
+    training_steps = {step for p in problems if p not in bucket_0 for step in toy_steps(p)}
+    held = sorted(p for p in bucket_0 if all(step in training_steps for step in toy_steps(p)))
     return held, frozenset(map(_text, held))
 
 
@@ -168,13 +164,11 @@ def _text(terms) -> str:
 
 
 def _toy_problems(n: int, seed: int, split: str, stream: str):
-    """n problems (lists of digits) of one split. Training problems are drawn i.i.d.: a uniform
-    number of terms, uniform digits. Held-out ones come in passes over the 49, each pass holding
-    every problem once in a new order, so that each weighs the same in val/acc, give or take a
-    row (drawn like the training ones, the 7 two-term problems made half the test rows, and a
-    base model that miscopied two of them cost the demo ~10% of its accuracy). Each stream
-    ("rows", "warmup") has its own random sequence, so warm-up and RL problems are independent
-    draws."""
+    """n problems (lists of digits) of one split, and the split's generator. Training problems are
+    drawn i.i.d.: a uniform number of terms, uniform digits. Held-out ones come in passes over the
+    49, each in a new order, so that each weighs the same in val/acc (drawn like the training ones,
+    the 7 two-term problems would make half the test rows). Each stream ("rows", "warmup") has its
+    own random sequence, so warm-up and RL problems are independent draws."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     rng = random.Random(f"toy-{stream}-{split}-{seed}")
@@ -226,8 +220,8 @@ def toy_response(terms: list[int], rng: random.Random) -> str:
 
 def toy_warmup_pairs(n: int, seed: int) -> list[tuple[list[dict], str]]:
     """n (prompt messages, response text) pairs from the train split: the supervised warm-up that
-    makes the demo's base model. About a quarter of the answers are right (see the comment above the
-    TOY_ constants)."""
+    makes the demo's base model. About half of the answers are right (the module docstring says
+    why)."""
     problems, rng = _toy_problems(n, seed, "train", "warmup")
     return [([{"role": "user", "content": _text(terms)}], toy_response(terms, rng))
             for terms in problems]
@@ -236,7 +230,7 @@ def toy_warmup_pairs(n: int, seed: int) -> list[tuple[list[dict], str]]:
 # --------------------------------------------------------------------------------------------------
 # The demo's base model: a brief supervised warm-up, in the open
 
-# measured: last-batch loss 0.18-0.24 (seeds 0-4), held-out val/acc 0.27-0.39 (seeds 0-9)
+# expect a last-batch loss near 0.2 and a held-out val/acc of 0.27-0.39 (docs/demo.md)
 WARMUP = dict(steps=400, batch_size=64, lr=5e-3, preset="demo")
 
 
@@ -273,11 +267,9 @@ def warmed_up_model(tok, key: dict, make_pairs, device="cpu", cache_root="runs/d
                     label="warm-up", log_every=50) -> Qwen2:
     """A Qwen2 of preset key["preset"] fitted by next-token prediction to make_pairs(n), n =
     steps x batch_size (prompt messages, response text) pairs seen once each, with AdamW at
-    key["lr"]; cached like a downloaded checkpoint under cache_root, in a directory named by
-    the key (its settings, seed and a checksum of its data), and loaded from there next time.
-    The key names the kernels too: another kernel set rounds the warm-up differently and fits
-    another model, so a run under ATEN_CPU_CAPABILITY=default (or on a GPU) gets the base model a
-    fresh clone would get there, not one cached under other kernels."""
+    key["lr"]; cached under cache_root in a directory named by the key (its settings, seed and a
+    checksum of its data) and loaded from there next time. The key names the kernels too: another
+    kernel set (ATEN_CPU_CAPABILITY=default, a GPU) rounds the warm-up differently."""
     key = dict(key, kernels=kernel_set(device))
     cache = os.path.join(cache_root, "_".join(f"{k}{v}" for k, v in key.items()))
     if os.path.isfile(os.path.join(cache, "warmup.json")):
@@ -290,7 +282,6 @@ def warmed_up_model(tok, key: dict, make_pairs, device="cpu", cache_root="runs/d
     config = preset(key["preset"], vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_ids)
     model = Qwen2(config).to(device)
     steps, batch = key["steps"], key["batch_size"]
-    # each example seen once
     examples = [(tok.apply_chat_template(messages), tok.encode(response) + [tok.eos_token_ids[0]])
                 for messages, response in make_pairs(steps * batch)]
     opt = torch.optim.AdamW(model.parameters(), lr=key["lr"], betas=(0.9, 0.95),
