@@ -1,6 +1,6 @@
 """--rollout-engine vllm where vLLM is not installed (this venv): its flags, its memory plan, and
-the one-line error that says what to install. The engine itself is tested in tests_vllm/
-(`make test-vllm`, in .venv-vllm)."""
+the one-line error that says what to install, and sampler.Engine's vLLM branch with a stand-in.
+The engine itself is tested in tests_vllm/ (`make test-vllm`, in .venv-vllm)."""
 import importlib.util
 import os
 import subprocess
@@ -68,3 +68,35 @@ def test_without_vllm_the_run_stops_in_one_line_saying_what_to_install(tmp_path)
         "requirements-vllm.txt on a CPU (make test-vllm makes .venv-vllm), pip install vllm on a "
         "GPU (No module named 'vllm')"]
     assert not os.listdir(tmp_path)  # stopped before anything was written
+
+
+def test_the_engine_turns_vllms_token_lists_into_the_samplers_rollout_and_syncs_after_an_update():
+    # sampler.Engine's vLLM branch, without vLLM: what dapo.rollout() and the loop call
+    from infra.vllm_engine import Responses
+    from sampler import Engine
+    calls = []
+
+    class StandIn:  # what infra/vllm_engine.VLLMEngine answers
+        def generate(self, model, prompts, max_new_tokens, **settings):
+            calls.append(("generate", prompts, max_new_tokens, settings["temperature"]))
+            return Responses(token_ids=[[5, 6, 2], [7]], logprobs=[[-0.5, -1.0, -0.25], [-2.0]],
+                             truncated=[False, True])
+
+        def sleep(self):
+            calls.append("sleep")
+
+        def sync(self, model):
+            calls.append("sync")
+
+    engine = Engine(Config(max_response_len=3, device="cpu"), pad_token_id=0, vllm=StandIn())
+    got = engine.generate("policy", [[1, 2], [3]], temperature=0.7, top_p=1.0, top_k=0,
+                          eos_token_ids=[2], generator=None)
+    assert got.prompt_ids.tolist() == [[1, 2], [0, 3]]  # left-padded
+    assert got.prompt_mask.tolist() == [[True, True], [False, True]]
+    assert got.response_ids.tolist() == [[5, 6, 2], [7, 0, 0]]  # right-padded
+    assert got.response_mask.tolist() == [[True, True, True], [True, False, False]]
+    assert got.logprobs.tolist() == [[-0.5, -1.0, -0.25], [-2.0, 0.0, 0.0]]
+    assert got.lengths.tolist() == [3, 1] and got.truncated.tolist() == [False, True]
+    with engine.updating("policy"):
+        calls.append("update")
+    assert calls == [("generate", [[1, 2], [3]], 3, 0.7), "sleep", "update", "sync"]
