@@ -91,9 +91,7 @@ _TOY = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
 PRESETS = {
     "tiny": dict(hidden_size=64, intermediate_size=128, **_TOY),
     "demo": dict(hidden_size=128, intermediate_size=384, **_TOY),
-    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                         tie_word_embeddings=True),
+    "qwen2.5-0.5b": {},  # ModelConfig's defaults
     "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
                          num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                          tie_word_embeddings=True),
@@ -338,18 +336,12 @@ class Qwen2(nn.Module):
 
     def forward(self, input_ids, positions=None, attention_mask=None, kv_cache=None,
                 cache_rows=None, head=None):
-        """
-        input_ids (B, T). positions (B, T): RoPE positions, default arange(T); pass them for
-        left-padded batches so each sequence's first real token sits at position 0.
-        attention_mask (B, T) bool, True on real tokens.
-        kv_cache (a KVCache, or a view kv_cache.upto(S)): write this step's keys/values at index
-        `positions` of cache rows `cache_rows` (B,) (default: rows 0..B-1), then let each query
-        attend to the keys of its row at indices <= its position (an attention_mask is then over
-        those S keys).
-        Returns logits (B, T, V) in fp32, or head(hidden, lm_head_weight) when a head is given: a
-        loss that applies the output layer in chunks instead of holding (B*T, V) logits (under
-        FSDP, while the root's weights are gathered), or a sampler that needs one position.
-        """
+        """input_ids (B, T); positions (B, T), RoPE's, default arange(T); attention_mask (B, T)
+        bool, True on real tokens. With kv_cache (a KVCache, or kv_cache.upto(S)): this step's keys
+        and values go to index `positions` of rows `cache_rows` (B,) (default 0..B-1), and each
+        query attends to its row's keys up to its position (attention_mask is then over those S).
+        -> logits (B, T, V) in fp32, or head(hidden, lm_head_weight): the output layer applied by
+        the caller inside the forward (under FSDP, while the root's weights are gathered)."""
         B, T = input_ids.shape
         if positions is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
