@@ -160,16 +160,21 @@ def start_pair(mode, timeout_s, store_env, *args):
             for r in range(2)]
 
 
-def test_a_stopped_rank_makes_the_others_fail_naming_the_collective(store_env):
-    waiting, stopped = start_pair("stop", timeout_s=3, store_env=store_env)
+def first_ranks_output(procs) -> str:
+    """Rank 0's output once it ends (120 s at most); then every rank is killed (SIGKILL ends a
+    stopped process too)."""
     try:
-        start = time.time()
-        out, _ = waiting.communicate(timeout=120)
-        waited = time.time() - start
+        return procs[0].communicate(timeout=120)[0]
     finally:
-        for p in (waiting, stopped):
-            p.kill()  # SIGKILL ends a stopped process too
+        for p in procs:
+            p.kill()
             p.wait()
+
+
+def test_a_stopped_rank_makes_the_others_fail_naming_the_collective(store_env):
+    start = time.time()
+    out = first_ranks_output(start_pair("stop", timeout_s=3, store_env=store_env))
+    waited = time.time() - start
     assert ("rank 0: all_reduce 'dynamic-sampling count' timed out after 3 s: another rank "
             "stopped" in out), out[-3000:]
     assert waited < 60  # the 3 s timeout plus two interpreter start-ups, not the 30 min default
@@ -178,13 +183,9 @@ def test_a_stopped_rank_makes_the_others_fail_naming_the_collective(store_env):
 def test_a_dead_rank_leaves_the_first_error_last(store_env):
     # before: launch.session's shutdown barrier failed too, and its error, raised last, hid the
     # first ("barrier 'shutdown' failed: another rank has probably exited")
-    waiting, dead = start_pair("dead", timeout_s=60, store_env=store_env)
-    try:
-        out, _ = waiting.communicate(timeout=120)
-    finally:
-        for p in (waiting, dead):
-            p.kill()
-            p.wait()
+    procs = start_pair("dead", timeout_s=60, store_env=store_env)
+    out = first_ranks_output(procs)
+    waiting, dead = procs
     assert waiting.returncode != 0 and dead.returncode == 3
     assert "barrier 'shutdown'" not in out, out[-3000:]
     last = out.strip().splitlines()[-1]  # torch prefixes "[rank0]: " to a rank's traceback
@@ -231,13 +232,9 @@ def test_a_checkpoint_missing_one_ranks_file_fails_every_rank_at_once(store_env,
 def test_a_stopped_rank_inside_fsdps_collectives_names_dist_timeout(store_env, tmp_path):
     # before: a raw gloo "Timed out waiting 3000ms for recv operation to complete" from inside
     # FSDP2's forward or backward, with a traceback, naming no flag
-    waiting, stopped = start_pair("fsdp", 3, store_env, str(tmp_path / "run"))
-    try:
-        out, _ = waiting.communicate(timeout=120)
-    finally:
-        for p in (waiting, stopped):
-            p.kill()
-            p.wait()
+    procs = start_pair("fsdp", 3, store_env, str(tmp_path / "run"))
+    out = first_ranks_output(procs)
+    waiting = procs[0]
     errors = [line for line in out.splitlines() if line.startswith("error:")]
     assert waiting.returncode == 2 and len(errors) == 1, out[-3000:]
     assert errors[0].startswith("error: rank 0: a collective (in the model's forward or "

@@ -8,7 +8,7 @@ import torch
 
 from infra import memory
 from model import ModelConfig, Qwen2, num_params, rope_inv_freq
-from test_model import ours_from, randomise_biases_and_norms
+from test_model import cached_decode, ours_from, randomise_biases_and_norms
 
 transformers = pytest.importorskip("transformers")
 
@@ -89,13 +89,7 @@ def test_cached_decode_matches_full_forward(tmp_path, case):
     ours = ours_from(hf_model(case), tmp_path)
     x = torch.randint(0, VOCAB, (2, 90))
     with torch.no_grad():
-        full = ours(x)
-        cache = ours.new_kv_cache(2, 96)
-        steps = [ours(x[:, :70], kv_cache=cache.upto(70))]  # prefill 70, then one token at a time
-        for t in range(70, 90):
-            steps.append(ours(x[:, t:t + 1], positions=torch.full((2, 1), t),
-                              kv_cache=cache.upto(t + 1)))
-    assert (torch.cat(steps, 1) - full).abs().max() < TOL
+        assert (cached_decode(ours, x, prefill=70) - ours(x)).abs().max() < TOL
 
 
 FAMILY_CONFIGS = {

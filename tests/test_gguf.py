@@ -218,6 +218,12 @@ def test_chat_template_and_eos_from_metadata(tiny):
     gguf_file, out_dir = tiny
     expected = transformers.AutoTokenizer.from_pretrained(
         os.path.dirname(gguf_file), gguf_file=os.path.basename(gguf_file))
+    assert_same_chats(out_dir, expected)
+
+
+def assert_same_chats(out_dir, expected):
+    """Our tokenizer of out_dir renders and encodes CONVERSATIONS as `expected` (transformers')
+    does, and ends at <|im_end|>; returns ours."""
     import data
     ours = data.load_tokenizer(out_dir)
     assert ours.eos_token_ids == [2]  # <|im_end|>
@@ -226,6 +232,7 @@ def test_chat_template_and_eos_from_metadata(tiny):
         assert ours.render_chat(messages) == text
         assert ours.apply_chat_template(messages) == expected.encode(
             text, add_special_tokens=False)
+    return ours
 
 
 def test_smollm_pre_tokenizer_splits_digits_first():
@@ -365,15 +372,7 @@ def test_real_tokenizer_encodes_as_transformers_gguf_tokenizer(real, real_refere
 @needs_real
 def test_real_chat_template_ids_equal_transformers(real, real_reference_tokenizer):
     _, out_dir = real
-    expected = real_reference_tokenizer
-    import data
-    ours = data.load_tokenizer(out_dir)
-    assert ours.eos_token_ids == [2]  # <|im_end|>
-    for messages in CONVERSATIONS:
-        text = expected.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        assert ours.render_chat(messages) == text
-        assert ours.apply_chat_template(messages) == expected.encode(
-            text, add_special_tokens=False)
+    ours = assert_same_chats(out_dir, real_reference_tokenizer)
     default_system = ours.render_chat(CONVERSATIONS[0])
     assert default_system.startswith("<|im_start|>system\nYou are a helpful AI assistant named "
                                      "SmolLM, trained by Hugging Face<|im_end|>\n")

@@ -97,13 +97,19 @@ def test_cached_decode_matches_full_forward(tmp_path):
     ours = ours_from(hf_model(vocab=300), tmp_path)
     x = torch.randint(0, 300, (2, 20))
     with torch.no_grad():
-        full = ours(x)
-        cache = ours.new_kv_cache(2, 32)
-        steps = [ours(x[:, :8], kv_cache=cache.upto(8))]  # prefill 8, then one token at a time
-        for t in range(8, 20):
-            steps.append(ours(x[:, t:t + 1], positions=torch.full((2, 1), t),
-                              kv_cache=cache.upto(t + 1)))
-    assert (torch.cat(steps, 1) - full).abs().max() < TOL
+        assert (cached_decode(ours, x, prefill=8) - ours(x)).abs().max() < TOL
+
+
+def cached_decode(model, x, prefill: int):
+    """The logits of x (B, T) from a KV cache: the first `prefill` tokens in one forward, then
+    one token at a time."""
+    B, T = x.shape
+    cache = model.new_kv_cache(B, T)
+    steps = [model(x[:, :prefill], kv_cache=cache.upto(prefill))]
+    for t in range(prefill, T):
+        steps.append(model(x[:, t:t + 1], positions=torch.full((B, 1), t),
+                           kv_cache=cache.upto(t + 1)))
+    return torch.cat(steps, 1)  # (B, T, V)
 
 
 # The pieces on their own: RoPE, grouped-query attention, the KV-cache write
