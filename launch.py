@@ -5,8 +5,9 @@ DAPO; it is what a run needs before Algorithm 1 starts.
     with session(cfg) as cfg:  the flags and the files and directories they name checked,
                                torch.distributed started under torchrun, logging; on the way
                                out, the trackers flushed and the processes shut down
-    plan(cfg)                  the compute precision chosen and the memory plan from the model's
-                               config.json, printed (--plan N: then dapo.py stops, status 0)
+    plan(cfg)                  the compute precision and a CPU's threads chosen, and the memory
+                               plan from the model's config.json, printed (--plan N: then
+                               dapo.py stops, status 0)
     setup(cfg)                 the lengths checked against the positions, the verifier, the
                                policy, its tokenizer, the training and held-out rows (a Setup)
     user_errors_in_one_line()  the command line's way to report a user's mistake (a UserError)
@@ -24,7 +25,7 @@ import torch
 
 from config import Config, check_flags
 from data import Tokenizer, check_data_file, check_vocab, load_rows, load_tokenizer
-from infra import (checkpoint, distributed, files, health, hf_io, memory, precision,
+from infra import (checkpoint, cpu, distributed, files, health, hf_io, memory, precision,
                    trackers, vllm_engine)
 from infra.errors import UserError
 from infra.files import need_file
@@ -65,21 +66,25 @@ def session(cfg: Config):
 
 
 def plan(cfg: Config) -> Config:
-    """The compute precision (--precision auto: bf16 on CUDA, and on a CPU where it is faster) and
-    the memory plan per process (infra/memory.py) of the policy's config.json with these flags,
-    printed by rank 0 with the precision's reason in its first line, against this device unless
-    --plan N plans another number of processes. A run that cannot fit the device stops with the
-    numbers. Returns cfg with --precision and --rollout-slots auto resolved."""
+    """The compute precision (--precision auto: bf16 on CUDA, and on a CPU where it is faster), a
+    CPU's threads (one for a small model), and the memory plan per process (infra/memory.py) of
+    the policy's config.json with these flags, printed by rank 0 with the precision's reason in
+    its first line, against this device unless --plan N plans another number of processes. A run
+    that cannot fit the device stops with the numbers. Returns cfg with --precision and
+    --rollout-slots auto resolved."""
     planned = planned_world(cfg)
     model_cfg = model_config(cfg)[0]
+    params = memory.parameter_count(model_cfg)
     # bf16 compute with fp32 master weights: dapo.py enters autocast per forward phase, never
     # around the whole run (infra/precision.py says why)
-    chosen = precision.choose(cfg.precision, cfg.device, memory.parameter_count(model_cfg),
-                              planned)
+    chosen = precision.choose(cfg.precision, cfg.device, params, planned)
     cfg = replace(cfg, precision=chosen.precision)
     capacity = memory.device_capacity(cfg.device) if planned == distributed.world_size() else 0
     memory_plan = memory.plan(model_cfg, cfg, planned, capacity)
     where = cfg.device if capacity else "a device of any size"
+    if cfg.device == "cpu":  # one thread for a small model (infra/cpu.py says why)
+        threads = cpu.set_threads(params)
+        where += f", {threads} thread(s)" if capacity else ""
     distributed.say(memory_plan.describe(where, chosen.why))
     if cfg.plan:
         return cfg

@@ -19,7 +19,7 @@ import sampler
 from batches import random_batch
 from config import Config, parse_args
 from dapo_kernels.linear import accumulate_weight_grad, has_mixed_addmm
-from infra import checkpoint, precision
+from infra import checkpoint, cpu, precision
 from model import Qwen2, preset, response_logprobs
 from test_dapo import _cfg
 from test_distributed import torchrun
@@ -71,7 +71,7 @@ SMOLLM2_PARAMS = 135_000_000
 def test_auto_on_a_cpu_takes_bf16_only_where_the_probe_finds_it_faster(monkeypatch, speedup,
                                                                          chosen):
     """Native bf16 (AVX-512 BF16, AMX): bf16 matmuls 5-9x fp32's; AVX2 only: 8-40x slower."""
-    monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: speedup)
+    monkeypatch.setattr(cpu, "bf16_speedup", lambda: speedup)
     choice = precision.choose("auto", "cpu", SMOLLM2_PARAMS)
     assert choice.precision == chosen and f"{speedup:.2g}x" in choice.why
     assert precision.choose("auto", "cpu", SMOLLM2_PARAMS, world=2).precision == "fp32"
