@@ -291,13 +291,13 @@ def warmed_up_model(tok, key: dict, make_pairs, device="cpu", cache_root="runs/d
         for group in opt.param_groups:  # 20 steps of linear warm-up, then cosine decay to 10%
             group["lr"] = (key["lr"] * min(1, (step + 1) / 20)
                            * (0.1 + 0.45 * (1 + math.cos(math.pi * step / steps))))
-        loss = sft_loss(model, examples[step * batch:(step + 1) * batch], tok.pad_token_id, device)
-        loss.backward()
+        loss = sft_backward(model, examples[step * batch:(step + 1) * batch], tok.pad_token_id,
+                            device)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if step % log_every == 0 or step == steps - 1:
-            print(f"{label} {step:4d}/{steps}  loss {loss.item():.3f}  "
+            print(f"{label} {step:4d}/{steps}  loss {loss:.3f}  "
                   f"({time.time() - t0:.0f}s)", flush=True)
     model.save_pretrained(cache, tokenizer_dir=tok.name or None)  # a complete model directory
     # written last: its presence marks a complete cache
@@ -306,7 +306,28 @@ def warmed_up_model(tok, key: dict, make_pairs, device="cpu", cache_root="runs/d
     return model
 
 
-def sft_loss(model, examples, pad_id, device):
+# a warm-up batch is cut into this many micro-batches of similar lengths, each padded to its own
+# longest: a rambling response is 2-3x the length of the others, and padding every row to it
+# more than doubled the tokens computed
+WARMUP_MICRO_BATCHES = 4
+
+
+def sft_backward(model, examples, pad_id, device, micro_batches=WARMUP_MICRO_BATCHES) -> float:
+    """Back-propagates the batch's next-token cross-entropy, the mean over all its response
+    tokens, in micro-batches of examples sorted by length: the gradient of the whole batch at
+    once, up to summation order. Returns the loss."""
+    ordered = sorted(examples, key=lambda example: len(example[0]) + len(example[1]))
+    n_tokens = sum(len(response) for _, response in examples)
+    size = math.ceil(len(ordered) / micro_batches)
+    total = 0.0
+    for i in range(0, len(ordered), size):
+        loss = sft_loss(model, ordered[i:i + size], pad_id, device, reduction="sum") / n_tokens
+        loss.backward()
+        total += loss.item()
+    return total
+
+
+def sft_loss(model, examples, pad_id, device, reduction="mean"):
     """Next-token cross-entropy on the response tokens only (the prompt is given, not learned)."""
     T = max(len(p) + len(r) for p, r in examples)
     ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
@@ -317,4 +338,5 @@ def sft_loss(model, examples, pad_id, device):
     ids, labels = ids.to(device), labels.to(device)
     # right padding and a causal mask: the pads after a sequence never affect it
     logits = model(ids[:, :-1])
-    return F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+    return F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100,
+                           reduction=reduction)
