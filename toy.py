@@ -231,7 +231,7 @@ def toy_warmup_pairs(n: int, seed: int) -> list[tuple[list[dict], str]]:
 # The demo's base model: a brief supervised warm-up, in the open
 
 # expect a last-batch loss near 0.2 and a held-out val/acc of 0.27-0.39 (docs/demo.md)
-WARMUP = dict(steps=400, batch_size=64, lr=5e-3, preset="demo")
+WARMUP = dict(steps=400, batch_size=64, micro_batches=4, lr=5e-3, preset="demo")
 
 
 def demo_policy(out_dir: str, device: str, seed: int) -> tuple[str, Qwen2]:
@@ -267,8 +267,9 @@ def warmed_up_model(tok, key: dict, make_pairs, device="cpu", cache_root="runs/d
                     label="warm-up", log_every=50) -> Qwen2:
     """A Qwen2 of preset key["preset"] fitted by next-token prediction to make_pairs(n), n =
     steps x batch_size (prompt messages, response text) pairs seen once each, with AdamW at
-    key["lr"]; cached under cache_root in a directory named by the key (its settings, seed and a
-    checksum of its data) and loaded from there next time. The key names the kernels too: another
+    key["lr"], each batch in key["micro_batches"] (default 1; sft_backward); cached under
+    cache_root in a directory named by the key (its settings, seed and a checksum of its data)
+    and loaded from there next time. The key names the kernels too: another
     kernel set (ATEN_CPU_CAPABILITY=default, a GPU) rounds the warm-up differently."""
     key = dict(key, kernels=kernel_set(device))
     cache = os.path.join(cache_root, "_".join(f"{k}{v}" for k, v in key.items()))
@@ -292,7 +293,7 @@ def warmed_up_model(tok, key: dict, make_pairs, device="cpu", cache_root="runs/d
             group["lr"] = (key["lr"] * min(1, (step + 1) / 20)
                            * (0.1 + 0.45 * (1 + math.cos(math.pi * step / steps))))
         loss = sft_backward(model, examples[step * batch:(step + 1) * batch], tok.pad_token_id,
-                            device)
+                            device, key.get("micro_batches", 1))
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -306,16 +307,11 @@ def warmed_up_model(tok, key: dict, make_pairs, device="cpu", cache_root="runs/d
     return model
 
 
-# a warm-up batch is cut into this many micro-batches of similar lengths, each padded to its own
-# longest: a rambling response is 2-3x the length of the others, and padding every row to it
-# more than doubled the tokens computed
-WARMUP_MICRO_BATCHES = 4
-
-
-def sft_backward(model, examples, pad_id, device, micro_batches=WARMUP_MICRO_BATCHES) -> float:
+def sft_backward(model, examples, pad_id, device, micro_batches=1) -> float:
     """Back-propagates the batch's next-token cross-entropy, the mean over all its response
-    tokens, in micro-batches of examples sorted by length: the gradient of the whole batch at
-    once, up to summation order. Returns the loss."""
+    tokens, in micro-batches of examples sorted by length, each padded to its own longest: the
+    gradient of the whole batch at once, up to summation order, with less padding (a rambling
+    response is 2-3x the length of the others). Returns the loss."""
     ordered = sorted(examples, key=lambda example: len(example[0]) + len(example[1]))
     n_tokens = sum(len(response) for _, response in examples)
     size = math.ceil(len(ordered) / micro_batches)
