@@ -164,6 +164,7 @@ def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:
     sharded = distributed.world_size() > 1
     if resume_dir or cfg.model:
         tok_dir = os.path.join(resume_dir, "model") if resume_dir else cfg.model
+        tok = load_tokenizer(tok_dir)  # a broken tokenizer file is said before the weights load
         if sharded:
             model = load_sharded(tok_dir, cfg)
         else:
@@ -173,7 +174,7 @@ def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:
         tok_dir, model = demo_policy(cfg.out_dir, cfg.device, cfg.seed)
         if sharded:
             distributed.shard(model, mixed_precision=cfg.precision == "bf16")
-    tok = load_tokenizer(tok_dir)
+        tok = load_tokenizer(tok_dir)
     check_vocab(model.config.vocab_size, tok, tok_dir)
     model.activation_checkpointing = cfg.activation_checkpointing
     if cfg.compile:

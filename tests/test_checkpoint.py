@@ -131,6 +131,7 @@ def cut_in_half(file):
     ("trainer_rank0.pt", r"trainer_rank0\.pt is missing"),
     ("model/model.safetensors", r"model\.safetensors is truncated or corrupt"),
     ("trainer.json", r"trainer\.json: not valid JSON"),
+    ("model/tokenizer.json", r"tokenizer\.json: not valid JSON"),
 ])
 def test_a_broken_latest_checkpoint_names_the_earlier_complete_one(tmp_path, model,
                                                                    tiny_model_dir, broken,
