@@ -121,10 +121,8 @@ def open_all(cfg, start: int = 0, metrics_path: str | None = None) -> list:
 
 
 def _rows(path: str | None) -> list[dict]:
-    if not path or not os.path.isfile(path):
-        return []
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    # a resume with nothing to do leaves metrics.jsonl as the crash did, a torn last line included
+    return files.read_jsonl(path) if path and os.path.isfile(path) else []
 
 
 def close(trackers: list):

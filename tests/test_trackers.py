@@ -11,6 +11,8 @@ import pytest
 
 import dapo
 from config import Config, check_flags
+from infra import trackers
+from infra.errors import UserError
 
 # not imported here: Trackio reads TRACKIO_DIR when it is first imported, by the run below
 if any(importlib.util.find_spec(p) is None for p in ("tensorboard", "wandb", "trackio")):
@@ -174,3 +176,20 @@ def test_eval_only_logs_to_runs_of_its_own(run, tiny_model_dir, monkeypatch):
     assert [(e.step, e.value) for e in acc.Scalars("val/acc")] == [(0, result["val/acc"])]
     files = glob.glob(str(tmp / "wandb" / "offline-run-*" / "*.wandb"))
     assert sum(json.loads(before)["wandb_id"] not in f for f in files) == 1  # a run of its own
+
+
+def test_a_torn_last_row_is_skipped_when_tensorboard_logs_the_resumed_step_again(tmp_path):
+    # before: a resume with nothing to do (metrics.jsonl left as the crash did) met the torn row:
+    # json.decoder.JSONDecodeError
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 2, "rollout/acc": 0.5}\n{"step": 2, "val/ac')
+    cfg = Config(out_dir=str(tmp_path), report_to=("tensorboard",))
+    trackers.close(trackers.open_all(cfg, 2, str(metrics)))
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("rollout/acc")] == [(2, 0.5)]
+    assert acc.Tags()["scalars"] == ["rollout/acc"]
+    metrics.write_text('{"step": 2\n{"step": 2, "rollout/acc": 0.5}\n')  # not the last: named
+    with pytest.raises(UserError, match=rf"^{metrics}:1: not a JSON row; fix or remove the line"):
+        trackers.open_all(cfg, 2, str(metrics))
