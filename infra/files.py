@@ -137,8 +137,13 @@ def own_dir(path: str, lock_name: str = "run.lock"):
         os.close(fd)
         raise UserError(f"{path} is in use by a live run (pid {holder}, {file}): wait for it "
                         "or stop it, or choose another --out-dir") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:  # the first write of a run: a disk already full fails here (the lock took no space)
+        with writing(file):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except UserError:
+        os.close(fd)
+        raise
     _owned[key] = fd
 
 

@@ -1,11 +1,14 @@
 """--report-to: a tiny real run, 2 steps then resumed to 4, logged to TensorBoard, wandb (offline)
 and Trackio, each read back with its own package's reader; every number of metrics.jsonl arrives,
 at its step, in one run per tracker. No network: wandb offline, Trackio's local database."""
+import errno
 import glob
 import importlib.util
 import json
 import os
 import sys
+import threading
+import time
 
 import pytest
 
@@ -193,3 +196,28 @@ def test_a_torn_last_row_is_skipped_when_tensorboard_logs_the_resumed_step_again
     metrics.write_text('{"step": 2\n{"step": 2, "rollout/acc": 0.5}\n')  # not the last: named
     with pytest.raises(UserError, match=rf"^{metrics}:1: not a JSON row; fix or remove the line"):
         trackers.open_all(cfg, 2, str(metrics))
+
+
+def a_full_disk(self, data):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("logs", [50, 1], ids=["while-logging", "at-close"])
+def test_a_full_disk_under_tensorboard_is_one_error_naming_the_directory(tmp_path, monkeypatch,
+                                                                         capfd, logs):
+    # before: the writer's thread printed its traceback ("Exception in thread"), then the next
+    # row raised it again in the run: OSError, naming no file
+    from tensorboard.summary.writer import record_writer
+    hook = threading.excepthook
+    tb = trackers.TensorBoard(str(tmp_path / "tensorboard"), {}, None)
+    monkeypatch.setattr(record_writer.RecordWriter, "write", a_full_disk)
+    said = rf"^could not write {tmp_path}/tensorboard \(--report-to tensorboard\): the disk is full"
+    with pytest.raises(UserError, match=said):
+        for step in range(1, logs + 1):  # the writer's thread fails, the next row says so
+            tb.log({"step": step, "rollout/acc": 0.5}, step)
+            time.sleep(0.01)
+        tb.close()  # a failure after the last row: said when the thread is joined
+    tb.log({"step": 99, "rollout/acc": 0.5}, 99)  # said once: nothing more is written or said
+    tb.close()
+    assert threading.excepthook is hook
+    assert "Traceback" not in capfd.readouterr().err
