@@ -55,11 +55,11 @@ def session(cfg: Config):
     except health.RunStuck as stuck:  # the warnings above name the cause: one line, no traceback
         distributed.say(f"error: {stuck}")
         raise SystemExit(1) from None
-    except RuntimeError as e:  # a rank stopped while this one waited inside FSDP2's collectives
-        timed_out = distributed.timeout_error(e, cfg.dist_timeout)
-        if timed_out is None:
+    except RuntimeError as e:  # a rank stopped or died while this one was in FSDP2's collectives
+        said = distributed.collective_error(e, cfg.dist_timeout)
+        if said is None:
             raise
-        raise timed_out from e
+        raise said from e
     finally:
         trackers.close_all()  # a crash still flushes what the trackers were given
         vllm_engine.close_all()  # before the process group: vLLM's teardown uses it
