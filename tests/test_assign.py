@@ -146,7 +146,8 @@ def test_the_handout_is_the_reference_with_each_exercise_blanked(handout):
     files = [f for f in files if f not in left_out]
     written = sorted(os.path.relpath(os.path.join(d, f), handout)
                      for d, _, names in os.walk(handout) for f in names)
-    assert written == sorted(files + ["EXERCISES.md"])
+    assert written == sorted(files + ["EXERCISES.md", assign.MANIFEST])
+    assert sorted(assign.replaceable_files(handout)) == written  # the manifest lists them all
     regions = assign.marked_regions(ROOT, files)
     for path in files:
         expected = assign.blank(read(ROOT, path), regions[path]) if path in regions else \
