@@ -16,9 +16,8 @@ import time
 
 import pytest
 
-from reward import (NO_ANSWER, REMOVED, REPLACEMENTS, REWRITES, WINDOW, compute_score,
-                    extract_answer, has_scorer, normalize, normalized_ground_truth,
-                    overlong_penalty, score_response)
+from reward import (NO_ANSWER, REWRITES, WINDOW, compute_score, extract_answer, has_scorer,
+                    normalize, normalized_ground_truth, overlong_penalty, score_response)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -234,7 +233,7 @@ def test_a_long_ground_truth_is_normalised_once_per_group():
 
 
 # verl's math_dapo.normalize_final_answer's regex rewrites, in order: what each of reward.REWRITES
-# does in linear time
+# does in linear time (normalize applies them in turn: test_normalize_matches_math_dapo)
 UPSTREAM_REWRITES = [
     (r"(.*?)(\$)(.*?)(\$)(.*)", "$\\3$"),
     (r"(\\text\{)(.*?)(\})", "\\2"),
@@ -244,21 +243,6 @@ UPSTREAM_REWRITES = [
     (r"(frac)([^{])(.)", "frac{\\2}{\\3}"),
     (r"(sqrt)([^{])", "sqrt{\\2}"),
 ]
-
-
-def upstream_normalize(answer: str) -> str:
-    """math_dapo.normalize_final_answer as verl writes it: its regexes, quadratic on long lines."""
-    s = answer.split("=")[-1]
-    for old, new in REPLACEMENTS:
-        s = s.replace(old, new)
-    for junk in REMOVED:
-        s = s.replace(junk, "")
-    for pattern, repl in UPSTREAM_REWRITES:
-        s = re.sub(pattern, repl, s)
-    s = s.replace("$", "")
-    if s.replace(",", "").isdigit():
-        s = s.replace(",", "")
-    return s.strip()
 
 
 # the pieces the rewrites look for, and what is between them
@@ -272,22 +256,18 @@ def random_answers(count: int, seed: int = 0):
         yield "".join(rng.choice(PIECES) for _ in range(rng.randint(0, 24)))
 
 
-@pytest.mark.needs("normalize")
 @pytest.mark.parametrize("raw", [raw for raw, _ in NORMALIZE_CASES]
                          + [response for response, *_ in RESPONSE_CASES]
                          + [response[-WINDOW:] for response in ADVERSARIAL])
 def test_each_rewrite_is_upstreams_regex_on_the_corpus(raw):
     for (pattern, repl), upstream in zip(REWRITES, UPSTREAM_REWRITES, strict=True):
         assert pattern.sub(repl, raw) == re.sub(*upstream, raw), upstream
-    assert normalize(raw) == upstream_normalize(raw)
 
 
-@pytest.mark.needs("normalize")
 def test_each_rewrite_is_upstreams_regex_on_random_strings_of_its_pieces():
     for raw in random_answers(5_000):
         for (pattern, repl), upstream in zip(REWRITES, UPSTREAM_REWRITES, strict=True):
             assert pattern.sub(repl, raw) == re.sub(*upstream, raw), (upstream, raw)
-        assert normalize(raw) == upstream_normalize(raw), raw
 
 
 # (a long ground truth, what the normalisation makes of it)
@@ -322,7 +302,8 @@ def test_a_megabyte_ground_truth_is_scored_in_well_under_a_second():
     # reaches: a subprocess, given 20 s for what takes a third of a second
     out = subprocess.run([sys.executable, "-c", SCORE_LONG_GROUND_TRUTHS], capture_output=True,
                          text=True, timeout=20, cwd=os.path.dirname(__file__),
-                         env={**os.environ, "PYTHONPATH": ROOT}, check=True)
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout)
     assert list(seen) == list(LONG_GROUND_TRUTHS)
     for name, (cpu_s, score, normalized_as_expected) in seen.items():
