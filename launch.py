@@ -54,11 +54,11 @@ def session(cfg: Config):
     except health.RunStuck as stuck:  # the warnings above name the cause: one line, no traceback
         distributed.say(f"error: {stuck}")
         raise SystemExit(1) from None
-    except RuntimeError as e:  # a rank stopped while this one waited inside FSDP2's collectives
-        timed_out = distributed.timeout_error(e, cfg.dist_timeout)
-        if timed_out is None:
+    except RuntimeError as e:  # a rank stopped or died while this one was in FSDP2's collectives
+        said = distributed.collective_error(e, cfg.dist_timeout)
+        if said is None:
             raise
-        raise timed_out from e
+        raise said from e
     finally:
         trackers.close_all()  # a crash still flushes what the trackers were given
         vllm_engine.close_all()  # before the process group: vLLM's teardown uses it
@@ -180,6 +180,7 @@ def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:
     sharded = distributed.world_size() > 1
     if resume_dir or cfg.model:
         tok_dir = os.path.join(resume_dir, "model") if resume_dir else cfg.model
+        tok = load_tokenizer(tok_dir)  # a broken tokenizer file is said before the weights load
         if sharded:
             model = load_sharded(tok_dir, cfg)
         else:
@@ -189,7 +190,7 @@ def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:
         tok_dir, model = demo_policy(cfg.out_dir, cfg.device, cfg.seed)
         if sharded:
             distributed.shard(model, mixed_precision=cfg.precision == "bf16")
-    tok = load_tokenizer(tok_dir)
+        tok = load_tokenizer(tok_dir)
     check_vocab(model.config.vocab_size, tok, tok_dir)
     model.activation_checkpointing = cfg.activation_checkpointing
     if cfg.compile:

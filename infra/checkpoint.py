@@ -189,8 +189,9 @@ def latest(out_dir) -> str:
 
 def incomplete(ckpt) -> str | None:
     """What is missing or unreadable in checkpoint directory ckpt, or None. Cheap: reads
-    trainer.json and config.json, and only the headers of the other files (a truncated zip lacks
-    its end record, a truncated safetensors file is shorter than its header says)."""
+    trainer.json, config.json and tokenizer.json (as JSON), and only the headers of the other
+    files (a truncated zip lacks its end record, a truncated safetensors file is shorter than its
+    header says)."""
     try:
         meta = files.read_json(os.path.join(ckpt, "trainer.json"))
         for rank in range(meta["world_size"]):
@@ -200,7 +201,8 @@ def incomplete(ckpt) -> str | None:
             if not zipfile.is_zipfile(file):
                 return f"{file} is truncated or corrupt"
         model_dir = os.path.join(ckpt, "model")
-        files.read_json(files.need_file(model_dir, "config.json"))
+        for name in ("config.json", "tokenizer.json"):
+            files.read_json(files.need_file(model_dir, name))
         for file in checkpoint_files(model_dir):
             try:
                 with safe_open(file, framework="pt"):
