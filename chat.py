@@ -165,11 +165,11 @@ def main(argv=None, lines=None, out=sys.stdout):
 
 
 def _input_lines():
-    """Lines of stdin, read as they are typed, until its end."""
+    """Lines of stdin, read as they are typed, until its end (or Ctrl-C at the prompt)."""
     while True:
         try:
             yield input()
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):
             return
 
 

@@ -73,6 +73,7 @@ def cache(tmp_path, monkeypatch, tiny_model_dir):
     return cache
 
 
+@pytest.mark.needs("rope", "attention")  # the loaded model's forward
 def test_a_model_name_is_its_snapshot_in_the_cache(cache, tiny_model_dir):
     path = hub.fetch(hub.parse(MODEL, "model"), "--model")
     assert path == str(cache / f"models--{MODEL.replace('/', '--')}" / "snapshots" / COMMIT_A)
