@@ -143,7 +143,8 @@ def make_recipe(target: str) -> list[str]:
 @pytest.mark.needs("all")
 def test_make_run_ends_with_a_chat_command_that_runs(tiny_model_dir, tmp_path):
     recipe = make_recipe("run")
-    out_dir = shlex.split(recipe[0])[shlex.split(recipe[0]).index("--out-dir") + 1]  # runs/demo
+    train = shlex.split(next(line for line in recipe if "dapo.py" in line))
+    out_dir = train[train.index("--out-dir") + 1]  # runs/demo
     dapo.main(_cfg(tiny_model_dir, tmp_path / out_dir, steps=1, eval_every=0))
     echo = recipe[-1].removeprefix("\t").removeprefix("@").replace("$(PY)", sys.executable)
     printed = subprocess.run(["sh", "-c", echo.replace("$$", "$")], cwd=tmp_path,
