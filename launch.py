@@ -4,16 +4,16 @@ DAPO; it is what a run needs before Algorithm 1 starts.
 
     with session(cfg) as cfg:  the flags checked, torch.distributed started under torchrun, the
                                names on the Hub fetched, the files and directories the flags
-                               name checked, logging; on the way
-                               out, the trackers flushed and the processes shut down
-    plan(cfg)                  the memory plan from the model's config.json, printed (--plan N:
-                               then dapo.py stops, status 0)
+                               name checked, logging; on the way out, the trackers flushed and
+                               the processes shut down
+    plan(cfg)                  the compute precision chosen and the memory plan from the model's
+                               config.json, printed (--plan N: then dapo.py stops, status 0)
     setup(cfg)                 the lengths checked against the positions, the verifier, the
                                policy, its tokenizer, the training and held-out rows (a Setup)
     user_errors_in_one_line()  the command line's way to report a user's mistake (a UserError)
 
 Each step returns a new Config where it resolves a flag, never edits the caller's: session the
-Hub names, the device (--device auto) and --precision, plan --rollout-slots auto.
+Hub names, the device (--device auto); plan --precision auto and --rollout-slots auto.
 """
 import contextlib
 import logging
@@ -36,20 +36,18 @@ from sampler import Engine
 
 @contextlib.contextmanager
 def session(cfg: Config):
-    """A run's processes, around dapo.py's work: yields cfg with the device and the compute
-    precision resolved. Whatever happens inside, the trackers are flushed and the processes shut
-    down; a run stuck says so in one line (exit status 1), a rank that timed out inside FSDP2's
-    collectives names --dist-timeout."""
+    """A run's processes, around dapo.py's work: yields cfg with the device resolved. Whatever
+    happens inside, the trackers are flushed and the processes shut down; a run stuck says so in
+    one line (exit status 1), a rank that timed out inside FSDP2's collectives names
+    --dist-timeout."""
     # --plan N: the flags are checked, and the memory planned, for the N processes the plan is for
-    check_flags(cfg, world=cfg.plan or distributed.launched_world())
+    check_flags(cfg, world=planned_world(cfg))
     rank, _, device = distributed.init(cfg.device, timeout_s=cfg.dist_timeout)
     cfg = fetch_hub_names(cfg)  # names on the Hugging Face Hub: paths in its cache
     if not cfg.plan:  # --plan reads config.json alone
         check_files(cfg)  # before the weights load (minutes for 32B)
         check_writable_dirs(cfg)  # not at the first save, after every step of the run
-    # bf16 compute with fp32 master weights: dapo.py enters autocast per forward phase, never
-    # around the whole run (infra/precision.py says why)
-    cfg = replace(cfg, device=device, precision=precision.resolve(cfg.precision, device))
+    cfg = replace(cfg, device=device)
     # data.py reports through logging: rank 0 shows it, the others only warnings
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     try:
@@ -69,18 +67,31 @@ def session(cfg: Config):
 
 
 def plan(cfg: Config) -> Config:
-    """The memory plan per process (infra/memory.py) of the policy's config.json with these flags,
-    printed by rank 0, against this device unless --plan N plans another number of processes. A
-    run that cannot fit the device stops with the numbers. Returns cfg with --rollout-slots auto
-    resolved to the slots that fit."""
-    planned = cfg.plan or distributed.world_size()
+    """The compute precision (--precision auto: bf16 on CUDA, and on a CPU where it is faster) and
+    the memory plan per process (infra/memory.py) of the policy's config.json with these flags,
+    printed by rank 0 with the precision's reason in its first line, against this device unless
+    --plan N plans another number of processes. A run that cannot fit the device stops with the
+    numbers. Returns cfg with --precision and --rollout-slots auto resolved."""
+    planned = planned_world(cfg)
+    model_cfg = model_config(cfg)[0]
+    # bf16 compute with fp32 master weights: dapo.py enters autocast per forward phase, never
+    # around the whole run (infra/precision.py says why)
+    chosen = precision.choose(cfg.precision, cfg.device, memory.parameter_count(model_cfg),
+                              planned)
+    cfg = replace(cfg, precision=chosen.precision)
     capacity = memory.device_capacity(cfg.device) if planned == distributed.world_size() else 0
-    memory_plan = memory.plan(model_config(cfg)[0], cfg, planned, capacity)
-    distributed.say(memory_plan.describe(cfg.device if capacity else "a device of any size"))
+    memory_plan = memory.plan(model_cfg, cfg, planned, capacity)
+    where = cfg.device if capacity else "a device of any size"
+    distributed.say(memory_plan.describe(where, chosen.why))
     if cfg.plan:
         return cfg
     memory.refuse_if_too_big(memory_plan, cfg.device)
     return replace(cfg, rollout_slots=memory_plan.slots) if cfg.rollout_slots == "auto" else cfg
+
+
+def planned_world(cfg: Config) -> int:
+    """The processes a run is planned for: --plan N's N, else (a bare --plan too) this launch's."""
+    return cfg.plan if cfg.plan > 0 else distributed.launched_world()
 
 
 @dataclass

@@ -7,7 +7,7 @@ Compute precision: fp32, or bf16 with fp32 master weights (the precision of ever
     bf16         autocast around each forward phase gathered weights and compute in bf16
                  (a rollout, an evaluation, each    (MixedPrecisionPolicy); shards, optimizer
                  micro-batch's forward)             and gradient reduction in fp32
-    auto         bf16 on CUDA, fp32 on CPU
+    auto         bf16 on CUDA; on a CPU, bf16 only where it is faster (choose() below)
 
 In one process the weights stay fp32 and autocast casts them to bf16 as each matmul reads them.
 Autocast keeps those bf16 copies for the life of the outermost autocast region, so a region must
@@ -17,6 +17,9 @@ autocast leaves in fp32, would move). Hence autocast() per phase, and check_no_a
 each step.
 """
 import contextlib
+import functools
+import time
+from dataclasses import dataclass
 
 import torch
 
@@ -28,11 +31,75 @@ PRECISIONS = ("auto", "fp32", "bf16")
 BF16_UNIT_ROUNDOFF = torch.finfo(torch.bfloat16).eps / 2
 
 
-def resolve(precision: str, device: str) -> str:
-    """--precision auto -> bf16 on CUDA, fp32 on CPU; fp32 and bf16 as they are."""
-    if precision == "auto":
-        return "bf16" if device.startswith("cuda") else "fp32"
-    return precision
+# On a CPU, --precision auto weighs bf16 only for a model this big: below it a step is bound by
+# Python and small kernels, bf16 buys little, and fp32 gives the same figures on every CPU (as the
+# demo's)
+CPU_BF16_MIN_PARAMS = 50_000_000
+# ...and takes bf16 where its matmuls are at least this much faster than fp32's. With native bf16
+# (AVX-512 BF16, AMX) they were 5-9x faster here; with AVX2 only, 8-40x slower: the margin is wide
+CPU_BF16_MIN_SPEEDUP = 1.25
+
+
+@dataclass(frozen=True)
+class Choice:
+    precision: str  # "fp32" or "bf16"
+    why: str  # how it was chosen, for the memory plan's first line
+
+
+def choose(precision: str, device: str, params: int = 0, world: int = 1) -> Choice:
+    """--precision resolved for a model of `params` parameters on `world` processes: fp32 and bf16
+    as they are; auto -> bf16 on CUDA, and on a CPU bf16 only where it is faster. bf16 matmuls are
+    fast only on CPUs with native bf16 instructions (AVX-512 BF16, AMX); on AVX2, most laptops
+    before 2023, they are several times slower than fp32, so a short probe decides (one process
+    only: the ranks of a CPU run would have to agree on a timing)."""
+    if precision != "auto":
+        return Choice(precision, f"--precision {precision}")
+    if device.startswith("cuda"):
+        return Choice("bf16", "auto: bf16 on CUDA")
+    if world > 1:
+        return Choice("fp32", "auto: fp32 on CPU in several processes")
+    if params < CPU_BF16_MIN_PARAMS:
+        return Choice("fp32", f"auto: fp32 on CPU for a model under "
+                              f"{CPU_BF16_MIN_PARAMS // 1_000_000}M parameters")
+    speedup = cpu_bf16_speedup()
+    faster = speedup >= CPU_BF16_MIN_SPEEDUP
+    return Choice("bf16" if faster else "fp32",
+                  f"auto: bf16 matmuls {speedup:.2g}x as fast as fp32 on this CPU "
+                  f"({torch.backends.cpu.get_cpu_capability()})")
+
+
+def resolve(precision: str, device: str, params: int = 0, world: int = 1) -> str:
+    """choose()'s precision alone."""
+    return choose(precision, device, params, world).precision
+
+
+@functools.cache
+def cpu_bf16_speedup(rows: int = 256, dim: int = 576, hidden: int = 1536) -> float:
+    """fp32's time over bf16 autocast's for a (rows, dim) @ (dim, hidden) matmul (SmolLM2's MLP
+    shape) on one thread of this CPU, the best of a few tries each, in CPU time: robust to a busy
+    machine. ~50 ms with native bf16; with AVX2 only, one bf16 try says enough (~0.3 s). The weight
+    requires grad, as a model's: autocast casts it once and keeps the copy."""
+    x, w = torch.randn(rows, dim), torch.randn(hidden, dim, requires_grad=True)
+
+    def best_time(bf16: bool, tries: int, give_up_after: float = float("inf")) -> float:
+        best = float("inf")
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            torch.nn.functional.linear(x, w)  # the first call pays for the kernels' set-up
+            for _ in range(tries):
+                t0 = time.process_time()
+                torch.nn.functional.linear(x, w)
+                best = min(best, time.process_time() - t0)
+                if best > give_up_after:
+                    break
+        return best
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fp32 = best_time(bf16=False, tries=5)
+        return fp32 / best_time(bf16=True, tries=5, give_up_after=4 * fp32)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def autocast(precision: str, device: str):
