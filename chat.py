@@ -21,7 +21,7 @@ from data import Tokenizer, check_vocab, load_tokenizer
 from infra import distributed, hub, precision
 from infra.errors import UserError
 from infra.precision import PRECISIONS
-from model import Qwen2
+from model import Qwen2, num_params
 from sampler import decode_one_token, prefill_slots, sample
 
 QUIT, CLEAR = ("quit", "exit"), "clear"  # the conversation's commands, as nanochat's
@@ -71,9 +71,9 @@ class Chat:
         if name := hub.parse(model_dir, "model"):  # a name on the Hub: its snapshot
             model_dir = hub.fetch(name, "--model")
         self.device = args.device
-        self.precision = precision.resolve(args.precision, self.device)
         self.model = Qwen2.from_pretrained(model_dir, dtype=torch.float32, device=self.device)
         self.model.eval()
+        self.precision = precision.resolve(args.precision, self.device, num_params(self.model))
         self.tok = load_tokenizer(model_dir)
         check_vocab(self.model.config.vocab_size, self.tok, model_dir)
         self.args = args
@@ -136,7 +136,7 @@ def parse_args(argv=None):
                         help="tokens of a reply at most")
     parser.add_argument("--seed", type=int, default=0, help="seeds the sampling")
     parser.add_argument("--precision", default="auto", choices=PRECISIONS,
-                        help="auto: bf16 on CUDA, fp32 on CPU")
+                        help="auto: bf16 on CUDA, and on a CPU where it is faster")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     try:
