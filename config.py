@@ -55,10 +55,13 @@ def plan_value(text: str) -> int:
 @dataclass
 class Config:
     # what to train (the defaults are the embedded CPU demo; the README gives the paper's settings)
-    model: str = _flag("", "Hugging Face directory of a Qwen2/Qwen2.5, Llama or Qwen3; empty: "
-                           "the demo's tiny model (paper: Qwen2.5-32B base)")
-    train_data: str = _flag("", ".parquet/.jsonl rows; empty: the toy task (paper: DAPO-Math-17k)")
-    val_data: str = _flag("", ".parquet/.jsonl rows; empty: the toy task's test split (paper: "
+    model: str = _flag("", "Hugging Face directory of a Qwen2/Qwen2.5, Llama or Qwen3, or its "
+                           "name on the Hub (ORG/NAME[@REV]); empty: the demo's tiny model "
+                           "(paper: Qwen2.5-32B base)")
+    train_data: str = _flag("", ".parquet/.jsonl rows, or a dataset on the Hub (ORG/NAME, "
+                                "ORG/NAME:SPLIT, ORG/NAME/FILE); empty: the toy task (paper: "
+                                "DAPO-Math-17k)")
+    val_data: str = _flag("", "as --train-data; empty: the toy task's test split (paper: "
                               "AIME-2024)")
     reward_fn: str = _flag("", "FILE.py:NAME, (response, ground_truth) -> float or {score, acc}: "
                                "the verifier of rows no built-in one knows (plain JSONL rows)")

@@ -2,9 +2,10 @@
 Set-up for dapo.py's loop: the processes, the policy, the tokenizer and the data. Nothing here is
 DAPO; it is what a run needs before Algorithm 1 starts.
 
-    with session(cfg) as cfg:  the flags and the files and directories they name checked,
-                               torch.distributed started under torchrun, logging; on the way
-                               out, the trackers flushed and the processes shut down
+    with session(cfg) as cfg:  the flags checked, torch.distributed started under torchrun, the
+                               names on the Hub fetched, the files and directories the flags
+                               name checked, logging; on the way out, the trackers flushed and
+                               the processes shut down
     plan(cfg)                  the compute precision and a CPU's threads chosen, and the memory
                                plan from the model's config.json, printed (--plan N: then
                                dapo.py stops, status 0)
@@ -13,7 +14,7 @@ DAPO; it is what a run needs before Algorithm 1 starts.
     user_errors_in_one_line()  the command line's way to report a user's mistake (a UserError)
 
 Each step returns a new Config where it resolves a flag, never edits the caller's: session the
-device (--device auto), plan --precision auto and --rollout-slots auto.
+Hub names, the device (--device auto); plan --precision auto and --rollout-slots auto.
 """
 import contextlib
 import logging
@@ -25,7 +26,7 @@ import torch
 
 from config import Config, check_flags
 from data import Tokenizer, check_data_file, check_vocab, load_rows, load_tokenizer
-from infra import (checkpoint, cpu, distributed, files, health, hf_io, memory, precision,
+from infra import (checkpoint, cpu, distributed, files, health, hf_io, hub, memory, precision,
                    trackers, vllm_engine)
 from infra.errors import UserError
 from infra.files import need_file
@@ -42,10 +43,11 @@ def session(cfg: Config):
     --dist-timeout."""
     # --plan N: the flags are checked, and the memory planned, for the N processes the plan is for
     check_flags(cfg, world=planned_world(cfg))
-    if not cfg.plan:  # --plan reads config.json alone
-        check_files(cfg)  # before the processes meet and the weights load (minutes for 32B)
-        check_writable_dirs(cfg)  # not at the first save, after every step of the run
     rank, _, device = distributed.init(cfg.device, timeout_s=cfg.dist_timeout)
+    cfg = fetch_hub_names(cfg)  # names on the Hugging Face Hub: paths in its cache
+    if not cfg.plan:  # --plan reads config.json alone
+        check_files(cfg)  # before the weights load (minutes for 32B)
+        check_writable_dirs(cfg)  # not at the first save, after every step of the run
     cfg = replace(cfg, device=device)
     # data.py reports through logging: rank 0 shows it, the others only warnings
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
@@ -133,6 +135,32 @@ def model_config(cfg: Config) -> tuple[ModelConfig, str | None]:
         return ModelConfig.from_json(config_json), config_json
     from toy import demo_model_config  # the demo's, imported only where it is chosen
     return demo_model_config(), None
+
+
+HUB_FLAGS = {"--model": "model", "--train-data": "dataset", "--val-data": "dataset"}
+
+
+def fetch_hub_names(cfg: Config) -> Config:
+    """cfg with --model, --train-data and --val-data given as names on the Hugging Face Hub
+    replaced by their paths in its cache, which name the commit (infra/hub.py; under torchrun one
+    process downloads); local paths as they are. --resume fetches the commits the checkpoint's
+    paths name. --plan and --resume read the model's config.json alone (the checkpoint holds the
+    weights), and --plan no data."""
+    names = {flag: hub.parse(getattr(cfg, _field(flag)), kind) for flag, kind in HUB_FLAGS.items()
+             if not (cfg.plan and kind == "dataset")}
+    names = {flag: name for flag, name in names.items() if name}
+    if not names:
+        return cfg
+    if cfg.resume:
+        saved = checkpoint.saved_config(checkpoint.latest(cfg.out_dir))
+        names = {flag: hub.at_commit_of(name, saved.get(_field(flag)), flag)
+                 for flag, name in names.items()}
+    paths = hub.fetch_once(names, config_only=bool(cfg.plan or cfg.resume))
+    return replace(cfg, **{_field(flag): path for flag, path in paths.items()})
+
+
+def _field(flag: str) -> str:
+    return flag[2:].replace("-", "_")  # --train-data -> train_data
 
 
 def check_files(cfg: Config):

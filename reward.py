@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+import scorers
 from infra.errors import UserError
 
 WINDOW = 300  # characters read from the end of a response (the longest MATH-500 answer has 159)
@@ -131,9 +132,9 @@ def compute_score(solution_str: str, ground_truth: str) -> dict:
 
 def found_answer(result: dict) -> bool:
     """Whether the verifier found an answer in the response it scored (math_dapo's "[INVALID]"
-    case: normalize leaves "[INVALID]" as it is). A custom verifier's responses count as
-    answered: it says only right or wrong."""
-    return result.get("pred") != NO_ANSWER
+    case: normalize leaves "[INVALID]" as it is; scorers.py's None). A custom verifier's responses
+    count as answered: it says only right or wrong."""
+    return result.get("pred") not in (NO_ANSWER, None)
 
 
 @functools.lru_cache(maxsize=2**16)
@@ -170,7 +171,10 @@ TOY_DATA_SOURCE = "toy_sum"
 # Which verifier scores a row, by its data_source, as verl's default_compute_score dispatches
 SCORERS = {
     "math_dapo": compute_score,  # DAPO-Math-17k
+    "math": compute_score,  # verl's other names for math_dapo's rows
+    "math_dapo_reasoning": compute_score,
     TOY_DATA_SOURCE: compute_score,
+    **scorers.VERL_SCORERS,  # GSM8K and MATH, scored as verl scores them (scorers.py)
 }
 
 

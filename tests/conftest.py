@@ -14,6 +14,9 @@ if os.environ.get("ATEN_CPU_CAPABILITY"):
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
         tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_"
                                f"{os.environ['ATEN_CPU_CAPABILITY']}"))
+# No test reaches the Hugging Face Hub: a name that is not in a test's own cache (tests/test_hub.py)
+# fails at once instead of trying the network. huggingface_hub reads this when first imported.
+os.environ["HF_HUB_OFFLINE"] = "1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the repository's modules, and the tools a folder down that the tests import by name
 sys.path[:0] = [ROOT, os.path.join(ROOT, "experiments"), os.path.join(ROOT, "course")]

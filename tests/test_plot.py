@@ -49,14 +49,15 @@ def test_a_line_that_is_not_json_names_the_file_and_line(tmp_path):
         plot.read_metrics(str(path))
 
 
-def test_make_run_ends_by_drawing_the_curves_and_saying_where(tmp_path):
+def test_make_run_draws_the_curves_after_training_and_says_where(tmp_path):
     pytest.importorskip("matplotlib")
     # the Makefile's run recipe as written (`make -n run` would stop in the student handout, whose
-    # run first names the exercises not written yet)
+    # run first names the exercises not written yet); its last line prints the chat command
+    # (tests/test_chat.py)
     makefile = open(os.path.join(ROOT, "Makefile")).read()
     recipe = re.search(r"^run:.*\n((?:\t.*\n)+)", makefile, re.M).group(1).splitlines()
-    assert recipe[-2].endswith("dapo.py --out-dir runs/demo --overwrite")
-    assert recipe[-1].endswith(
+    assert recipe[-3].endswith("dapo.py --out-dir runs/demo --overwrite")
+    assert recipe[-2].endswith(
         "experiments/plot.py runs/demo/metrics.jsonl -o runs/demo/curves.png")
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows()))
     out = subprocess.run([sys.executable, "experiments/plot.py", str(tmp_path / "metrics.jsonl"),

@@ -131,7 +131,7 @@ def test_docs_metrics_names_every_metric_a_step_logs(tiny_model_dir, tmp_path):
 # processes and its memory plan fits the card, for the model its --model path names.
 CARD_GIB = {80: 79, 141: 139}  # what torch.cuda.mem_get_info reports of an H100 80GB, an H200
 MODELS = {"Qwen2.5-32B": "qwen2.5-32b", "Qwen2.5-7B": "qwen2.5-7b", "Qwen2.5-1.5B": "qwen2.5-1.5b",
-          "Qwen2.5-0.5B": "qwen2.5-0.5b"}
+          "Qwen2.5-0.5B": "qwen2.5-0.5b", "Qwen2.5-0.5B-Instruct": "qwen2.5-0.5b"}
 
 
 def training_commands():
@@ -153,8 +153,8 @@ def training_commands():
     return out
 
 
-def test_the_readme_has_its_three_training_recipes():
-    assert [world for _, world, _ in training_commands()] == [128, 1, 8]
+def test_the_readme_has_its_four_training_recipes():
+    assert [world for _, world, _ in training_commands()] == [128, 1, 1, 8]
 
 
 @pytest.mark.parametrize("comment,world,args", training_commands(), ids=lambda x: str(x)[:30])
@@ -176,5 +176,5 @@ def test_each_training_command_passes_its_checks_and_fits_its_cards(comment, wor
     assert plan.peak <= 0.9 * CARD_GIB[card] * memory.GB
     size = preset_name.split("-")[1].upper()  # "32B"
     row = next(line for line in read("docs/training.md").splitlines()
-               if line.startswith(f"| {size}, {world} x {card} GB |"))
+               if line.startswith(f"| {size}, {world} x {card} GB"))
     assert row.split("|")[-2].strip() == str(plan.slots), (row, plan.describe("the card"))

@@ -140,3 +140,9 @@ def test_make_real_runs_end_to_end_on_a_tiny_llama(tiny_llama_dir, tmp_path, mon
     assert (out / "curves.png").stat().st_size > 0
     rows = [json.loads(line) for line in open(out / "dapo" / "metrics.jsonl")]
     assert [r["step"] for r in rows if "val/acc" in r] == [0, 1]
+    # last, the command that chats with the last checkpoint
+    said, python, script, flag, model_dir = printed.strip().splitlines()[-1].rsplit(" ", 4)
+    assert (said, flag, model_dir) == ("chat with it:", "--model",
+                                       str(out / "dapo" / "checkpoints" / "step_000001" / "model"))
+    assert os.path.samefile(python, sys.executable) and os.path.basename(script) == "chat.py"
+    assert os.path.isfile(script) and os.path.isfile(os.path.join(model_dir, "config.json"))
