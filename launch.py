@@ -147,8 +147,11 @@ def open_run(cfg: Config) -> str | None:
     (--eval-only writes nothing there). A resume that would change the algorithm is refused."""
     if cfg.eval_only:
         resume_dir = checkpoint.latest(cfg.out_dir) if cfg.resume else None
-    else:  # never silently reuse a directory that holds a run
-        resume_dir = checkpoint.prepare_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite)
+    else:  # never silently reuse a directory that holds a run, nor delete what the run reads
+        reward_file = reward_fn_file(cfg.reward_fn)[0] if cfg.reward_fn else ""
+        inputs = {"--model": cfg.model, "--train-data": cfg.train_data,
+                  "--val-data": cfg.val_data, "--reward-fn": reward_file}
+        resume_dir = checkpoint.prepare_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite, inputs)
     if resume_dir:
         checkpoint.check_resume_config(checkpoint.saved_config(resume_dir), asdict(cfg),
                                        where=resume_dir)

@@ -303,17 +303,22 @@ def resume(ckpt, model, opt, prompt_iter, generator, metrics_path: str, steps: i
     return start
 
 
-def prepare_out_dir(out_dir: str, resume: bool, overwrite: bool) -> str | None:
+def prepare_out_dir(out_dir: str, resume: bool, overwrite: bool,
+                    inputs: dict[str, str] | None = None) -> str | None:
     """Make out_dir ready for a run; returns the checkpoint to resume from (with resume) or None.
 
     A directory that holds a run (a metrics.jsonl or a checkpoints/ directory, not empty) is never
     reused silently: resume continues it, overwrite deletes its metrics.jsonl and checkpoints/
     (nothing else: a plot, notes, the demo's tokenizer stay) and starts again, and with neither this
     raises, naming the directory and both flags. (config.check_flags refuses both at once.)
+    overwrite is refused, before anything is deleted, when one of the files the run reads
+    (inputs: {flag: path}) lies in what it would delete.
     Rank 0 owns out_dir for the run's life (files.own_dir): a second run on it, even with
     --overwrite, is refused naming the live one's pid. The step_N.tmp/ left by a save that was
     interrupted (a kill) are deleted."""
     ckpts = os.path.join(out_dir, "checkpoints")
+    if overwrite:
+        refuse_inputs_inside(out_dir, inputs or {})
     if distributed.rank() == 0:
         files.own_dir(out_dir)
         for name in os.listdir(ckpts) if os.path.isdir(ckpts) else []:
@@ -338,6 +343,22 @@ def prepare_out_dir(out_dir: str, resume: bool, overwrite: bool) -> str | None:
         os.makedirs(out_dir, exist_ok=True)
     distributed.barrier("prepare_out_dir")
     return None
+
+
+def refuse_inputs_inside(out_dir: str, inputs: dict[str, str]):
+    """--overwrite deletes out_dir's metrics.jsonl and what its checkpoints/ holds (through a
+    link, what it points to): refuse when a file the run reads lies there, naming the flag.
+    `--model OUT/checkpoints/step_N/model --overwrite` (a run's model, trained on with new
+    settings) would otherwise delete the model before it loads. Paths are compared resolved, so
+    a step directory that is a link to elsewhere is not refused (only the link is deleted)."""
+    deleted = [os.path.realpath(os.path.join(out_dir, name))
+               for name in ("checkpoints", "metrics.jsonl")]
+    for flag, path in inputs.items():
+        where = os.path.realpath(path) if path else None
+        if where and any(where == d or where.startswith(d + os.sep) for d in deleted):
+            raise UserError(f"{flag} {path} lies in {out_dir}, in what --overwrite deletes "
+                            "(its checkpoints/ and metrics.jsonl): copy it out first, or choose "
+                            "another --out-dir")
 
 
 def _empty_checkpoints(ckpts: str):

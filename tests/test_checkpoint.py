@@ -385,6 +385,57 @@ def test_overwrite_empties_a_checkpoints_directory_that_is_a_link(tmp_path):
     assert os.path.islink(run / "checkpoints") and os.listdir(elsewhere) == []
 
 
+def a_finished_run(out_dir):
+    """A run's directory: metrics.jsonl, and checkpoint step 3 with its model/."""
+    model_dir = out_dir / "checkpoints" / "step_000003" / "model"
+    model_dir.mkdir(parents=True)
+    (model_dir / "config.json").write_text("{}")
+    (out_dir / "checkpoints" / "latest").write_text("step_000003")
+    (out_dir / "metrics.jsonl").write_text('{"step": 3}\n')
+    return model_dir
+
+
+@pytest.mark.parametrize("flag,inside", [
+    ("--model", "checkpoints/step_000003/model"),  # train on from a run's model, new settings
+    ("--train-data", "checkpoints/rows.jsonl"),
+    ("--val-data", "metrics.jsonl"),
+    ("--reward-fn", "checkpoints/step_000003/score.py"),
+])
+def test_overwrite_refuses_to_delete_a_file_the_run_reads(tmp_path, flag, inside):
+    a_finished_run(tmp_path)
+    (tmp_path / inside).touch()
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(UserError, match=rf"^{flag} {tmp_path / inside} lies in {tmp_path}, in "
+                                        r"what --overwrite deletes \(its checkpoints/ and "
+                                        r"metrics.jsonl\): copy it out first"):
+        checkpoint.prepare_out_dir(str(tmp_path), resume=False, overwrite=True,
+                                   inputs={flag: str(tmp_path / inside)})
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_overwrite_refuses_a_model_reached_through_a_checkpoints_link(tmp_path):
+    elsewhere = tmp_path / "big-disk"
+    model_dir = a_finished_run(elsewhere)  # elsewhere/checkpoints/step_000003/model
+    run = tmp_path / "run"
+    run.mkdir()
+    os.symlink(elsewhere / "checkpoints", run / "checkpoints")
+    with pytest.raises(UserError, match="--model .* lies in"):
+        checkpoint.prepare_out_dir(str(run), resume=False, overwrite=True,
+                                   inputs={"--model": str(model_dir)})
+    assert (model_dir / "config.json").is_file()
+
+
+def test_overwrite_deletes_a_step_link_but_keeps_the_model_it_points_to(tmp_path):
+    kept = a_finished_run(tmp_path / "kept")
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    os.symlink(kept.parent, run / "checkpoints" / "step_000003")
+    linked = run / "checkpoints" / "step_000003" / "model"
+    assert checkpoint.prepare_out_dir(str(run), resume=False, overwrite=True,
+                                      inputs={"--model": str(linked)}) is None
+    assert not (run / "checkpoints").exists() and (kept / "config.json").is_file()
+
+
 # --- metrics.jsonl --------------------------------------------------------------------------------
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")

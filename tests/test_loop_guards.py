@@ -4,6 +4,7 @@ at NaN weights, and with a non-zero exit when every update was skipped. On the c
 a mistake is one line `error: ...`, exit status 2."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -100,6 +101,20 @@ def test_a_new_run_never_destroys_the_run_in_its_directory(tiny_model_dir, tmp_p
     assert (tmp_path / "metrics.jsonl").read_text() == before
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000001"
     dapo.main(_cfg(tiny_model_dir, tmp_path, steps=1, eval_every=0, overwrite=True))
+
+
+def test_overwrite_never_deletes_the_model_it_trains_from(tiny_model_dir, tmp_path):
+    # train on from a run's own checkpoint with new settings: before, --overwrite deleted
+    # checkpoints/ first, then failed with "config.json: not found"
+    model_dir = tmp_path / "checkpoints" / "step_000003" / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    (tmp_path / "checkpoints" / "latest").write_text("step_000003")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 3}\n')
+    with pytest.raises(UserError, match=r"--model .*step_000003/model lies in .*, in what "
+                                        "--overwrite deletes"):
+        dapo.main(_cfg(str(model_dir), tmp_path, overwrite=True, lr=1e-4))
+    assert sorted(os.listdir(model_dir)) == sorted(os.listdir(tiny_model_dir))
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 3}\n'
 
 
 @pytest.mark.needs("all")
