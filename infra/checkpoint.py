@@ -12,9 +12,11 @@ intact.
         latest                the name of the newest complete checkpoint
 
 Everything is written into step_N.tmp/, flushed to disk (fsync) and renamed to step_N/ once
-complete; `latest` is replaced atomically after. A failed write (a full disk) removes step_N.tmp/
-and raises on every rank, naming the file; `latest` still points to the previous checkpoint. A
-checkpoint never holds a NaN or an inf. Under FSDP, rank 0 writes the full model and every rank its
+complete; `latest` is replaced atomically after. A checkpoint is deleted (a step a resumed run
+saves again, one beyond --keep-checkpoints) by renaming it step_N.old/ first, so a kill at any
+moment leaves `latest` naming a complete checkpoint, and nothing the next start does not delete.
+A failed write (a full disk) removes step_N.tmp/ and raises on every rank, naming the file;
+`latest` still points to the previous checkpoint. A checkpoint never holds a NaN or an inf. Under FSDP, rank 0 writes the full model and every rank its
 own optimizer shard (resume needs the same world size; the model directory itself loads anywhere).
 Several nodes need a shared filesystem for out_dir.
 
@@ -112,13 +114,13 @@ def save(out_dir, step, model, tok_dir, opt, prompt_iter, generator, config: dic
         files.fsync(os.path.join(tmp, "model"))
         # every file and name of the checkpoint is on disk before the rename makes it visible
         files.fsync(tmp)
-        # saving the same step again (a resumed run): swap, then delete the old one
-        if os.path.isdir(final):
-            os.replace(final, final + ".old")
+        # a step_N already there is one a resumed run saves again: `latest` names an earlier
+        # step (the one resumed from, or a later one this run saved), so it can go first
+        if os.path.lexists(final):
+            _discard(final)
         os.replace(tmp, final)
         files.fsync(ckpts)
         files.write_atomic(os.path.join(ckpts, "latest"), os.path.basename(final))
-        shutil.rmtree(final + ".old", ignore_errors=True)
         if keep_last > 0:
             _delete_old(ckpts, keep_last)
     distributed.barrier("checkpoint saved")
@@ -142,6 +144,16 @@ def _raise_together(error, out_dir, tmp, step):
     raise UserError(f"{error}. Checkpoint step {step} not saved ({kept})") from error
 
 
+def _discard(step_dir: str):
+    """Delete a checkpoint directory so that a kill at any moment leaves it whole or gone, never
+    half-deleted under its name: renamed to step_N.old first (what a killed discard left there
+    goes before), then deleted; the next start deletes a step_N.old that remains."""
+    trash = step_dir + ".old"
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(step_dir, trash)
+    shutil.rmtree(trash)
+
+
 def _read(path) -> str:
     with open(path) as f:
         return f.read().strip()
@@ -163,7 +175,7 @@ def _delete_old(ckpts, keep_last):
     current = _read(os.path.join(ckpts, "latest"))
     for name in step_dirs(ckpts)[:-keep_last]:
         if name != current:
-            shutil.rmtree(os.path.join(ckpts, name))
+            _discard(os.path.join(ckpts, name))
 
 
 def latest(out_dir) -> str:
@@ -314,15 +326,16 @@ def prepare_out_dir(out_dir: str, resume: bool, overwrite: bool,
     overwrite is refused, before anything is deleted, when one of the files the run reads
     (inputs: {flag: path}) lies in what it would delete.
     Rank 0 owns out_dir for the run's life (files.own_dir): a second run on it, even with
-    --overwrite, is refused naming the live one's pid. The step_N.tmp/ left by a save that was
-    interrupted (a kill) are deleted."""
+    --overwrite, is refused naming the live one's pid. What a save that was interrupted (a kill)
+    left is deleted: step_N.tmp/ (a checkpoint being written) and step_N.old/ (one being
+    deleted)."""
     ckpts = os.path.join(out_dir, "checkpoints")
     if overwrite:
         refuse_inputs_inside(out_dir, inputs or {})
     if distributed.rank() == 0:
         files.own_dir(out_dir)
         for name in os.listdir(ckpts) if os.path.isdir(ckpts) else []:
-            if re.fullmatch(r"step_\d+\.tmp", name):
+            if re.fullmatch(r"step_\d+\.(tmp|old)", name):
                 shutil.rmtree(os.path.join(ckpts, name), ignore_errors=True)
     if resume:
         return latest(out_dir)

@@ -2,9 +2,11 @@
 pruned, and the run directory: a new run never destroys an old one, a resume drops the metrics it
 will log again and keeps the algorithm."""
 import errno
+import itertools
 import json
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -98,6 +100,86 @@ def test_checkpoint_files_are_readable_and_synced_before_the_rename(tmp_path, mo
             < last_sync_of_tmp < events.index(("rename", tmp)))
     assert os.stat(os.path.join(final, "model", "model.safetensors")).st_mode & 0o777 == 0o644
     assert "tokenizer.json" in os.listdir(os.path.join(final, "model"))  # --model can point at it
+
+
+# --- a kill at any moment of a save ---------------------------------------------------------------
+
+class Killed(BaseException):
+    """The process killed here: a BaseException, which no `except` of the save catches."""
+
+
+# what a save does to the disk, each a moment a kill can come (os and torch patched for one save)
+FILESYSTEM_OPERATIONS = [(os, "replace"), (shutil, "rmtree"), (files, "fsync"),
+                         (files, "write_json"), (files, "write_atomic"),
+                         (checkpoint, "save_hf_checkpoint"), (torch, "save")]
+
+
+def save_killed_at(out_dir, step, model, tok_dir, kill_at: int) -> bool:
+    """Save checkpoint `step` (keeping 1) with the process killed at its kill_at-th filesystem
+    operation (a deletion killed halfway: one file gone) -> whether it was killed (False: the save
+    has fewer operations)."""
+    done = 0
+
+    def killable(name, real):
+        def operation(*args, **kwargs):
+            nonlocal done
+            done += 1
+            if done == kill_at:
+                if name == "rmtree" and os.path.isdir(args[0]):  # a deletion half done
+                    os.remove(next(os.path.join(d, f[0]) for d, _, f in os.walk(args[0]) if f))
+                raise Killed
+            return real(*args, **kwargs)
+        return operation
+
+    with pytest.MonkeyPatch.context() as patch:
+        for module, name in FILESYSTEM_OPERATIONS:
+            patch.setattr(module, name, killable(name, getattr(module, name)))
+        try:
+            save(out_dir, step, model, tok_dir, keep_last=1)
+        except Killed:
+            return True
+    return False
+
+
+def resume_step(out_dir) -> int:
+    """What the next start does (leftovers deleted, `latest` checked complete) -> its step."""
+    ckpt = checkpoint.prepare_out_dir(str(out_dir), resume=True, overwrite=False)
+    return checkpoint.step_number(os.path.basename(ckpt))
+
+
+def kill_each_moment(run, model, tok_dir):
+    """For each moment of the save that the next start makes in a copy of run: a copy killed
+    there and started again (what it saves: the step after the one it resumes)."""
+    for moment in itertools.count(1):
+        killed = run.with_name(f"{run.name}-{moment}")
+        shutil.copytree(run, killed)
+        if not save_killed_at(killed, resume_step(killed) + 1, model, tok_dir, moment):
+            return
+        resume_step(killed)  # `latest` names a complete checkpoint (or this raises)
+        yield killed
+
+
+def state(run):
+    ckpts = run / "checkpoints"
+    return tuple(sorted(os.listdir(ckpts))), (ckpts / "latest").read_text()
+
+
+def test_any_two_kills_during_saves_leave_a_directory_that_resumes(tmp_path, model,
+                                                                   tiny_model_dir, monkeypatch):
+    # before: a kill between renaming step_2.tmp and writing `latest`, twice (the resumed run
+    # saves step 2 again), left step_2 and step_2.old, and every resume died in the next save:
+    # "OSError: Directory not empty: step_2 -> step_2.old"; a step_N.old half deleted stayed
+    monkeypatch.setattr(os, "fsync", lambda fd: None)  # a kill, not a power cut: 10x faster
+    save(tmp_path / "run", 1, model, tiny_model_dir)
+    after_one_kill = {state(run): run for run in kill_each_moment(tmp_path / "run", model,
+                                                                   tiny_model_dir)}
+    for run in after_one_kill.values():
+        for killed in kill_each_moment(run, model, tiny_model_dir):
+            step = resume_step(killed)
+            save(killed, step + 1, model, tiny_model_dir, keep_last=1)  # and training goes on
+            assert resume_step(killed) == step + 1
+            assert state(killed) == (("latest", f"step_{step + 1:06d}"), f"step_{step + 1:06d}")
+    print(f"{len(after_one_kill)} states after one kill: {list(after_one_kill)}")
 
 
 def test_keep_last_deletes_old_checkpoints_but_never_the_latest(tmp_path, model, tiny_model_dir):
