@@ -16,9 +16,10 @@ complete; `latest` is replaced atomically after. A checkpoint is deleted (a step
 saves again, one beyond --keep-checkpoints) by renaming it step_N.old/ first, so a kill at any
 moment leaves `latest` naming a complete checkpoint, and nothing the next start does not delete.
 A failed write (a full disk) removes step_N.tmp/ and raises on every rank, naming the file;
-`latest` still points to the previous checkpoint. A checkpoint never holds a NaN or an inf. Under FSDP, rank 0 writes the full model and every rank its
-own optimizer shard (resume needs the same world size; the model directory itself loads anywhere).
-Several nodes need a shared filesystem for out_dir.
+`latest` still points to the previous checkpoint. A checkpoint never holds a NaN or an inf.
+Under FSDP, rank 0 writes the full model and every rank its own optimizer shard (resume needs the
+same world size; the model directory itself loads anywhere). Several nodes need a shared
+filesystem for out_dir.
 
 The run directory: prepare_out_dir() refuses to start a new run over an old one unless told to,
 check_resume_config() a resume that would change the algorithm; resume() restores the trainer's
