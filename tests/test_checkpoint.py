@@ -7,6 +7,8 @@ import json
 import os
 import re
 import shutil
+import struct
+import zipfile
 
 import pytest
 import torch
@@ -197,8 +199,39 @@ def test_a_truncated_optimizer_file_is_named_on_resume(tmp_path, model, tiny_mod
     with open(file, "r+b") as f:
         f.truncate(os.path.getsize(file) // 2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with pytest.raises(ValueError, match=r"step_000001/trainer_rank0\.pt: not a readable "
-                                         r"checkpoint file, truncated"):
+    with pytest.raises(ValueError, match=r"step_000001/trainer_rank0\.pt is truncated or "
+                                         r"corrupt \(File is not a zip file\)"):
+        checkpoint.load_trainer_state(final, opt, PromptIterator([{"x": 1}], 1, 0),
+                                      torch.Generator())
+
+
+def flip_tensor_bytes(file, count: int):
+    """Invert `count` bytes in the middle of the largest tensor of a torch.save file (a zip), as a
+    bad disk or copy would."""
+    with zipfile.ZipFile(file) as archive:
+        entry = max(archive.infolist(), key=lambda e: e.file_size)
+    with open(file, "r+b") as f:
+        f.seek(entry.header_offset + 26)  # the local header: the name's and the extra's lengths
+        name_len, extra_len = struct.unpack("<HH", f.read(4))
+        f.seek(entry.header_offset + 30 + name_len + extra_len + (entry.file_size - count) // 2)
+        data = f.read(count)
+        f.seek(-count, os.SEEK_CUR)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def test_flipped_bytes_in_the_optimizer_file_are_named_on_resume(tmp_path, model,
+                                                                 tiny_model_dir):
+    # before: 2,000 bytes flipped in the optimizer's tensors loaded silently (torch.load checks
+    # no CRC-32) and the run trained on a garbage optimizer state
+    for step in (1, 2):
+        final = save(tmp_path, step, model, tiny_model_dir)
+    flip_tensor_bytes(os.path.join(final, "trainer_rank0.pt"), 2000)
+    torch.load(os.path.join(final, "trainer_rank0.pt"), weights_only=True)  # not a word
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(UserError, match=r"^--resume: .*step_000002/trainer_rank0\.pt is "
+                                        r"truncated or corrupt \(its entry trainer_rank0/data/"
+                                        r"\d+ does not match its CRC-32\): not loaded\. "
+                                        r"step_000001 is complete: to resume from it"):
         checkpoint.load_trainer_state(final, opt, PromptIterator([{"x": 1}], 1, 0),
                                       torch.Generator())
 
