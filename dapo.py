@@ -287,7 +287,7 @@ def train(cfg: Config, model, tok, tok_dir, resume_dir, train_rows, val_rows,
     generator = torch.Generator(cfg.device).manual_seed(cfg.seed + distributed.rank())
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
     start = checkpoint.resume(resume_dir, model, opt, prompt_iter, generator, metrics_path,
-                              cfg.steps) if resume_dir else 0
+                              cfg.steps, cfg.eval_every) if resume_dir else 0
     log = metrics.RunLog(metrics_path, start, cfg.steps,
                          trackers.open_all(cfg, start, metrics_path))
     alarms = health.Alarms(cfg.stop_when_stuck, verifier.spec)
@@ -312,7 +312,8 @@ def train(cfg: Config, model, tok, tok_dir, resume_dir, train_rows, val_rows,
         if stuck:
             raise alarms.error()
     alarms.finish()  # a run that took no optimizer step trained nothing: a non-zero exit
-    if cfg.eval_every and start < cfg.steps:
+    # the evaluation at --steps; a resume at --steps makes it if it was never logged (a kill)
+    if checkpoint.final_evaluation_due(metrics_path, start, cfg.steps, cfg.eval_every):
         log.evaluated(cfg.steps, evaluate(model, val_rows, tok, cfg, verifier, engine))
         log.say_eval_change(cfg.eval_samples)
     return log.last_val

@@ -325,18 +325,57 @@ def check_optimizer_state(saved: dict, opt, file: str, model=None):
 # --------------------------------------------------------------------------------------------------
 # The run directory: start, overwrite or resume
 
-def resume(ckpt, model, opt, prompt_iter, generator, metrics_path: str, steps: int) -> int:
+def resume(ckpt, model, opt, prompt_iter, generator, metrics_path: str, steps: int,
+           eval_every: int = 0) -> int:
     """Restore the trainer of `model` from checkpoint ckpt and drop the rows of metrics.jsonl
-    logged after it was saved (the resumed run logs them again) -> the step to continue from. A
-    checkpoint already at --steps or past it leaves metrics.jsonl whole (its final evaluation
-    stays) and says so."""
+    logged after it was saved that the resumed run logs again -> the step to continue from. A
+    checkpoint past --steps, or at it with its final evaluation logged, leaves metrics.jsonl
+    whole and says there is nothing to do; at --steps without it (the run stopped during its
+    final evaluation), the resumed run evaluates."""
     start = load_trainer_state(ckpt, opt, prompt_iter, generator, model)
-    if start >= steps:
+    due = final_evaluation_due(metrics_path, start, steps, eval_every)
+    if start > steps or (start == steps and not due):
         distributed.say(f"--resume: {ckpt} is at step {start} and --steps is {steps}: nothing to "
                         f"do (pass --steps above {start} to train on)")
-    elif distributed.rank() == 0:
-        trim_metrics(metrics_path, start)
+        return start
+    if start == steps:
+        distributed.say(f"--resume: {ckpt} is at --steps {steps}, and its final evaluation was "
+                        "never logged (the run stopped during it): evaluating")
+    if distributed.rank() == 0:  # the evaluation at `start` stays unless the loop makes it again
+        trim_metrics(metrics_path, start,
+                     keep_eval=not (start < steps and eval_every and start % eval_every == 0))
     return start
+
+
+def final_evaluation_due(metrics_path: str, start: int, steps: int, eval_every: int) -> bool:
+    """Whether a run from step `start` ends with the evaluation at --steps: every run that trains
+    (with --eval-every), and a resumed one at --steps whose metrics.jsonl lacks it (read by rank
+    0, agreed by all: under FSDP an evaluation is collective)."""
+    if not eval_every or start > steps:
+        return False
+    if start < steps:
+        return True
+    logged = distributed.rank() == 0 and any(
+        row.get("step") == steps and _is_evaluation(row) for row in _rows(metrics_path))
+    return not distributed.all_reduce(float(logged), "max", name="final evaluation logged")
+
+
+def _is_evaluation(row: dict) -> bool:
+    return any(k.startswith("val/") for k in row)
+
+
+def _rows(path: str) -> list[dict]:
+    """The whole rows of metrics.jsonl (none when it does not exist; a torn line skipped)."""
+    if not os.path.isfile(path):
+        return []
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return [row for row in rows if isinstance(row, dict)]
 
 
 def prepare_out_dir(out_dir: str, resume: bool, overwrite: bool,
@@ -415,12 +454,14 @@ def _empty_checkpoints(ckpts: str):
             os.remove(path)
 
 
-def trim_metrics(path: str, step: int) -> int:
+def trim_metrics(path: str, step: int, keep_eval: bool = False) -> int:
     """On resume from checkpoint `step`: keep the rows of metrics.jsonl logged before that
     checkpoint was written, up to and including the first row of `step` (its training row), and drop
     the rest (later steps, and an evaluation logged at `step` after the save), which the resumed run
-    logs again. A crash between logging a step and saving its checkpoint would otherwise leave steps
-    [1, 2, 2, 3]. Rewritten atomically; returns the rows dropped."""
+    logs again. keep_eval: the evaluation at `step` stays, as the resumed run does not make it
+    again (the final one of a run that ended at `step`). A crash between logging a step and saving
+    its checkpoint would otherwise leave steps [1, 2, 2, 3]. Rewritten atomically; returns the
+    rows dropped."""
     if not os.path.isfile(path):
         return 0
     with open(path, encoding="utf-8") as f:
@@ -440,6 +481,10 @@ def trim_metrics(path: str, step: int) -> int:
             raise UserError(f"{path}:{lineno}: not a JSON row; fix or remove the line, then "
                             "resume") from None
         s = row.get("step") if isinstance(row, dict) else None
+        if done and keep_eval and s == step and _is_evaluation(row):
+            kept.append(line)
+            keep_eval = False  # one
+            continue
         if done or (isinstance(s, (int, float)) and s > step):
             continue
         kept.append(line)

@@ -2,6 +2,7 @@
 directory that holds another run, missing files, a resume that changes the algorithm; and it stops
 at NaN weights, and with a non-zero exit when every update was skipped. On the command line such
 a mistake is one line `error: ...`, exit status 2."""
+import itertools
 import json
 import os
 import shutil
@@ -134,6 +135,53 @@ def test_a_step_logged_but_not_saved_is_logged_once_after_the_resume(tiny_model_
     dapo.main(_cfg(tiny_model_dir, tmp_path, steps=4, eval_every=0, save_every=1, resume=True))
     steps = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")]
     assert steps == [1, 2, 3, 4]
+
+
+class Killed(BaseException):
+    """The process killed here (no `except` of the run catches it)."""
+
+
+def rows(out_dir) -> list[dict]:
+    """metrics.jsonl's rows without their timings (which differ from run to run)."""
+    with open(out_dir / "metrics.jsonl") as f:
+        return [{k: v for k, v in json.loads(line).items()
+                 if not k.startswith(("timing/", "perf/"))} for line in f]
+
+
+@pytest.mark.needs("all")
+def test_a_run_killed_in_its_final_evaluation_makes_it_on_resume(tiny_model_dir, tmp_path,
+                                                                 monkeypatch):
+    # before: the resume said "nothing to do", exit 0, and the final val row was never written
+    dapo.main(_cfg(tiny_model_dir, tmp_path / "straight"))  # 3 steps, evaluated at 0, 2 and 3
+    evaluate, calls = dapo.evaluate, itertools.count(1)
+
+    def killed_in_the_third(*args, **kwargs):
+        if next(calls) == 3:
+            raise Killed
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(dapo, "evaluate", killed_in_the_third)
+    with pytest.raises(Killed):  # in the final evaluation, after the last checkpoint
+        dapo.main(_cfg(tiny_model_dir, tmp_path / "killed"))
+    monkeypatch.setattr(dapo, "evaluate", evaluate)
+    assert [r["step"] for r in rows(tmp_path / "killed") if "val/acc" in r] == [0, 2]
+    dapo.main(_cfg(tiny_model_dir, tmp_path / "killed", resume=True))
+    assert rows(tmp_path / "killed") == rows(tmp_path / "straight")
+
+
+@pytest.mark.needs("all")
+def test_a_finished_run_resumed_for_more_steps_keeps_its_final_evaluation(tiny_model_dir,
+                                                                          tmp_path):
+    # before: --resume --steps 4 dropped the step-3 evaluation of the finished 3-step run (made
+    # after its last checkpoint, as the loop's evaluations are) and never made it again
+    dapo.main(_cfg(tiny_model_dir, tmp_path / "four", steps=4))
+    dapo.main(_cfg(tiny_model_dir, tmp_path / "three"))
+    three = rows(tmp_path / "three")
+    assert [r["step"] for r in three if "val/acc" in r] == [0, 2, 3]
+    dapo.main(_cfg(tiny_model_dir, tmp_path / "three", steps=4, resume=True))
+    # the 3-step run's rows, then the 4-step run's after step 3: step 4's and its evaluation
+    assert rows(tmp_path / "three") == three + [r for r in rows(tmp_path / "four")
+                                                if r["step"] > 3]
 
 
 @pytest.mark.needs("all")
