@@ -3,8 +3,9 @@ Set-up for dapo.py's loop: the processes, the policy, the tokenizer and the data
 DAPO; it is what a run needs before Algorithm 1 starts.
 
     with session(cfg) as cfg:  the flags and the files and directories they name checked,
-                               torch.distributed started under torchrun, logging; on the way
-                               out, the trackers flushed and the processes shut down
+                               torch.distributed started under torchrun (every rank with the
+                               same flags and files), logging; on the way out, the trackers
+                               flushed and the processes shut down
     plan(cfg)                  the memory plan from the model's config.json, printed (--plan N:
                                then dapo.py stops, status 0)
     setup(cfg)                 the lengths checked against the positions, the verifier, the
@@ -15,6 +16,7 @@ Each step returns a new Config where it resolves a flag, never edits the caller'
 device (--device auto) and --precision, plan --rollout-slots auto.
 """
 import contextlib
+import hashlib
 import logging
 import os
 import sys
@@ -45,6 +47,7 @@ def session(cfg: Config):
         check_files(cfg)  # before the processes meet and the weights load (minutes for 32B)
         check_writable_dirs(cfg)  # not at the first save, after every step of the run
     rank, _, device = distributed.init(cfg.device, timeout_s=cfg.dist_timeout)
+    check_ranks_agree(cfg)  # ranks started with their own command lines (one per node)
     # bf16 compute with fp32 master weights: dapo.py enters autocast per forward phase, never
     # around the whole run (infra/precision.py says why)
     cfg = replace(cfg, device=device, precision=precision.resolve(cfg.precision, device))
@@ -133,6 +136,32 @@ def check_files(cfg: Config):
         vllm_engine.import_vllm()
 
 
+def input_files(cfg: Config) -> dict[str, str]:
+    """The files a run reads, by the flag that names them ("" where not given): the data and
+    --reward-fn's file (the --model directory aside)."""
+    reward_file = reward_fn_file(cfg.reward_fn)[0] if cfg.reward_fn else ""
+    return {"--train-data": cfg.train_data, "--val-data": cfg.val_data, "--reward-fn": reward_file}
+
+
+def check_ranks_agree(cfg: Config):
+    """Every rank runs the same flags on files of the same content. Ranks started with their own
+    command lines (torchrun on each node) that differ would train different things (another
+    --lr, a node's stale copy of the data) or wait in a collective until --dist-timeout (another
+    --steps): each difference is named with its ranks, on every rank, before anything loads."""
+    if distributed.world_size() == 1:
+        return
+    flags = {f"--{k.replace('_', '-')}": v for k, v in asdict(cfg).items()}
+    contents = {f"{flag}'s content (sha256)": _sha256(path)
+                for flag, path in input_files(cfg).items() if path and not cfg.plan}
+    distributed.check_same(flags | contents, "the run (every rank must run the same command "
+                                             "line, on the same files)")
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()[:16]
+
+
 def check_writable_dirs(cfg: Config):
     """The directories a run writes (--out-dir; its checkpoints/ unless --eval-only), checked
     writable by every rank (each writes its optimizer shard) now, not at the first save (with
@@ -148,10 +177,8 @@ def open_run(cfg: Config) -> str | None:
     if cfg.eval_only:
         resume_dir = checkpoint.latest(cfg.out_dir) if cfg.resume else None
     else:  # never silently reuse a directory that holds a run, nor delete what the run reads
-        reward_file = reward_fn_file(cfg.reward_fn)[0] if cfg.reward_fn else ""
-        inputs = {"--model": cfg.model, "--train-data": cfg.train_data,
-                  "--val-data": cfg.val_data, "--reward-fn": reward_file}
-        resume_dir = checkpoint.prepare_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite, inputs)
+        resume_dir = checkpoint.prepare_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite,
+                                                inputs={"--model": cfg.model, **input_files(cfg)})
     if resume_dir:
         checkpoint.check_resume_config(checkpoint.saved_config(resume_dir), asdict(cfg),
                                        where=resume_dir)

@@ -278,6 +278,44 @@ def all_gather_object(obj, name: str | None = None) -> list:
     return out
 
 
+def check_same(values: dict, what: str):
+    """Raise on every rank, naming each key whose value is not the same on every rank and the
+    ranks that hold each value, in one line: values {name: something comparable}, this rank's
+    (e.g. its flags, as ranks started with their own command lines, one per node, may differ).
+    Nothing in one process."""
+    if not dist.is_initialized():
+        return
+    problems = disagreements(all_gather_object(values, name=what))
+    if problems:
+        raise UserError(f"the ranks disagree on {what}: " + "; ".join(problems))
+
+
+def disagreements(per_rank: list[dict]) -> list[str]:
+    """'KEY: VALUE on ranks 0-2, VALUE on rank 3' for each key whose value differs between the
+    ranks (per_rank[r]: rank r's values; a key a rank lacks is None there)."""
+    problems = []
+    for key in dict.fromkeys(k for values in per_rank for k in values):
+        holders: dict[str, list[int]] = {}
+        for r, values in enumerate(per_rank):
+            holders.setdefault(repr(values.get(key)), []).append(r)
+        if len(holders) > 1:
+            problems.append(f"{key}: " + ", ".join(f"{value} on {_ranks(ranks)}"
+                                                   for value, ranks in holders.items()))
+    return problems
+
+
+def _ranks(ranks: list[int]) -> str:
+    """'rank 3', 'ranks 0-63, 65' (ranks sorted)."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and spans[-1][1] == r - 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
+    return f"rank{'s' if len(ranks) > 1 else ''} {text}"
+
+
 def share_in_order(kept: dict, n_take: int, per_step: int) -> list:
     """This rank's share of the first n_take items kept over all ranks, in the order of their
     numbers (kept: {global number: item with a .to(device)}, on the rank that made it), so that N
