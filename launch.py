@@ -26,8 +26,8 @@ import torch
 
 from config import Config, check_flags
 from data import Tokenizer, check_data_file, check_vocab, load_rows, load_tokenizer
-from infra import (checkpoint, distributed, files, health, hf_io, memory, precision,
-                   trackers, vllm_engine)
+from infra import (checkpoint, distributed, files, health, hf_io, interrupt, memory,
+                   precision, trackers, vllm_engine)
 from infra.errors import UserError
 from infra.files import need_file
 from model import ModelConfig, Qwen2, rope_inv_freq
@@ -64,6 +64,7 @@ def session(cfg: Config):
             raise
         raise timed_out from e
     finally:
+        interrupt.restore()  # the signal handlers of dapo.py's loop
         trackers.close_all()  # a crash still flushes what the trackers were given
         vllm_engine.close_all()  # before the process group: vLLM's teardown uses it
         distributed.shutdown(after_error=sys.exc_info()[0] is not None)  # an exception in flight
@@ -291,8 +292,16 @@ def load_verifier(cfg: Config) -> Verifier:
 def user_errors_in_one_line():
     """Around the command line's run: a user's mistake (a UserError, whose message names the flag
     or the file and what to do) is one line `error: ...` from rank 0, exit status 2
-    (infra/distributed.fail). Any other exception is a bug and keeps its traceback."""
+    (infra/distributed.fail); a Ctrl-C that stops at once (infra/interrupt.py) one line, exit
+    status 130. Any other exception is a bug and keeps its traceback."""
     try:
         yield
     except UserError as e:
         distributed.fail(str(e))
+    except KeyboardInterrupt:  # a Ctrl-C before the loop, or a second one in it
+        print("error: interrupted (Ctrl-C)", file=sys.stderr)
+        raise SystemExit(130) from None
+    except SystemExit as e:  # a run stopped by a signal (130, 143) or stuck (1): that status
+        distributed.exit_after_shutdown(e.code if isinstance(e.code, int) else
+                                        0 if e.code is None else 1)
+        raise

@@ -76,15 +76,15 @@ def shutdown(after_error: bool = False):
     dist.destroy_process_group()
 
 
-def exit_after_shutdown():
+def exit_after_shutdown(status: int = 0):
     """End a process of several after shutdown(), skipping the interpreter's teardown: on gloo
     (CPU) a process sometimes aborts there ("terminate called without an active exception", about
-    1 run in 30 here), after its work is done and saved, and its exit code would then report a
-    failure. Flushes the output first. A single process just returns."""
+    1 run in 30 here), after its work is done and saved, and its exit code would then report
+    another status. Flushes the output first. A single process just returns."""
     if launched_world() > 1:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(status)
 
 
 @contextlib.contextmanager

@@ -291,6 +291,53 @@ def test_a_disagreement_names_the_ranks_of_each_value():
         "--new: None on rank 0, 1 on rank 1"]
 
 
+# dapo.py, with SIGTERM sent to rank 1 alone during step 2's first optimizer step (one node
+# preempted: its torchrun forwards the scheduler's signal to its own ranks only)
+SIGTERM_ON_RANK_1 = """import os, runpy, signal, sys
+sys.path.insert(0, {root!r})
+from infra import checkpoint
+if os.environ["RANK"] == "1":
+    is_finite, calls = checkpoint.gradient_is_finite, iter(range(1, 99))
+    def signalled(*args):
+        if next(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return is_finite(*args)
+    checkpoint.gradient_is_finite = signalled
+sys.argv[0] = "dapo.py"
+runpy.run_path(os.path.join({root!r}, "dapo.py"), run_name="__main__")
+"""
+
+
+@pytest.mark.needs("all")
+def test_a_sigterm_on_one_rank_makes_every_rank_save_the_step_and_exit_143(
+        store_env, tiny_model_dir, tmp_path):
+    # before: SIGTERM ended rank 1 silently, and rank 0 waited in the next collective
+    run = tmp_path / "run"
+    env = {**os.environ, **store_env, "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
+           "TRITON_INTERPRET": "0"}
+    procs = [subprocess.Popen([sys.executable, "-c", SIGTERM_ON_RANK_1.format(root=ROOT),
+                               "--model", tiny_model_dir, "--out-dir", str(run), "--steps", "3",
+                               *SMALL_RUN, "--dist-timeout", "60"],
+                              cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert [p.returncode for p in procs] == [143, 143], outs
+    assert (run / "checkpoints" / "latest").read_text() == "step_000002"
+    assert sorted(f.name for f in (run / "checkpoints" / "step_000002").glob("*.pt")) == [
+        "trainer_rank0.pt", "trainer_rank1.pt"]
+    said = [line for line in outs[0].splitlines() if line.startswith("SIGTERM: stopped")]
+    assert said[0].startswith("SIGTERM: stopped after step 2, its checkpoint saved. To resume: "
+                              f"torchrun [its flags] {ROOT}/dapo.py --model {tiny_model_dir} "
+                              f"--out-dir {run} --steps 3 "), said
+    assert said[0].endswith(" --dist-timeout 60 --resume") and len(said) == 1, said
+
+
 def test_only_an_unnamed_timeout_is_renamed():
     from infra import distributed
     gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out "

@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import replace
@@ -18,6 +19,7 @@ import launch
 from batches import random_batch
 from config import check_flags, parse_args
 from data import PromptIterator
+from infra import interrupt
 from infra.errors import UserError
 from model import Qwen2, preset
 from test_dapo import _cfg, torch_kernel_path  # noqa: F401 (an autouse fixture)
@@ -148,11 +150,18 @@ def rows(out_dir) -> list[dict]:
                  if not k.startswith(("timing/", "perf/"))} for line in f]
 
 
+@pytest.fixture
+def uninterrupted(tiny_model_dir, tmp_path) -> list[dict]:
+    """The rows of a run of _cfg's 3 steps (evaluated at 0, 2 and 3) that nothing stopped (on
+    the kernel's torch path, as the autouse fixture makes every test's)."""
+    dapo.main(_cfg(tiny_model_dir, tmp_path / "uninterrupted"))
+    return rows(tmp_path / "uninterrupted")
+
+
 @pytest.mark.needs("all")
 def test_a_run_killed_in_its_final_evaluation_makes_it_on_resume(tiny_model_dir, tmp_path,
-                                                                 monkeypatch):
+                                                                 monkeypatch, uninterrupted):
     # before: the resume said "nothing to do", exit 0, and the final val row was never written
-    dapo.main(_cfg(tiny_model_dir, tmp_path / "straight"))  # 3 steps, evaluated at 0, 2 and 3
     evaluate, calls = dapo.evaluate, itertools.count(1)
 
     def killed_in_the_third(*args, **kwargs):
@@ -166,7 +175,86 @@ def test_a_run_killed_in_its_final_evaluation_makes_it_on_resume(tiny_model_dir,
     monkeypatch.setattr(dapo, "evaluate", evaluate)
     assert [r["step"] for r in rows(tmp_path / "killed") if "val/acc" in r] == [0, 2]
     dapo.main(_cfg(tiny_model_dir, tmp_path / "killed", resume=True))
-    assert rows(tmp_path / "killed") == rows(tmp_path / "straight")
+    assert rows(tmp_path / "killed") == uninterrupted
+
+
+def unhandled(signum, frame):
+    raise AssertionError(f"signal {signum} reached no handler of the run")
+
+
+@pytest.fixture
+def signals_unhandled():
+    """SIGINT and SIGTERM fail the test where the run does not handle them (instead of stopping
+    pytest, or killing it); the handlers in place before are put back after."""
+    before = {s: signal.signal(s, unhandled) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, handler in before.items():
+        signal.signal(s, handler)
+
+
+@pytest.mark.needs("all")
+@pytest.mark.parametrize("signum,status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)],
+                         ids=["ctrl-c", "sigterm"])
+def test_a_signal_ends_the_step_saves_it_and_says_how_to_resume(
+        tiny_model_dir, tmp_path, monkeypatch, capsys, uninterrupted, signals_unhandled, signum,
+        status):
+    # before: Ctrl-C was a KeyboardInterrupt traceback from wherever it landed, SIGTERM a silent
+    # exit; neither said how to resume, and with --save-every 0 (here) every step was lost
+    update, calls = dapo.update_policy, itertools.count(1)
+
+    def signalled_in_step_2(*args, **kwargs):
+        if next(calls) == 2:
+            os.kill(os.getpid(), signum)  # its handler runs now, before the update
+        return update(*args, **kwargs)
+
+    monkeypatch.setattr(dapo, "update_policy", signalled_in_step_2)
+    out_dir = tmp_path / "stopped"
+    monkeypatch.setattr(sys, "argv", ["dapo.py", "--out-dir", str(out_dir), "--overwrite"])
+    with pytest.raises(SystemExit) as stopped:
+        dapo.main(_cfg(tiny_model_dir, out_dir))
+    assert stopped.value.code == status
+    assert (out_dir / "checkpoints" / "latest").read_text() == "step_000002"
+    assert (f"stopped after step 2, its checkpoint saved. To resume: python dapo.py --out-dir "
+            f"{out_dir} --resume\n") in capsys.readouterr().out
+    assert signal.getsignal(signum) is unhandled  # the run's handlers gone
+    monkeypatch.setattr(dapo, "update_policy", update)
+    dapo.main(_cfg(tiny_model_dir, out_dir, resume=True))  # as the line says
+    assert rows(out_dir) == uninterrupted  # step 2 was whole: the same run
+
+
+def test_a_second_ctrl_c_stops_at_once_a_second_sigterm_does_not(signals_unhandled):
+    stop = interrupt.Stop()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # torchrun forwards the scheduler's: the same stop
+        assert stop.requested() and stop.signum == signal.SIGTERM
+    finally:
+        interrupt.restore()
+    stop = interrupt.Stop()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested() and stop.signum == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        interrupt.restore()
+    assert signal.getsignal(signal.SIGINT) is unhandled
+
+
+def ctrl_c(*args):
+    raise KeyboardInterrupt  # what Python's own SIGINT handler raises
+
+
+def test_a_ctrl_c_that_stops_at_once_is_one_line_and_exit_status_130(tmp_path, capsys,
+                                                                      monkeypatch):
+    # before: a KeyboardInterrupt traceback (here: a Ctrl-C while the model loads)
+    monkeypatch.setattr(launch, "setup", ctrl_c)
+    try:
+        command_line(["--out-dir", str(tmp_path / "run")])
+    except BaseException as e:  # a KeyboardInterrupt that got through would stop pytest
+        stopped = e
+    assert isinstance(stopped, SystemExit) and stopped.code == 130
+    assert capsys.readouterr().err == "error: interrupted (Ctrl-C)\n"
 
 
 @pytest.mark.needs("all")
