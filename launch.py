@@ -144,21 +144,36 @@ def input_files(cfg: Config) -> dict[str, str]:
     return {"--train-data": cfg.train_data, "--val-data": cfg.val_data, "--reward-fn": reward_file}
 
 
+# Flags that name a path, which may differ from node to node (a local copy, another mount point
+# of the shared filesystem): their files are compared by content instead (--out-dir not at all)
+PATH_FLAGS = ("model", "train_data", "val_data", "reward_fn", "out_dir")
+
+
 def check_ranks_agree(cfg: Config):
     """Every rank runs the same flags on files of the same content. Ranks started with their own
     command lines (torchrun on each node) that differ would train different things (another
     --lr, a node's stale copy of the data) or wait in a collective until --dist-timeout (another
-    --steps): each difference is named with its ranks, on every rank, before anything loads."""
+    --steps): each difference is named with its ranks, on every rank, before anything loads.
+    Compared by content: the data, --reward-fn's file and function, --model's config.json (its
+    weights are not hashed: minutes for a 32B)."""
     if distributed.world_size() == 1:
         return
-    flags = {f"--{k.replace('_', '-')}": v for k, v in asdict(cfg).items()}
-    contents = {f"{flag}'s content (sha256)": _sha256(path)
-                for flag, path in input_files(cfg).items() if path and not cfg.plan}
+    flags = {f"--{k.replace('_', '-')}": v for k, v in asdict(cfg).items() if k not in PATH_FLAGS}
+    contents = {f"{flag}'s file (sha256)": _sha256(path)
+                for flag, path in input_files(cfg).items() if path}
+    if cfg.model:
+        contents["--model's config.json (sha256)"] = _sha256(os.path.join(cfg.model,
+                                                                         "config.json"))
+    if cfg.reward_fn:
+        contents["--reward-fn's function"] = reward_fn_file(cfg.reward_fn)[1]
     distributed.check_same(flags | contents, "the run (every rank must run the same command "
                                              "line, on the same files)")
 
 
 def _sha256(path: str) -> str:
+    """The file's sha256 (16 hex digits), or "missing"."""
+    if not os.path.isfile(path):
+        return "missing"
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()[:16]
 

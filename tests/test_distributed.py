@@ -3,6 +3,7 @@ checkpoint and resume."""
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -253,18 +254,20 @@ def test_ranks_started_with_other_flags_or_files_are_named_before_anything_loads
     # two nodes, each with its own command line; rank 1's has another --lr and --steps, and its
     # rows.jsonl (the same relative path, its own directory) other rows. Before: another --lr or
     # other rows trained both ranks on different things, exit 0; another --steps hung until
-    # --dist-timeout
+    # --dist-timeout. Rank 1's copy of the model at another path is not a difference
     from toy import toy_rows
     nodes = [tmp_path / "node0", tmp_path / "node1"]
     for seed, node in enumerate(nodes):
         node.mkdir()
         (node / "rows.jsonl").write_text("".join(json.dumps(row) + "\n"
                                                  for row in toy_rows(8, seed)))
-    flags = ["--model", tiny_model_dir, "--out-dir", str(tmp_path / "run"), "--train-data",
-             "rows.jsonl", "--steps", "3", *SMALL_RUN, "--dist-timeout", "20"]
+    shutil.copytree(tiny_model_dir, nodes[1] / "model")
+    flags = ["--out-dir", str(tmp_path / "run"), "--train-data", "rows.jsonl", "--steps", "3",
+             *SMALL_RUN, "--dist-timeout", "20"]
     env = {**os.environ, **store_env, "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
            "TRITON_INTERPRET": "0"}
-    own_flags = [[], ["--lr", "0.5", "--steps", "2"]]  # rank 0's, rank 1's
+    own_flags = [["--model", tiny_model_dir],  # rank 0's, rank 1's
+                 ["--model", str(nodes[1] / "model"), "--lr", "0.5", "--steps", "2"]]
     procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "dapo.py"), *flags, *extra],
                               cwd=node, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -273,7 +276,7 @@ def test_ranks_started_with_other_flags_or_files_are_named_before_anything_loads
     errors = [line for line in out.splitlines() if line.startswith("error:")]
     assert errors == ["error: the ranks disagree on the run (every rank must run the same command "
                       "line, on the same files): --steps: 3 on rank 0, 2 on rank 1; --lr: "
-                      "0.001 on rank 0, 0.5 on rank 1; --train-data's content (sha256): "
+                      "0.001 on rank 0, 0.5 on rank 1; --train-data's file (sha256): "
                       f"'{sha256(nodes[0])}' on rank 0, '{sha256(nodes[1])}' on rank 1"], out
     assert procs[0].returncode == 2 and not (tmp_path / "run").exists()
 
