@@ -174,8 +174,11 @@ def _sha256(path: str) -> str:
     """The file's sha256 (16 hex digits), or "missing"."""
     if not os.path.isfile(path):
         return "missing"
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()[:16]
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:  # hashlib.file_digest is Python 3.11's; 3.10 runs this too
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
 
 
 def check_writable_dirs(cfg: Config):
