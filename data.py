@@ -133,7 +133,12 @@ def load_tokenizer(path: str) -> Tokenizer:
     eos_token, then <|im_end|> when the chat template is ChatML. Qwen2.5 base lists only
     <|endoftext|> in its generation config, but a response formatted by its ChatML template ends
     with <|im_end|>: both must stop generation."""
-    tok = _HFTokenizer.from_file(need_file(path, "tokenizer.json"))
+    tokenizer_file = need_file(path, "tokenizer.json")
+    try:
+        tok = _HFTokenizer.from_file(tokenizer_file)
+    except Exception as e:  # the tokenizers library's errors are bare Exceptions, naming no file
+        raise UserError(f"{tokenizer_file}: not a tokenizer the tokenizers library reads, "
+                        f"truncated or corrupt (a partial copy?): {e}") from None
     config = read_json(need_file(path, "tokenizer_config.json"))
     gen_file = os.path.join(path, "generation_config.json")
     gen = read_json(gen_file) if os.path.isfile(gen_file) else {}

@@ -6,14 +6,15 @@ DAPO; it is what a run needs before Algorithm 1 starts.
                                torch.distributed started under torchrun (every rank with the
                                same flags and files), logging; on the way out, the trackers
                                flushed and the processes shut down
-    plan(cfg)                  the memory plan from the model's config.json, printed (--plan N:
-                               then dapo.py stops, status 0)
+    plan(cfg)                  the compute precision and a CPU's threads chosen, and the memory
+                               plan from the model's config.json, printed (--plan N: then
+                               dapo.py stops, status 0)
     setup(cfg)                 the lengths checked against the positions, the verifier, the
                                policy, its tokenizer, the training and held-out rows (a Setup)
     user_errors_in_one_line()  the command line's way to report a user's mistake (a UserError)
 
 Each step returns a new Config where it resolves a flag, never edits the caller's: session the
-device (--device auto) and --precision, plan --rollout-slots auto.
+device (--device auto), plan --precision auto and --rollout-slots auto.
 """
 import contextlib
 import hashlib
@@ -26,7 +27,7 @@ import torch
 
 from config import Config, check_flags
 from data import Tokenizer, check_data_file, check_vocab, load_rows, load_tokenizer
-from infra import (checkpoint, distributed, files, health, hf_io, interrupt, memory,
+from infra import (checkpoint, cpu, distributed, files, health, hf_io, interrupt, memory,
                    precision, trackers, vllm_engine)
 from infra.errors import UserError
 from infra.files import need_file
@@ -37,20 +38,18 @@ from sampler import Engine
 
 @contextlib.contextmanager
 def session(cfg: Config):
-    """A run's processes, around dapo.py's work: yields cfg with the device and the compute
-    precision resolved. Whatever happens inside, the trackers are flushed and the processes shut
-    down; a run stuck says so in one line (exit status 1), a rank that timed out inside FSDP2's
-    collectives names --dist-timeout."""
+    """A run's processes, around dapo.py's work: yields cfg with the device resolved. Whatever
+    happens inside, the trackers are flushed and the processes shut down; a run stuck says so in
+    one line (exit status 1), a rank that timed out inside FSDP2's collectives names
+    --dist-timeout."""
     # --plan N: the flags are checked, and the memory planned, for the N processes the plan is for
-    check_flags(cfg, world=cfg.plan or distributed.launched_world())
+    check_flags(cfg, world=planned_world(cfg))
     if not cfg.plan:  # --plan reads config.json alone
         check_files(cfg)  # before the processes meet and the weights load (minutes for 32B)
         check_writable_dirs(cfg)  # not at the first save, after every step of the run
     rank, _, device = distributed.init(cfg.device, timeout_s=cfg.dist_timeout)
     check_ranks_agree(cfg)  # ranks started with their own command lines (one per node)
-    # bf16 compute with fp32 master weights: dapo.py enters autocast per forward phase, never
-    # around the whole run (infra/precision.py says why)
-    cfg = replace(cfg, device=device, precision=precision.resolve(cfg.precision, device))
+    cfg = replace(cfg, device=device)
     # data.py reports through logging: rank 0 shows it, the others only warnings
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     try:
@@ -58,11 +57,11 @@ def session(cfg: Config):
     except health.RunStuck as stuck:  # the warnings above name the cause: one line, no traceback
         distributed.say(f"error: {stuck}")
         raise SystemExit(1) from None
-    except RuntimeError as e:  # a rank stopped while this one waited inside FSDP2's collectives
-        timed_out = distributed.timeout_error(e, cfg.dist_timeout)
-        if timed_out is None:
+    except RuntimeError as e:  # a rank stopped or died while this one was in FSDP2's collectives
+        said = distributed.collective_error(e, cfg.dist_timeout)
+        if said is None:
             raise
-        raise timed_out from e
+        raise said from e
     finally:
         interrupt.restore()  # the signal handlers of dapo.py's loop
         trackers.close_all()  # a crash still flushes what the trackers were given
@@ -71,18 +70,35 @@ def session(cfg: Config):
 
 
 def plan(cfg: Config) -> Config:
-    """The memory plan per process (infra/memory.py) of the policy's config.json with these flags,
-    printed by rank 0, against this device unless --plan N plans another number of processes. A
-    run that cannot fit the device stops with the numbers. Returns cfg with --rollout-slots auto
-    resolved to the slots that fit."""
-    planned = cfg.plan or distributed.world_size()
+    """The compute precision (--precision auto: bf16 on CUDA, and on a CPU where it is faster), a
+    CPU's threads (one for a small model), and the memory plan per process (infra/memory.py) of
+    the policy's config.json with these flags, printed by rank 0 with the precision's reason in
+    its first line, against this device unless --plan N plans another number of processes. A run
+    that cannot fit the device stops with the numbers. Returns cfg with --precision and
+    --rollout-slots auto resolved."""
+    planned = planned_world(cfg)
+    model_cfg = model_config(cfg)[0]
+    params = memory.parameter_count(model_cfg)
+    # bf16 compute with fp32 master weights: dapo.py enters autocast per forward phase, never
+    # around the whole run (infra/precision.py says why)
+    chosen = precision.choose(cfg.precision, cfg.device, params, planned)
+    cfg = replace(cfg, precision=chosen.precision)
     capacity = memory.device_capacity(cfg.device) if planned == distributed.world_size() else 0
-    memory_plan = memory.plan(model_config(cfg)[0], cfg, planned, capacity)
-    distributed.say(memory_plan.describe(cfg.device if capacity else "a device of any size"))
+    memory_plan = memory.plan(model_cfg, cfg, planned, capacity)
+    where = cfg.device if capacity else "a device of any size"
+    if cfg.device == "cpu":  # one thread for a small model (infra/cpu.py says why)
+        threads = cpu.set_threads(params)
+        where += f", {threads} thread(s)" if capacity else ""
+    distributed.say(memory_plan.describe(where, chosen.why))
     if cfg.plan:
         return cfg
     memory.refuse_if_too_big(memory_plan, cfg.device)
     return replace(cfg, rollout_slots=memory_plan.slots) if cfg.rollout_slots == "auto" else cfg
+
+
+def planned_world(cfg: Config) -> int:
+    """The processes a run is planned for: --plan N's N, else (a bare --plan too) this launch's."""
+    return cfg.plan if cfg.plan > 0 else distributed.launched_world()
 
 
 @dataclass
@@ -213,6 +229,7 @@ def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:
     sharded = distributed.world_size() > 1
     if resume_dir or cfg.model:
         tok_dir = os.path.join(resume_dir, "model") if resume_dir else cfg.model
+        tok = load_tokenizer(tok_dir)  # a broken tokenizer file is said before the weights load
         if sharded:
             model = load_sharded(tok_dir, cfg)
         else:
@@ -222,7 +239,7 @@ def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:
         tok_dir, model = demo_policy(cfg.out_dir, cfg.device, cfg.seed)
         if sharded:
             distributed.shard(model, mixed_precision=cfg.precision == "bf16")
-    tok = load_tokenizer(tok_dir)
+        tok = load_tokenizer(tok_dir)
     check_vocab(model.config.vocab_size, tok, tok_dir)
     model.activation_checkpointing = cfg.activation_checkpointing
     if cfg.compile:

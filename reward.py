@@ -24,8 +24,9 @@ import re
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -60,14 +61,26 @@ REMOVED = [
 ]
 
 # --- step 3: regex rewrites (pattern, replacement), in order --------------------------------------
-# `.` stops at a newline, as upstream
+# Each does what math_dapo's re.sub quoted above it does (`.` stops at a newline, as upstream), in
+# linear time: upstream's patterns scan from every start position to the end of the line where no
+# "$" or "}" closes it, quadratic in C where no timer reaches (a 16 KB ground truth took 1.5 s, 4x
+# that at each doubling). tests/test_reward.py checks each against upstream's.
+
+def _inside_or_kept(match: re.Match) -> str:
+    """X of an opener's "{X}", or the rest of the line as it was when no "}" closes the opener
+    (upstream leaves it, and every later opener of the line, unmatched)."""
+    return match[0] if match[1] is None else match[1]
+
+
 REWRITES = [
-    (re.compile(r"(.*?)(\$)(.*?)(\$)(.*)"), r"$\3$"),  # keep only the first $...$ span (per line)
-    (re.compile(r"(\\text\{)(.*?)(\})"), r"\2"),  # \text{X} -> X  (X stops at the first "}")
-    (re.compile(r"(\\textbf\{)(.*?)(\})"), r"\2"),
-    (re.compile(r"(\\overline\{)(.*?)(\})"), r"\2"),
-    # \boxed{X} -> X  (greedy: X runs to the last "}" of the line)
-    (re.compile(r"(\\boxed\{)(.*)(\})"), r"\2"),
+    # keep only the first $...$ span of a line holding two "$": (.*?)(\$)(.*?)(\$)(.*) -> $\3$
+    (re.compile(r"^[^$\n]*\$([^$\n]*)\$.*", re.MULTILINE), r"$\1$"),
+    # \text{X} -> X, X stopping at the first "}": (\\text\{)(.*?)(\}) -> \2
+    (re.compile(r"\\text\{(?:([^}\n]*)\}|.*)"), _inside_or_kept),
+    (re.compile(r"\\textbf\{(?:([^}\n]*)\}|.*)"), _inside_or_kept),
+    (re.compile(r"\\overline\{(?:([^}\n]*)\}|.*)"), _inside_or_kept),
+    # \boxed{X} -> X, X running to the last "}" of the line (greedy): (\\boxed\{)(.*)(\}) -> \2
+    (re.compile(r"\\boxed\{(?:(.*)\}|.*)"), _inside_or_kept),
     # \frac12 -> \frac{1}{2}, \frac123 -> \frac{1}{2}3
     (re.compile(r"(frac)([^{])(.)"), r"frac{\2}{\3}"),
     (re.compile(r"(sqrt)([^{])"), r"sqrt{\2}"),  # \sqrt2 -> \sqrt{2}
@@ -125,9 +138,9 @@ def found_answer(result: dict) -> bool:
 
 @functools.lru_cache(maxsize=2**16)
 def normalized_ground_truth(ground_truth: str) -> str:
-    """normalize(ground_truth), once per distinct ground truth: the "$...$" regex above is
-    quadratic in the length of a line without "$", and a group's G responses share one ground
-    truth. A prediction needs no cache: it is cut to WINDOW characters first."""
+    """normalize(ground_truth), once per distinct ground truth: a group's G responses share one,
+    which may be long (a row's text is not bounded). A prediction needs no cache: it is cut to
+    WINDOW characters first."""
     return normalize(ground_truth)
 
 
@@ -202,6 +215,7 @@ MAX_TIMER_S = 1e8  # under setitimer's limit (the platform's time_t): 3 years is
 # A verifier's sys.exit() is one of its errors: a SystemExit let through would end the run with
 # exit status 0, losing every step since the last checkpoint (KeyboardInterrupt still stops it)
 VERIFIER_ERRORS = (Exception, SystemExit)
+FORKED_EXIT_STATUS = 70  # a process the verifier forked that came back into the run (EX_SOFTWARE)
 
 
 @dataclass
@@ -220,10 +234,12 @@ class Verifier:
     timeout_s: float = 0.0
     first_error: str = ""  # reward_fn's first error since take_errors(), with its response
     said_slow: bool = False  # a slow call of reward_fn was said (once a run)
+    forks: "_ReturningForks" = field(default_factory=lambda: _ReturningForks(), repr=False)
 
     @classmethod
     def load(cls, spec: str, every_row: bool, timeout_s: float = 0.0) -> "Verifier":
-        return cls(load_reward_fn(spec), spec, every_row, timeout_s)
+        forks = _ReturningForks()
+        return cls(load_reward_fn(spec, forks), spec, every_row, timeout_s, forks=forks)
 
     def scores_with_reward_fn(self, data_source: str) -> bool:
         """Whether --reward-fn (if given) scores the rows of this data_source."""
@@ -291,7 +307,7 @@ class Verifier:
         with a TimeoutError after timeout_s. The SIGALRM timer interrupts Python code, not a call
         stuck in C (a regex, an extension); outside a Unix main thread the call runs unwatched. A
         function that sets its own SIGALRM (a timeout decorator) takes the timer over."""
-        with _same_directory():
+        with _guarded(self.forks):
             return self._call_timed(response_text, ground_truth)
 
     def _call_timed(self, response_text: str, ground_truth: str):
@@ -343,7 +359,7 @@ def reward_fn_file(spec: str) -> tuple[str, str]:
     return path, name
 
 
-def load_reward_fn(spec: str):
+def load_reward_fn(spec: str, forks: "_ReturningForks | None" = None):
     """The function NAME of FILE.py, from "FILE.py:NAME"; raise naming the flag, the file and the
     name when the file is missing or broken or NAME is not a callable."""
     import importlib.util
@@ -351,7 +367,7 @@ def load_reward_fn(spec: str):
     module_spec = importlib.util.spec_from_file_location(f"reward_fn_{name}", path)
     module = importlib.util.module_from_spec(module_spec)
     try:
-        with _same_directory():
+        with _guarded(forks or _ReturningForks()):
             module_spec.loader.exec_module(module)
     except VERIFIER_ERRORS as e:
         raise UserError(f"--reward-fn {spec!r}: importing {path} failed: "
@@ -362,6 +378,15 @@ def load_reward_fn(spec: str):
         raise UserError(f"--reward-fn {spec!r}: {path} defines {what} named {name}, not a "
                         "function (response_text, ground_truth) -> float or {'score', 'acc'}")
     return fn
+
+
+# --- what a verifier's code may not do to the run: each undone or stopped around its calls --------
+
+@contextlib.contextmanager
+def _guarded(forks: "_ReturningForks"):
+    """Around each call of a verifier's code (and its import): the three helpers below."""
+    with forks.ended(), _same_directory(), _os_exit_raises():
+        yield
 
 
 @contextlib.contextmanager
@@ -375,8 +400,81 @@ def _same_directory():
         os.chdir(cwd)
 
 
+class OsExitCalled(SystemExit):
+    """os._exit(status), called by a verifier in the run's process: raised instead (a SystemExit,
+    so that the verifier's own `except Exception` does not swallow it)."""
+
+
+@contextlib.contextmanager
+def _os_exit_raises():
+    """os._exit() from the calling process and thread raises OsExitCalled: it would end the run
+    on the spot, and with status 0 make it look finished. In a process the verifier forked (a
+    sandbox's child), or in another thread, os._exit is itself."""
+    real_exit, pid, thread = os._exit, os.getpid(), threading.get_ident()
+
+    def exit_unless_the_run(status):
+        if os.getpid() == pid and threading.get_ident() == thread:
+            raise OsExitCalled(status)
+        real_exit(status)
+
+    os._exit = exit_unless_the_run
+    try:
+        yield
+    finally:
+        os._exit = real_exit
+
+
+class _ReturningForks:
+    """A process the verifier forked that comes back into the run (its function returned or
+    raised instead of ending with os._exit, as a sandbox without it in a `finally` does) would
+    train the run's steps a second time, from where it was forked: it is ended at once, exit
+    status FORKED_EXIT_STATUS, after saying so on a pipe, which the calling process reads after
+    each call (the call that hears of it is the verifier's error)."""
+
+    def __init__(self):
+        self.pipe: tuple[int, int] | None = None  # (read, write) ends, made before the first call
+
+    @contextlib.contextmanager
+    def ended(self):
+        if self.pipe is None:
+            self.pipe = os.pipe()  # inherited by whatever forks
+            for fd in self.pipe:  # neither a full pipe nor an empty one may block
+                os.set_blocking(fd, False)
+            weakref.finalize(self, _close_fds, self.pipe)
+        caller = os.getpid()
+        try:
+            yield
+        finally:
+            if os.getpid() != caller:
+                self._say_and_end()
+        heard = self._heard()
+        if heard:
+            raise UserError(heard)
+
+    def _say_and_end(self):
+        said = (f"a process it forked (pid {os.getpid()}) came back into the run instead of "
+                f"ending with os._exit(): it was ended, exit status {FORKED_EXIT_STATUS}\n")
+        with contextlib.suppress(OSError):
+            os.write(self.pipe[1], said.encode())  # one write: atomic
+        os._exit(FORKED_EXIT_STATUS)
+
+    def _heard(self) -> str:
+        """The first thing a returning fork said since the last call, or ""."""
+        try:
+            return os.read(self.pipe[0], 1 << 16).decode(errors="replace").partition("\n")[0]
+        except BlockingIOError:
+            return ""
+
+
+def _close_fds(fds):
+    for fd in fds:
+        os.close(fd)
+
+
 def _described(e: BaseException) -> str:
     """A verifier's error as the warnings and errors show it."""
+    if isinstance(e, OsExitCalled):
+        return f"the verifier called os._exit({e.code!r}), which would end the run"
     if isinstance(e, SystemExit):
         return f"SystemExit: the verifier called sys.exit({e.code!r})"
     if isinstance(e, UserError):  # ours, which says what is wrong (a NaN score)

@@ -231,7 +231,7 @@ def toy_warmup_pairs(n: int, seed: int) -> list[tuple[list[dict], str]]:
 # The demo's base model: a brief supervised warm-up, in the open
 
 # expect a last-batch loss near 0.2 and a held-out val/acc of 0.27-0.39 (docs/demo.md)
-WARMUP = dict(steps=400, batch_size=64, lr=5e-3, preset="demo")
+WARMUP = dict(steps=400, batch_size=64, micro_batches=4, lr=5e-3, preset="demo")
 
 
 def demo_policy(out_dir: str, device: str, seed: int) -> tuple[str, Qwen2]:
@@ -267,8 +267,9 @@ def warmed_up_model(tok, key: dict, make_pairs, device="cpu", cache_root="runs/d
                     label="warm-up", log_every=50) -> Qwen2:
     """A Qwen2 of preset key["preset"] fitted by next-token prediction to make_pairs(n), n =
     steps x batch_size (prompt messages, response text) pairs seen once each, with AdamW at
-    key["lr"]; cached under cache_root in a directory named by the key (its settings, seed and a
-    checksum of its data) and loaded from there next time. The key names the kernels too: another
+    key["lr"], each batch in key["micro_batches"] (default 1; sft_backward); cached under
+    cache_root in a directory named by the key (its settings, seed and a checksum of its data)
+    and loaded from there next time. The key names the kernels too: another
     kernel set (ATEN_CPU_CAPABILITY=default, a GPU) rounds the warm-up differently."""
     key = dict(key, kernels=kernel_set(device))
     cache = os.path.join(cache_root, "_".join(f"{k}{v}" for k, v in key.items()))
@@ -291,13 +292,13 @@ def warmed_up_model(tok, key: dict, make_pairs, device="cpu", cache_root="runs/d
         for group in opt.param_groups:  # 20 steps of linear warm-up, then cosine decay to 10%
             group["lr"] = (key["lr"] * min(1, (step + 1) / 20)
                            * (0.1 + 0.45 * (1 + math.cos(math.pi * step / steps))))
-        loss = sft_loss(model, examples[step * batch:(step + 1) * batch], tok.pad_token_id, device)
-        loss.backward()
+        loss = sft_backward(model, examples[step * batch:(step + 1) * batch], tok.pad_token_id,
+                            device, key.get("micro_batches", 1))
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if step % log_every == 0 or step == steps - 1:
-            print(f"{label} {step:4d}/{steps}  loss {loss.item():.3f}  "
+            print(f"{label} {step:4d}/{steps}  loss {loss:.3f}  "
                   f"({time.time() - t0:.0f}s)", flush=True)
     model.save_pretrained(cache, tokenizer_dir=tok.name or None)  # a complete model directory
     # written last: its presence marks a complete cache
@@ -306,7 +307,23 @@ def warmed_up_model(tok, key: dict, make_pairs, device="cpu", cache_root="runs/d
     return model
 
 
-def sft_loss(model, examples, pad_id, device):
+def sft_backward(model, examples, pad_id, device, micro_batches=1) -> float:
+    """Back-propagates the batch's next-token cross-entropy, the mean over all its response
+    tokens, in micro-batches of examples sorted by length, each padded to its own longest: the
+    gradient of the whole batch at once, up to summation order, with less padding (a rambling
+    response is 2-3x the length of the others). Returns the loss."""
+    ordered = sorted(examples, key=lambda example: len(example[0]) + len(example[1]))
+    n_tokens = sum(len(response) for _, response in examples)
+    size = math.ceil(len(ordered) / micro_batches)
+    total = 0.0
+    for i in range(0, len(ordered), size):
+        loss = sft_loss(model, ordered[i:i + size], pad_id, device, reduction="sum") / n_tokens
+        loss.backward()
+        total += loss.item()
+    return total
+
+
+def sft_loss(model, examples, pad_id, device, reduction="mean"):
     """Next-token cross-entropy on the response tokens only (the prompt is given, not learned)."""
     T = max(len(p) + len(r) for p, r in examples)
     ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
@@ -317,4 +334,5 @@ def sft_loss(model, examples, pad_id, device):
     ids, labels = ids.to(device), labels.to(device)
     # right padding and a causal mask: the pads after a sequence never affect it
     logits = model(ids[:, :-1])
-    return F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+    return F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100,
+                           reduction=reduction)

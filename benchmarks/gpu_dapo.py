@@ -78,7 +78,7 @@ def main():
     p.add_argument("--device", default="cuda",
                    help="cpu runs the same script as a smoke test (--preset tiny)")
     p.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"),
-                   help="dapo.py's --precision (auto: bf16 on CUDA, fp32 on CPU)")
+                   help="dapo.py's --precision (auto: bf16 on CUDA)")
     p.add_argument("--nproc", type=int, default=1, help="processes (torchrun), one GPU each")
     p.add_argument("--dapo", nargs=argparse.REMAINDER,
                    help="internal: one dapo.py run with these flags (what the check launches), "

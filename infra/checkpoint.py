@@ -203,8 +203,9 @@ def latest(out_dir) -> str:
 
 def incomplete(ckpt) -> str | None:
     """What is missing or unreadable in checkpoint directory ckpt, or None. Cheap: reads
-    trainer.json and config.json, and only the headers of the other files (a truncated zip lacks
-    its end record, a truncated safetensors file is shorter than its header says)."""
+    trainer.json, config.json and tokenizer.json (as JSON), and only the headers of the other
+    files (a truncated zip lacks its end record, a truncated safetensors file is shorter than its
+    header says)."""
     try:
         meta = files.read_json(os.path.join(ckpt, "trainer.json"))
         for rank in range(meta["world_size"]):
@@ -214,7 +215,8 @@ def incomplete(ckpt) -> str | None:
             if not zipfile.is_zipfile(file):
                 return f"{file} is truncated or corrupt"
         model_dir = os.path.join(ckpt, "model")
-        files.read_json(files.need_file(model_dir, "config.json"))
+        for name in ("config.json", "tokenizer.json"):
+            files.read_json(files.need_file(model_dir, name))
         for file in checkpoint_files(model_dir):
             try:
                 with safe_open(file, framework="pt"):
@@ -355,27 +357,15 @@ def final_evaluation_due(metrics_path: str, start: int, steps: int, eval_every: 
         return False
     if start < steps:
         return True
-    logged = distributed.rank() == 0 and any(
-        row.get("step") == steps and _is_evaluation(row) for row in _rows(metrics_path))
+    rows = files.read_jsonl(metrics_path) if distributed.rank() == 0 and \
+        os.path.isfile(metrics_path) else []
+    logged = any(isinstance(row, dict) and row.get("step") == steps and _is_evaluation(row)
+                 for row in rows)
     return not distributed.all_reduce(float(logged), "max", name="final evaluation logged")
 
 
 def _is_evaluation(row: dict) -> bool:
     return any(k.startswith("val/") for k in row)
-
-
-def _rows(path: str) -> list[dict]:
-    """The whole rows of metrics.jsonl (none when it does not exist; a torn line skipped)."""
-    if not os.path.isfile(path):
-        return []
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return [row for row in rows if isinstance(row, dict)]
 
 
 def prepare_out_dir(out_dir: str, resume: bool, overwrite: bool,

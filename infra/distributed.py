@@ -104,18 +104,28 @@ def _named(op: str, name: str | None, caller):
                         f"({e})") from e
 
 
-def timeout_error(e: BaseException, timeout_s: float) -> UserError | None:
-    """A collective's timeout that no named helper here caught (one inside FSDP2's forward or
-    backward: gloo says only "Timed out waiting 1800000ms for recv operation to complete") as an
-    error naming --dist-timeout; None for any other error."""
+# What gloo says when the rank at the other end is gone (its tcp/pair.cc: the socket closed or
+# reset under it), and NCCL
+PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe",
+             "remote process exited")
+
+
+def collective_error(e: BaseException, timeout_s: float) -> UserError | None:
+    """A collective's failure that no named helper here caught (one inside FSDP2's forward or
+    backward, where gloo says only "Timed out waiting 1800000ms for recv operation to complete"
+    or "Connection closed by peer") as one line: a timeout naming --dist-timeout, or another rank
+    gone; None for any other error."""
     text = str(e)
-    if not isinstance(e, RuntimeError) or "--dist-timeout" in text or \
-            not ("timed out" in text.lower() or "timeout" in text.lower()):
+    if not isinstance(e, RuntimeError) or "--dist-timeout" in text:
         return None
     first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
-    return UserError(f"rank {rank()}: a collective (in the model's forward or backward, or "
-                     f"torch's own) timed out after {timeout_s:g} s: another rank stopped or is "
-                     f"far behind (raise --dist-timeout if it was only slow) ({first})")
+    where = f"rank {rank()}: a collective (in the model's forward or backward, or torch's own)"
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return UserError(f"{where} timed out after {timeout_s:g} s: another rank stopped or is "
+                         f"far behind (raise --dist-timeout if it was only slow) ({first})")
+    if any(said in text.lower() for said in PEER_GONE):
+        return UserError(f"{where} failed: another rank has probably exited ({first})")
+    return None
 
 
 def world_size() -> int:

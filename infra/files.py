@@ -7,6 +7,7 @@ atomic, so a power cut or a kill at any moment leaves either the old content or 
     fsync(path)               a file's data or a directory's entries on the disk
     write_atomic(file, text)  replace a small file whole (metrics.jsonl trimmed, `latest`)
     append_line(file, line)   add a line at the end and flush it (metrics.jsonl's rows)
+    read_jsonl(file)          the rows append_line wrote, a last line torn by a crash skipped
     write_json(file, obj)     write indented JSON and flush it (into a directory that is renamed
                               into place whole, as a checkpoint's)
     read_json(file)           JSON, or an error that names the file (a truncated copy)
@@ -81,6 +82,25 @@ def append_line(file: str, line: str):
         os.fsync(f.fileno())
 
 
+def read_jsonl(file: str) -> list:
+    """The JSON rows of a file append_line wrote, one a line. Its last line, cut short by a crash,
+    is skipped (the writer said it is lost, or writes it again); any other line that is not JSON
+    is an error naming file:line."""
+    with open(file, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    rows = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if lineno == len(lines):  # torn
+                continue
+            raise UserError(f"{file}:{lineno}: not a JSON row; fix or remove the line") from None
+    return rows
+
+
 def write_json(file: str, obj):
     with writing(file), open(file, "w") as f:
         json.dump(obj, f, indent=2)
@@ -117,8 +137,13 @@ def own_dir(path: str, lock_name: str = "run.lock"):
         os.close(fd)
         raise UserError(f"{path} is in use by a live run (pid {holder}, {file}): wait for it "
                         "or stop it, or choose another --out-dir") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:  # the first write of a run: a disk already full fails here (the lock took no space)
+        with writing(file):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except UserError:
+        os.close(fd)
+        raise
     _owned[key] = fd
 
 

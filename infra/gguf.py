@@ -225,6 +225,14 @@ def build_tokenizer(meta: dict, source: str) -> Tokenizer:
     if bad:
         raise UserError(f"{source}: merge {' '.join(bad)!r} is not two tokens")
     vocab = {token: i for i, token in enumerate(tokens)}
+    # a merge's two tokens and their concatenation must be tokens: the tokenizers library's own
+    # error ("Token `x` out of vocabulary") names no file and no merge
+    for left, right in merges:
+        missing = next((t for t in (left, right, left + right) if t not in vocab), None)
+        if missing is not None:
+            raise UserError(f"{source}: merge {left + ' ' + right!r} needs the token {missing!r}, "
+                            "which is not in tokenizer.ggml.tokens: a corrupt or mismatched "
+                            "tokenizer")
     tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
     tok.pre_tokenizer = PRE_TOKENIZERS[pre]()
     tok.decoder = decoders.ByteLevel()

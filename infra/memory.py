@@ -138,7 +138,8 @@ class Plan:
     def fits(self) -> bool:
         return not self.capacity or self.peak <= MARGIN * self.capacity
 
-    def describe(self, device: str) -> str:
+    def describe(self, device: str, precision_why: str = "") -> str:
+        """The plan in four lines; precision_why (how --precision was chosen) goes in the first."""
         def gb(n):
             return "0" if n == 0 else f"{n / GB:.1f} GiB" if n >= GB / 10 else \
                 f"{n / 2**20:.1f} MiB"
@@ -153,7 +154,8 @@ class Plan:
         asleep = f" + vLLM engine {gb(self.engine_in_update)}" if self.engine_in_update else ""
         return "\n".join([
             f"memory plan per process ({_count(self.params)} parameters, {self.world} "
-            f"process(es), {self.precision}{sampler}; {where}):",
+            f"process(es), {self.precision}{sampler}"
+            f"{f' ({precision_why})' if precision_why else ''}; {where}):",
             f"  rollout  {gb(self.rollout):>6} = fp32 shards {gb(self.shards)} + {rollout}",
             "  update     none: --eval-only builds no optimizer and takes no update" if
             self.eval_only else

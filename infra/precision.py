@@ -7,7 +7,7 @@ Compute precision: fp32, or bf16 with fp32 master weights (the precision of ever
     bf16         autocast around each forward phase gathered weights and compute in bf16
                  (a rollout, an evaluation, each    (MixedPrecisionPolicy); shards, optimizer
                  micro-batch's forward)             and gradient reduction in fp32
-    auto         bf16 on CUDA, fp32 on CPU
+    auto         bf16 on CUDA; on a CPU, bf16 only where it is faster (choose() below)
 
 In one process the weights stay fp32 and autocast casts them to bf16 as each matmul reads them.
 Autocast keeps those bf16 copies for the life of the outermost autocast region, so a region must
@@ -17,10 +17,11 @@ autocast leaves in fp32, would move). Hence autocast() per phase, and check_no_a
 each step.
 """
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
-from infra import distributed
+from infra import cpu, distributed
 
 PRECISIONS = ("auto", "fp32", "bf16")
 # bf16 keeps 8 significant bits: a rounding to bf16 is off by at most u = 2^-8 of the value, half
@@ -28,11 +29,43 @@ PRECISIONS = ("auto", "fp32", "bf16")
 BF16_UNIT_ROUNDOFF = torch.finfo(torch.bfloat16).eps / 2
 
 
-def resolve(precision: str, device: str) -> str:
-    """--precision auto -> bf16 on CUDA, fp32 on CPU; fp32 and bf16 as they are."""
-    if precision == "auto":
-        return "bf16" if device.startswith("cuda") else "fp32"
-    return precision
+# On a CPU, --precision auto takes bf16 for a model of cpu.SMALL_MODEL_PARAMS or more where its
+# matmuls are at least this much faster than fp32's. With native bf16 (AVX-512 BF16, AMX) they
+# were 5-9x faster here; with AVX2 only, 8-40x slower: the margin is wide either way
+CPU_BF16_MIN_SPEEDUP = 1.25
+
+
+@dataclass(frozen=True)
+class Choice:
+    precision: str  # "fp32" or "bf16"
+    why: str  # how it was chosen, for the memory plan's first line
+
+
+def choose(precision: str, device: str, params: int = 0, world: int = 1) -> Choice:
+    """--precision resolved for a model of `params` parameters on `world` processes: fp32 and bf16
+    as they are; auto -> bf16 on CUDA, and on a CPU bf16 only where it is faster. bf16 matmuls are
+    fast only on CPUs with native bf16 instructions (AVX-512 BF16, AMX); on AVX2, most laptops
+    before 2023, they are several times slower than fp32, so a short probe decides (one process
+    only: the ranks of a CPU run would have to agree on a timing)."""
+    if precision != "auto":
+        return Choice(precision, f"--precision {precision}")
+    if device.startswith("cuda"):
+        return Choice("bf16", "auto: bf16 on CUDA")
+    if world > 1:
+        return Choice("fp32", "auto: fp32 on CPU in several processes")
+    if params < cpu.SMALL_MODEL_PARAMS:  # the same figures on every CPU, as the demo's
+        return Choice("fp32", f"auto: fp32 on CPU for a model under "
+                              f"{cpu.SMALL_MODEL_PARAMS // 1_000_000}M parameters")
+    speedup = cpu.bf16_speedup()
+    faster = speedup >= CPU_BF16_MIN_SPEEDUP
+    return Choice("bf16" if faster else "fp32",
+                  f"auto: bf16 matmuls {speedup:.2g}x as fast as fp32 on this CPU "
+                  f"({torch.backends.cpu.get_cpu_capability()})")
+
+
+def resolve(precision: str, device: str, params: int = 0, world: int = 1) -> str:
+    """choose()'s precision alone."""
+    return choose(precision, device, params, world).precision
 
 
 def autocast(precision: str, device: str):

@@ -11,15 +11,18 @@ their numbers only, at the row's step, with the run's Config as its hyperparamet
 The packages are optional (requirements-extra.txt) and imported only when a tracker is opened;
 missing() lets config.check_flags refuse one that is not installed before anything loads.
 """
+import contextlib
 import importlib.util
 import json
 import math
 import os
 import shutil
+import threading
 import time
 from dataclasses import asdict
 
 from infra import distributed, files
+from infra.errors import UserError
 
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
 PROJECT = "dapo"  # the wandb and Trackio project every run logs to
@@ -43,21 +46,54 @@ def scalars(row: dict) -> dict:
 class TensorBoard:
     """Event files in out_dir/tensorboard/. purge_step: on resume, TensorBoard's readers drop what
     the run logged at that step and after (as checkpoint.resume trims metrics.jsonl); `replay`,
-    the rows metrics.jsonl keeps at that step, are logged again."""
+    the rows metrics.jsonl keeps at that step, are logged again.
+
+    The writer writes in a thread of its own, and re-raises its error (a full disk) at the next
+    call: that error is one line naming the directory, said once, and the thread's own traceback,
+    which would say it first, is kept for it (threading.excepthook, while the writer is open)."""
 
     def __init__(self, log_dir: str, config: dict, purge_step: int | None, replay=()):
         from torch.utils.tensorboard import SummaryWriter
-        self.writer = SummaryWriter(log_dir, purge_step=purge_step)
-        self.writer.add_text("config", "```\n" + json.dumps(config, indent=1) + "\n```", 0)
+        self.where = f"{log_dir} (--report-to tensorboard)"
+        self.failed, self.thread_error = False, None
+        self.previous_hook, threading.excepthook = threading.excepthook, self._thread_died
+        with self._writing():
+            self.writer = SummaryWriter(log_dir, purge_step=purge_step)
+            self.writer.add_text("config", "```\n" + json.dumps(config, indent=1) + "\n```", 0)
         for row in replay:
             self.log(row, row["step"])
 
     def log(self, row: dict, step: int):
-        for k, v in scalars(row).items():
-            self.writer.add_scalar(k, v, step)
+        if self.failed:  # said once
+            return
+        with self._writing():
+            for k, v in scalars(row).items():
+                self.writer.add_scalar(k, v, step)
 
     def close(self):
-        self.writer.close()
+        threading.excepthook = self.previous_hook
+        if self.failed:
+            return
+        with self._writing():
+            self.writer.close()  # joins the writer's thread: its error, if any, is known now
+            if self.thread_error is not None:
+                raise self.thread_error
+
+    def _thread_died(self, args):
+        if type(args.thread).__module__.startswith("tensorboard."):
+            self.thread_error = args.exc_value
+        else:
+            self.previous_hook(args)
+
+    @contextlib.contextmanager
+    def _writing(self):
+        """A failed write as files.writing says it (after it, log and close do nothing)."""
+        try:
+            with files.writing(self.where):
+                yield
+        except UserError:
+            self.failed = True
+            raise
 
 
 class Wandb:
@@ -121,10 +157,8 @@ def open_all(cfg, start: int = 0, metrics_path: str | None = None) -> list:
 
 
 def _rows(path: str | None) -> list[dict]:
-    if not path or not os.path.isfile(path):
-        return []
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    # a resume with nothing to do leaves metrics.jsonl as the crash did, a torn last line included
+    return files.read_jsonl(path) if path and os.path.isfile(path) else []
 
 
 def close(trackers: list):

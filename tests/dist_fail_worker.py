@@ -11,6 +11,7 @@ mode is one way a rank can go wrong.
           all-reduce; rank 0's error must be the last thing it prints
     fsdp  in launch.session: rank 1 stops itself (SIGSTOP) while rank 0 runs an FSDP2 forward and
           backward, whose collectives no helper of ours names
+    fsdp-dead  the same, rank 1 dying (os._exit) instead: rank 0 is gathering the weights
 """
 import os
 import signal
@@ -34,12 +35,12 @@ def main(mode, timeout_s, out_dir=None):
         with launch.session(Config(device="cpu", dist_timeout=float(timeout_s))) as cfg:
             die_on_rank_1(cfg)
         return
-    if mode == "fsdp":
+    if mode in ("fsdp", "fsdp-dead"):
         import launch
         from config import Config
         cfg = Config(device="cpu", dist_timeout=float(timeout_s), out_dir=out_dir)
         with launch.user_errors_in_one_line(), launch.session(cfg) as cfg:  # as dapo.py's
-            stop_in_fsdp(cfg)
+            stop_in_fsdp(cfg, dies=mode == "fsdp-dead")
         return
     rank, _, _ = distributed.init("cpu", timeout_s=float(timeout_s))
     torch.set_num_threads(1)
@@ -79,11 +80,13 @@ def die_on_rank_1(cfg):
     distributed.all_reduce(1, name="dynamic-sampling count")
 
 
-def stop_in_fsdp(cfg):
+def stop_in_fsdp(cfg, dies=False):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = distributed.shard(Qwen2(preset("tiny", vocab_size=64)), mixed_precision=False)
     if distributed.rank() == 1:
+        if dies:
+            os._exit(3)  # as a rank killed -9 or by the OOM killer
         os.kill(os.getpid(), signal.SIGSTOP)
     model(torch.randint(0, 64, (2, 8))).sum().backward()
 

@@ -101,11 +101,33 @@ def test_a_handout_is_written_only_where_it_replaces_nothing_else(tmp_path):
     with pytest.raises(ValueError, match="holds no handout"):
         assign.write_handout(str(tmp_path))
     out = tmp_path / "student"
+    (out / ".git").mkdir(parents=True)  # a clone of the students' empty repository
     assign.write_handout(str(out))
-    (out / ".git").mkdir()
-    (out / "stale.py").write_text("")
-    assign.write_handout(str(out))  # again: replaced, its git history kept
-    assert (out / ".git").is_dir() and not (out / "stale.py").exists()
+    (out / ".git" / "HEAD").write_text("ref")
+    (out / "runs").mkdir()
+    (out / "runs" / "metrics.jsonl").write_text("{}")
+    os.remove(out / "toy.py")
+    assign.write_handout(str(out))  # again: replaced, its git history and runs kept
+    assert (out / ".git" / "HEAD").read_text() == "ref"
+    assert (out / "runs" / "metrics.jsonl").read_text() == "{}"
+    assert (out / "toy.py").is_file()
+
+
+@pytest.mark.parametrize("change,error", [
+    (lambda out: (out / "notes.txt").write_text("mine"), "notes.txt is not the handout's"),
+    (lambda out: (out / "reward.py").write_text("mine"),
+     "reward.py changed since the handout wrote it"),
+    (lambda out: os.remove(out / assign.MANIFEST), "is not empty and holds no handout"),
+], ids=["a file of its own", "an edited file", "no manifest"])
+def test_a_handout_is_not_written_over_what_it_did_not_write(tmp_path, change, error):
+    # before: any directory holding an EXERCISES.md was emptied, work not committed included
+    out = tmp_path / "student"
+    assign.write_handout(str(out))
+    change(out)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(out))}(: | ){error}"):
+        assign.write_handout(str(out))
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
 # --- a fresh handout ---
@@ -124,7 +146,8 @@ def test_the_handout_is_the_reference_with_each_exercise_blanked(handout):
     files = [f for f in files if f not in left_out]
     written = sorted(os.path.relpath(os.path.join(d, f), handout)
                      for d, _, names in os.walk(handout) for f in names)
-    assert written == sorted(files + ["EXERCISES.md"])
+    assert written == sorted(files + ["EXERCISES.md", assign.MANIFEST])
+    assert sorted(assign.replaceable_files(handout)) == written  # the manifest lists them all
     regions = assign.marked_regions(ROOT, files)
     for path in files:
         expected = assign.blank(read(ROOT, path), regions[path]) if path in regions else \

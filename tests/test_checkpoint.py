@@ -89,6 +89,21 @@ def test_a_full_disk_names_the_file_and_keeps_the_previous_checkpoint(
     Qwen2.from_pretrained(str(tmp_path / "checkpoints" / "step_000001" / "model"))
 
 
+@pytest.mark.parametrize("resume", [True, False])
+def test_an_out_dir_on_a_full_disk_is_named_and_its_checkpoint_kept(tmp_path, model, tiny_model_dir,
+                                                                    monkeypatch, resume):
+    # before: "OSError: [Errno 28] No space left on device" from writing the lock file's pid (the
+    # writability probe, an empty file, needs no space)
+    save(tmp_path, 1, model, tiny_model_dir)
+    monkeypatch.setattr(files.os, "pwrite", no_space)
+    with pytest.raises(UserError, match=rf"^could not write {tmp_path}/run\.lock: the disk is "
+                                        r"full \(OSError: \[Errno 28\] No space left on device\)$"):
+        checkpoint.prepare_out_dir(str(tmp_path), resume=resume, overwrite=not resume)
+    monkeypatch.undo()
+    assert listing(tmp_path) == ["latest", "step_000001"]
+    assert checkpoint.latest(str(tmp_path)).endswith("step_000001")
+
+
 def test_checkpoint_files_are_readable_and_synced_before_the_rename(tmp_path, model, tiny_model_dir,
                                                                     monkeypatch):
     events = []
@@ -246,6 +261,7 @@ def cut_in_half(file):
     ("trainer_rank0.pt", r"trainer_rank0\.pt is missing"),
     ("model/model.safetensors", r"model\.safetensors is truncated or corrupt"),
     ("trainer.json", r"trainer\.json: not valid JSON"),
+    ("model/tokenizer.json", r"tokenizer\.json: not valid JSON"),
 ])
 def test_a_broken_latest_checkpoint_names_the_earlier_complete_one(tmp_path, model,
                                                                    tiny_model_dir, broken,

@@ -434,3 +434,94 @@ def test_a_runs_verifier_ends_with_the_run(tiny_model_dir, tmp_path, capsys):
     result = dapo.main(replace(cfg, reward_fn="", train_data=math, val_data=math,
                                out_dir=str(tmp_path / "second")))
     assert "val/reward_fn_error" not in result and "raised" not in capsys.readouterr().out
+
+
+# --- round 5: a verifier that forks or calls os._exit (each failed before its fix) ----------------
+
+class RealExitReached(BaseException):
+    """Stands in for the process's end in these tests: no verifier error catches it."""
+
+
+def no_real_exit(status):
+    raise RealExitReached(status)
+
+
+def test_a_verifier_that_calls_os_exit_is_a_verifier_error_not_the_end_of_the_run(tmp_path,
+                                                                                 monkeypatch):
+    # before: os._exit(0) ended the run at once, exit status 0, with no word
+    monkeypatch.setattr(os, "_exit", no_real_exit)
+    path = write(tmp_path / "mine.py", "import os\ndef f(r, g):\n"
+                                       "    if r != g:\n        os._exit(0)\n    return 1.0\n"
+                                       "def always(r, g):\n    os._exit(3)\n")
+    verifier = Verifier.load(f"{path}:f", False)
+    verifier.check("7")
+    out = verifier.score("custom", "8", "7")
+    assert out == {"score": -1.0, "acc": False, "pred": "", "reward_fn_error": True}
+    assert verifier.take_errors().startswith("the verifier called os._exit(0), which would end "
+                                             "the run, on a row of data_source 'custom'")
+    assert os._exit is no_real_exit  # put back after the call
+    with pytest.raises(ValueError, match=r"the check call always\('7', '7'\) failed: the "
+                                         r"verifier called os._exit\(3\)"):
+        Verifier.load(f"{path}:always", False).check("7")
+    at_import = write(tmp_path / "at_import.py", "import os\nos._exit(4)\n")
+    with pytest.raises(ValueError, match=r"importing .*at_import.py failed: the verifier called "
+                                         r"os._exit\(4\)"):
+        reward.load_reward_fn(f"{at_import}:f")
+
+
+def test_os_exit_in_a_process_the_verifier_forked_ends_that_process(tmp_path):
+    # a sandbox's child that ends with os._exit, as it should: the real one, its own status
+    path = write(tmp_path / "sandbox.py", "import os\ndef f(r, g):\n    pid = os.fork()\n"
+                                          "    if pid == 0:\n        os._exit(5)\n"
+                                          "    return float(os.waitstatus_to_exitcode("
+                                          "os.waitpid(pid, 0)[1]))\n")
+    verifier = Verifier.load(f"{path}:f", False)
+    assert verifier.score("custom", "7", "7")["score"] == 5.0
+    assert verifier.take_errors() == ""
+
+
+# A verifier that forks, its child returning (a sandbox without os._exit in a `finally`); the
+# parent waits for the child and writes down its exit status
+FORKS_AND_RETURNS = """import os
+def f(r, g):
+    pid = os.fork()
+    if pid == 0:
+        return 1.0
+    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    with open(os.path.join(os.path.dirname(__file__), "child_status"), "w") as f:
+        f.write(str(status))
+    return 1.0
+"""
+# one line from each process that comes back from the call
+CALL_IT = """import json, sys, reward
+verifier = reward.Verifier.load(sys.argv[1], False)
+try:
+    result = verifier.{call}
+except ValueError as e:
+    result = str(e)
+print(json.dumps([result, verifier.take_errors()]), flush=True)
+"""
+CAME_BACK = (r"a process it forked \(pid \d+\) came back into the run instead of ending with "
+             r"os._exit\(\): it was ended, exit status 70")
+
+
+@pytest.mark.parametrize("call", ["score('custom', '7', '7')", "check('7')"])
+def test_a_process_the_verifier_forked_that_returns_is_ended_and_said(tmp_path, call):
+    # before: the child came back from the call and went on with the run: it trained to the end,
+    # then the parent trained the same steps again, and the run exited 0. In a subprocess: here,
+    # such a child would go on running pytest
+    path = write(tmp_path / "forks.py", FORKS_AND_RETURNS)
+    out = subprocess.run([sys.executable, "-c", CALL_IT.format(call=call), f"{path}:f"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) == 1, lines  # the parent's line alone: the child said nothing
+    assert (tmp_path / "child_status").read_text() == "70"
+    result, errors = json.loads(lines[0])
+    if call.startswith("score"):
+        assert result == {"score": -1.0, "acc": False, "pred": "", "reward_fn_error": True}
+        assert re.fullmatch(rf"{CAME_BACK}, on a row of data_source 'custom', ground truth '7', "
+                            r"response '7'", errors), errors
+    else:  # the run stops before it starts
+        assert re.fullmatch(rf"--reward-fn .*forks.py:f: the check call f\('7', '7'\) failed: "
+                            rf"{CAME_BACK}", result), result

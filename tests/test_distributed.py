@@ -341,15 +341,36 @@ def test_a_sigterm_on_one_rank_makes_every_rank_save_the_step_and_exit_143(
     assert said[0].endswith(" --dist-timeout 60 --resume") and len(said) == 1, said
 
 
-def test_only_an_unnamed_timeout_is_renamed():
+@pytest.mark.needs("rope", "attention")  # rank 0's forward
+def test_a_dead_rank_inside_fsdps_collectives_is_one_line(store_env, tmp_path):
+    # before: rank 0, gathering the weights, ended in a raw gloo traceback ("Connection closed by
+    # peer"), naming no collective
+    procs = start_pair("fsdp-dead", 60, store_env, str(tmp_path / "run"))
+    out = first_ranks_output(procs)
+    waiting, dead = procs
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert waiting.returncode == 2 and dead.returncode == 3 and len(errors) == 1, out[-3000:]
+    assert errors[0].startswith("error: rank 0: a collective (in the model's forward or "
+                                "backward, or torch's own) failed: another rank has probably "
+                                "exited ("), out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+
+
+def test_only_an_unnamed_timeout_or_a_lost_peer_is_renamed():
     from infra import distributed
     gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out "
                         "waiting 1800000ms for recv operation to complete")
-    assert str(distributed.timeout_error(gloo, 1800)) == (
+    assert str(distributed.collective_error(gloo, 1800)) == (
         "rank 0: a collective (in the model's forward or backward, or torch's own) timed out "
         "after 1800 s: another rank stopped or is far behind (raise --dist-timeout if it was only "
         f"slow) ({gloo})")
+    closed = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] "
+                          "Connection closed by peer [127.0.0.1]:34225. This is typically caused "
+                          "by a remote worker crashing.\nmore")
+    assert str(distributed.collective_error(closed, 1800)) == (
+        "rank 0: a collective (in the model's forward or backward, or torch's own) failed: "
+        f"another rank has probably exited ({str(closed).splitlines()[0]})")
     named = RuntimeError("rank 0: all_reduce 'x' timed out after 3 s: ... (raise --dist-timeout "
                          "if it was only slow)")
     for other in (named, RuntimeError("shape mismatch"), ValueError("timed out")):
-        assert distributed.timeout_error(other, 1800) is None
+        assert distributed.collective_error(other, 1800) is None

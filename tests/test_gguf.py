@@ -249,6 +249,18 @@ def test_smollm_pre_tokenizer_splits_digits_first():
     assert pieces == {"smollm": ["x", "ĠĠ", "1"], "gpt2": ["x", "Ġ", "Ġ1"]}
 
 
+@pytest.mark.parametrize("merge,missing", [("x Ġ", "x"), ("Ġ x", "x"), ("a b", "ab")])
+def test_a_merge_of_a_token_not_in_the_list_is_named(merge, missing):
+    # before: "Exception: Error while initializing BPE: Token `x` out of vocabulary", no file
+    tokens = [t for t in tiny_vocab() if t not in ("x", "ab")]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2",
+            "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": MERGES + [merge],
+            "tokenizer.ggml.token_type": [1] * len(tokens)}
+    with pytest.raises(ValueError, match=rf"^tiny.gguf: merge '{merge}' needs the token "
+                                         rf"'{missing}', which is not in tokenizer.ggml.tokens"):
+        convert_gguf.build_tokenizer(meta, "tiny.gguf")
+
+
 def fp32_logit_tolerance(layers: int, reference: torch.Tensor) -> float:
     """Two fp32 computations of the same logits, summed in different orders: a few roundings of
     eps each per layer, on the scale of the largest logit."""

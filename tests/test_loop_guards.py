@@ -5,6 +5,7 @@ a mistake is one line `error: ...`, exit status 2."""
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -454,6 +455,22 @@ def test_a_parquet_without_pyarrow_is_refused_before_the_model_loads(tmp_path, n
                                         r"requirements-extra.txt"):
         dapo.main(dapo.Config(out_dir=str(tmp_path / "run"),
                               train_data=str(tmp_path / "dapo-math-17k.parquet")))
+
+
+@pytest.mark.parametrize("text", ["garbage{", '{"model": {"type": "BPE"'], ids=["not-json",
+                                                                              "truncated"])
+def test_a_broken_tokenizer_json_is_named_before_the_weights_load(tiny_model_dir, tmp_path,
+                                                                  monkeypatch, text):
+    # before: "Exception: expected value at line 1 column 1", naming no file, after the weights
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    (model_dir / "tokenizer.json").write_text(text)
+    monkeypatch.setattr(launch.Qwen2, "from_pretrained",
+                        lambda *a, **k: pytest.fail("loaded the weights"))
+    with pytest.raises(UserError, match=rf"^{re.escape(str(model_dir / 'tokenizer.json'))}: not "
+                                        r"a tokenizer the tokenizers library reads, truncated or "
+                                        r"corrupt \(a partial copy\?\): "):
+        dapo.main(_cfg(str(model_dir), tmp_path / "run"))
 
 
 @pytest.mark.needs("filter_logits", "sample", "rope", "attention", "kv_cache")  # the evaluation

@@ -152,6 +152,15 @@ def test_plan_prints_from_a_config_json_alone(tmp_path, name, parameters):
     assert "KV cache" in out.stdout and "activations" in out.stdout and "peak" in out.stdout
 
 
+def test_a_bare_plan_plans_this_launch(tmp_path):
+    """--plan without N: this launch's processes (1 without torchrun) on this device. Before, the
+    flag's marker value -1 was taken for the count: "-1 process(es)" and negative shards."""
+    model_dir = write_config(tmp_path / "0.5b", "qwen2.5-0.5b")
+    out = dapo_cli("--plan", "--model", model_dir, "--precision", "fp32")
+    assert out.returncode == 0, out.stderr
+    assert "(494M parameters, 1 process(es), fp32" in out.stdout and " -" not in out.stdout
+
+
 def test_a_run_that_cannot_fit_stops_before_loading(tmp_path):
     """A 32B shape with 4096 slots on this machine's RAM: refused naming the numbers, before the
     (absent) weights are looked for."""

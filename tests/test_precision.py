@@ -7,6 +7,8 @@ Tolerances are in bf16's unit round-off u = 2^-8 (8 significant bits: a rounding
 most u of the value)."""
 import json
 import os
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -17,11 +19,12 @@ import sampler
 from batches import random_batch
 from config import Config, parse_args
 from dapo_kernels.linear import accumulate_weight_grad, has_mixed_addmm
-from infra import checkpoint, precision
+from infra import checkpoint, cpu, precision
 from model import Qwen2, preset, response_logprobs
 from test_dapo import _cfg
 from test_distributed import torchrun
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 U = precision.BF16_UNIT_ROUNDOFF
 BF16 = torch.autocast("cpu", torch.bfloat16)
 
@@ -53,11 +56,42 @@ def test_an_optimizer_step_inside_autocast_is_refused():
 
 def test_precision_resolves_by_device_and_the_help_says_so(capsys):
     assert precision.resolve("auto", "cuda:0") == "bf16"
-    assert precision.resolve("auto", "cpu") == "fp32"
+    assert precision.resolve("auto", "cpu") == "fp32"  # a model under 50M parameters: the demo
     assert precision.resolve("bf16", "cpu") == "bf16"
     with pytest.raises(SystemExit):
         parse_args(["--help"])
-    assert "auto: bf16 on CUDA, fp32 on CPU" in " ".join(capsys.readouterr().out.split())
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "auto: bf16 on CUDA, and on a CPU where bf16 matmuls are faster" in help_text
+
+
+SMOLLM2_PARAMS = 135_000_000
+
+
+@pytest.mark.parametrize("speedup,chosen", [(6.0, "bf16"), (1.1, "fp32"), (0.12, "fp32")])
+def test_auto_on_a_cpu_takes_bf16_only_where_the_probe_finds_it_faster(monkeypatch, speedup,
+                                                                         chosen):
+    """Native bf16 (AVX-512 BF16, AMX): bf16 matmuls 5-9x fp32's; AVX2 only: 8-40x slower."""
+    monkeypatch.setattr(cpu, "bf16_speedup", lambda: speedup)
+    choice = precision.choose("auto", "cpu", SMOLLM2_PARAMS)
+    assert choice.precision == chosen and f"{speedup:.2g}x" in choice.why
+    assert precision.choose("auto", "cpu", SMOLLM2_PARAMS, world=2).precision == "fp32"
+    assert precision.choose("fp32", "cpu", SMOLLM2_PARAMS).precision == "fp32"  # --precision wins
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="ONEDNN_MAX_CPU_ISA=AVX2 is x86's")
+def test_a_cpu_without_native_bf16_plans_in_fp32_and_says_why(tmp_path):
+    """oneDNN limited to AVX2 (ONEDNN_MAX_CPU_ISA; MKL's fp32 likewise) is a laptop's CPU: bf16
+    matmuls are emulated, several times slower than fp32. A model of SmolLM2's size or more is
+    then planned in fp32, and the memory plan's first line says the probe's figure."""
+    model_dir = tmp_path / "qwen2.5-0.5b"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(preset("qwen2.5-0.5b").to_hf()))
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    out = subprocess.run([sys.executable, "dapo.py", "--plan", "--model", str(model_dir)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    first_line = out.stdout.splitlines()[0]
+    assert "1 process(es), fp32 (auto: bf16 matmuls 0." in first_line, first_line
 
 
 @pytest.mark.needs("logprobs_forward", "rope", "attention")
@@ -186,7 +220,8 @@ def test_the_learning_canary_sees_the_step_in_bf16_on_two_fsdp_ranks(tmp_path):
 
 @pytest.mark.needs("all")
 def test_the_fp32_loop_enters_no_autocast(tiny_model_dir, tmp_path, monkeypatch):
-    """--precision auto on CPU is fp32: every forward out of autocast, the path it always was."""
+    """--precision auto on CPU, for a model under 50M parameters, is fp32: every forward out of
+    autocast, the path it always was."""
     in_autocast = _spy_on_autocast(monkeypatch)
     dapo.main(replace(_cfg(tiny_model_dir, tmp_path, steps=1, eval_every=0,
                            dynamic_sampling=False), precision="auto"))

@@ -95,6 +95,23 @@ def test_dapo_argv_is_dapo_pys_command_line_with_the_settings(tmp_path):
         {k: v for k, v in defaults.items() if k not in wired}
 
 
+def test_make_real_takes_several_optimizer_steps_per_rollout():
+    """The paper's shape at CPU size (512 / 32 = 16 steps a rollout there): with one step the
+    ratio pi_theta / pi_old is 1 and the clip never binds."""
+    settings = real.SETTINGS
+    assert settings["train_prompts"] // settings["mini_batch_prompts"] >= 4
+    assert settings["gen_prompts"] > settings["train_prompts"]  # dynamic sampling has a choice
+    assert settings["overlong_buffer"] > 0 and "precision" not in settings  # auto: the fast one
+
+
+def test_dapo_flags_given_to_make_real_override_its_settings(tmp_path):
+    task = real.Task(str(tmp_path / "t.jsonl"), str(tmp_path / "v.jsonl"))
+    argv = real.dapo_argv("m", task, str(tmp_path / "run"), seed=0,
+                          overrides=("--precision", "fp32", "--steps", "3"))
+    cfg = parse_args(argv)
+    assert (cfg.precision, cfg.steps) == ("fp32", 3)
+
+
 def test_side_by_side_marks_each_answer_with_the_verifiers_verdict():
     rows = [{"prompt": "What is 2 + 3?", "answer": "5"}]
     table = real.side_by_side(rows, ["Two plus three\nis six, 6"], ["2 + 3 = 5"])
@@ -118,7 +135,7 @@ def test_make_real_runs_end_to_end_on_a_tiny_llama(tiny_llama_dir, tmp_path, mon
         assert json.load(f)["model_type"] == "llama"
     real.main(["--model", tiny_llama_dir, "--out-dir", str(out), "--threads", "1"])
     printed = capsys.readouterr().out
-    assert "python dapo.py --precision fp32 --steps 1" in printed
+    assert "python dapo.py --steps 1" in printed and "--precision fp32" in printed
     assert printed.count("(answer ") == real.SHOWN  # the side-by-side table
     assert (out / "curves.png").stat().st_size > 0
     rows = [json.loads(line) for line in open(out / "dapo" / "metrics.jsonl")]

@@ -158,3 +158,23 @@ def test_a_truncated_cached_base_model_says_to_delete_the_cache(toy_tok, tmp_pat
                                          rf"This is the demo's cached base model, not a download: "
                                          rf"delete {cache} and the next run warms it up again"):
         warm_up()
+
+
+@pytest.mark.needs("rope", "attention")  # the warm-up trains the model
+def test_the_warmup_micro_batches_give_the_whole_batchs_gradient(toy_tok):
+    """sft_backward cuts a batch into micro-batches of similar lengths (less padding): the
+    gradient is the whole batch's mean loss's, equal in float64 up to summation order."""
+    from model import Qwen2, preset
+    torch.manual_seed(0)
+    model = Qwen2(preset("tiny", vocab_size=toy_tok.vocab_size)).double()
+    examples = [(toy_tok.apply_chat_template(messages), toy_tok.encode(response) + [1])
+                for messages, response in toy_warmup_pairs(16, seed=0)]
+    assert len({len(p) + len(r) for p, r in examples}) > 4  # lengths differ: padding to cut
+    whole = toy.sft_loss(model, examples, toy_tok.pad_token_id, "cpu")
+    whole.backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    loss = toy.sft_backward(model, examples, toy_tok.pad_token_id, "cpu", micro_batches=4)
+    assert loss == pytest.approx(whole.item(), rel=1e-12)
+    for p, g in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, g, rtol=1e-12, atol=1e-14)

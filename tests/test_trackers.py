@@ -1,16 +1,21 @@
 """--report-to: a tiny real run, 2 steps then resumed to 4, logged to TensorBoard, wandb (offline)
 and Trackio, each read back with its own package's reader; every number of metrics.jsonl arrives,
 at its step, in one run per tracker. No network: wandb offline, Trackio's local database."""
+import errno
 import glob
 import importlib.util
 import json
 import os
 import sys
+import threading
+import time
 
 import pytest
 
 import dapo
 from config import Config, check_flags
+from infra import trackers
+from infra.errors import UserError
 
 # not imported here: Trackio reads TRACKIO_DIR when it is first imported, by the run below
 if any(importlib.util.find_spec(p) is None for p in ("tensorboard", "wandb", "trackio")):
@@ -174,3 +179,45 @@ def test_eval_only_logs_to_runs_of_its_own(run, tiny_model_dir, monkeypatch):
     assert [(e.step, e.value) for e in acc.Scalars("val/acc")] == [(0, result["val/acc"])]
     files = glob.glob(str(tmp / "wandb" / "offline-run-*" / "*.wandb"))
     assert sum(json.loads(before)["wandb_id"] not in f for f in files) == 1  # a run of its own
+
+
+def test_a_torn_last_row_is_skipped_when_tensorboard_logs_the_resumed_step_again(tmp_path):
+    # before: a resume with nothing to do (metrics.jsonl left as the crash did) met the torn row:
+    # json.decoder.JSONDecodeError
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 2, "rollout/acc": 0.5}\n{"step": 2, "val/ac')
+    cfg = Config(out_dir=str(tmp_path), report_to=("tensorboard",))
+    trackers.close(trackers.open_all(cfg, 2, str(metrics)))
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("rollout/acc")] == [(2, 0.5)]
+    assert acc.Tags()["scalars"] == ["rollout/acc"]
+    metrics.write_text('{"step": 2\n{"step": 2, "rollout/acc": 0.5}\n')  # not the last: named
+    with pytest.raises(UserError, match=rf"^{metrics}:1: not a JSON row; fix or remove the line"):
+        trackers.open_all(cfg, 2, str(metrics))
+
+
+def a_full_disk(self, data):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("logs", [50, 1], ids=["while-logging", "at-close"])
+def test_a_full_disk_under_tensorboard_is_one_error_naming_the_directory(tmp_path, monkeypatch,
+                                                                         capfd, logs):
+    # before: the writer's thread printed its traceback ("Exception in thread"), then the next
+    # row raised it again in the run: OSError, naming no file
+    from tensorboard.summary.writer import record_writer
+    hook = threading.excepthook
+    tb = trackers.TensorBoard(str(tmp_path / "tensorboard"), {}, None)
+    monkeypatch.setattr(record_writer.RecordWriter, "write", a_full_disk)
+    said = rf"^could not write {tmp_path}/tensorboard \(--report-to tensorboard\): the disk is full"
+    with pytest.raises(UserError, match=said):
+        for step in range(1, logs + 1):  # the writer's thread fails, the next row says so
+            tb.log({"step": step, "rollout/acc": 0.5}, step)
+            time.sleep(0.01)
+        tb.close()  # a failure after the last row: said when the thread is joined
+    tb.log({"step": 99, "rollout/acc": 0.5}, 99)  # said once: nothing more is written or said
+    tb.close()
+    assert threading.excepthook is hook
+    assert "Traceback" not in capfd.readouterr().err
