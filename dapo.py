@@ -27,7 +27,8 @@ import launch
 from batch import Batch, group_number, groups_to_train, share_groups
 from config import Config, parse_args
 from data import PromptIterator, Tokenizer, encode_prompts
-from infra import checkpoint, distributed, health, metrics, precision, rollout_correction, trackers
+from infra import (checkpoint, distributed, health, interrupt, metrics, precision,
+                   rollout_correction, trackers)
 from model import response_logprobs
 from reward import Verifier, overlong_penalty
 from sampler import Engine
@@ -287,10 +288,11 @@ def train(cfg: Config, model, tok, tok_dir, resume_dir, train_rows, val_rows,
     generator = torch.Generator(cfg.device).manual_seed(cfg.seed + distributed.rank())
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
     start = checkpoint.resume(resume_dir, model, opt, prompt_iter, generator, metrics_path,
-                              cfg.steps) if resume_dir else 0
+                              cfg.steps, cfg.eval_every) if resume_dir else 0
     log = metrics.RunLog(metrics_path, start, cfg.steps,
                          trackers.open_all(cfg, start, metrics_path))
     alarms = health.Alarms(cfg.stop_when_stuck, verifier.spec)
+    stop = interrupt.Stop()  # Ctrl-C, SIGTERM: the step finishes, is saved, then the run exits
     for step in range(start, cfg.steps):  # Algorithm 1, line 1
         if cfg.eval_every and step % cfg.eval_every == 0:
             log.evaluated(step, evaluate(model, val_rows, tok, cfg, verifier, engine))
@@ -306,13 +308,18 @@ def train(cfg: Config, model, tok, tok_dir, resume_dir, train_rows, val_rows,
         done = step + 1  # the steps taken: what metrics.jsonl and the checkpoints count
         log.step(done, logged, opt.param_groups[0]["lr"], t_gen, time.time() - t0 - t_gen)
         stuck = alarms.check(done, logged, collected.generated, tok, verifier.take_errors())
-        if stuck or (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps:
+        stopping = stop.requested()  # Ctrl-C or SIGTERM, on any rank (infra/interrupt.py)
+        if stuck or stopping or (cfg.save_every and done % cfg.save_every == 0) or \
+                done == cfg.steps:
             checkpoint.save(cfg.out_dir, done, model, tok_dir, opt, prompt_iter, generator,
                             asdict(cfg), keep_last=cfg.keep_checkpoints)
         if stuck:
             raise alarms.error()
+        if stopping:
+            raise stop.exit(done)  # says how to resume; exit status 130 or 143
     alarms.finish()  # a run that took no optimizer step trained nothing: a non-zero exit
-    if cfg.eval_every and start < cfg.steps:
+    # the evaluation at --steps; a resume at --steps makes it if it was never logged (a kill)
+    if checkpoint.final_evaluation_due(metrics_path, start, cfg.steps, cfg.eval_every):
         log.evaluated(cfg.steps, evaluate(model, val_rows, tok, cfg, verifier, engine))
         log.say_eval_change(cfg.eval_samples)
     return log.last_val

@@ -4,8 +4,9 @@ DAPO; it is what a run needs before Algorithm 1 starts.
 
     with session(cfg) as cfg:  the flags checked, torch.distributed started under torchrun, the
                                names on the Hub fetched, the files and directories the flags
-                               name checked, logging; on the way out, the trackers flushed and
-                               the processes shut down
+                               name checked (every rank with the same flags and files),
+                               logging; on the way out, the trackers flushed and the processes
+                               shut down
     plan(cfg)                  the compute precision and a CPU's threads chosen, and the memory
                                plan from the model's config.json, printed (--plan N: then
                                dapo.py stops, status 0)
@@ -17,6 +18,7 @@ Each step returns a new Config where it resolves a flag, never edits the caller'
 Hub names, the device (--device auto); plan --precision auto and --rollout-slots auto.
 """
 import contextlib
+import hashlib
 import logging
 import os
 import sys
@@ -26,8 +28,8 @@ import torch
 
 from config import Config, check_flags
 from data import Tokenizer, check_data_file, check_vocab, load_rows, load_tokenizer
-from infra import (checkpoint, cpu, distributed, files, health, hf_io, hub, memory, precision,
-                   trackers, vllm_engine)
+from infra import (checkpoint, cpu, distributed, files, health, hf_io, hub, interrupt, memory,
+                   precision, trackers, vllm_engine)
 from infra.errors import UserError
 from infra.files import need_file
 from model import ModelConfig, Qwen2, rope_inv_freq
@@ -48,6 +50,7 @@ def session(cfg: Config):
     if not cfg.plan:  # --plan reads config.json alone
         check_files(cfg)  # before the weights load (minutes for 32B)
         check_writable_dirs(cfg)  # not at the first save, after every step of the run
+    check_ranks_agree(cfg)  # ranks started with their own command lines (one per node)
     cfg = replace(cfg, device=device)
     # data.py reports through logging: rank 0 shows it, the others only warnings
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
@@ -62,6 +65,7 @@ def session(cfg: Config):
             raise
         raise said from e
     finally:
+        interrupt.restore()  # the signal handlers of dapo.py's loop
         trackers.close_all()  # a crash still flushes what the trackers were given
         vllm_engine.close_all()  # before the process group: vLLM's teardown uses it
         distributed.shutdown(after_error=sys.exc_info()[0] is not None)  # an exception in flight
@@ -177,6 +181,50 @@ def check_files(cfg: Config):
         vllm_engine.import_vllm()
 
 
+def input_files(cfg: Config) -> dict[str, str]:
+    """The files a run reads, by the flag that names them ("" where not given): the data and
+    --reward-fn's file (the --model directory aside)."""
+    reward_file = reward_fn_file(cfg.reward_fn)[0] if cfg.reward_fn else ""
+    return {"--train-data": cfg.train_data, "--val-data": cfg.val_data, "--reward-fn": reward_file}
+
+
+# Flags that name a path, which may differ from node to node (a local copy, another mount point
+# of the shared filesystem): their files are compared by content instead (--out-dir not at all)
+PATH_FLAGS = ("model", "train_data", "val_data", "reward_fn", "out_dir")
+
+
+def check_ranks_agree(cfg: Config):
+    """Every rank runs the same flags on files of the same content. Ranks started with their own
+    command lines (torchrun on each node) that differ would train different things (another
+    --lr, a node's stale copy of the data) or wait in a collective until --dist-timeout (another
+    --steps): each difference is named with its ranks, on every rank, before anything loads.
+    Compared by content: the data, --reward-fn's file and function, --model's config.json (its
+    weights are not hashed: minutes for a 32B)."""
+    if distributed.world_size() == 1:
+        return
+    flags = {f"--{k.replace('_', '-')}": v for k, v in asdict(cfg).items() if k not in PATH_FLAGS}
+    contents = {f"{flag}'s file (sha256)": _sha256(path)
+                for flag, path in input_files(cfg).items() if path}
+    if cfg.model:
+        contents["--model's config.json (sha256)"] = _sha256(os.path.join(cfg.model,
+                                                                         "config.json"))
+    if cfg.reward_fn:
+        contents["--reward-fn's function"] = reward_fn_file(cfg.reward_fn)[1]
+    distributed.check_same(flags | contents, "the run (every rank must run the same command "
+                                             "line, on the same files)")
+
+
+def _sha256(path: str) -> str:
+    """The file's sha256 (16 hex digits), or "missing"."""
+    if not os.path.isfile(path):
+        return "missing"
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:  # hashlib.file_digest is Python 3.11's; 3.10 runs this too
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
 def check_writable_dirs(cfg: Config):
     """The directories a run writes (--out-dir; its checkpoints/ unless --eval-only), checked
     writable by every rank (each writes its optimizer shard) now, not at the first save (with
@@ -191,8 +239,9 @@ def open_run(cfg: Config) -> str | None:
     (--eval-only writes nothing there). A resume that would change the algorithm is refused."""
     if cfg.eval_only:
         resume_dir = checkpoint.latest(cfg.out_dir) if cfg.resume else None
-    else:  # never silently reuse a directory that holds a run
-        resume_dir = checkpoint.prepare_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite)
+    else:  # never silently reuse a directory that holds a run, nor delete what the run reads
+        resume_dir = checkpoint.prepare_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite,
+                                                inputs={"--model": cfg.model, **input_files(cfg)})
     if resume_dir:
         checkpoint.check_resume_config(checkpoint.saved_config(resume_dir), asdict(cfg),
                                        where=resume_dir)
@@ -306,8 +355,16 @@ def load_verifier(cfg: Config) -> Verifier:
 def user_errors_in_one_line():
     """Around the command line's run: a user's mistake (a UserError, whose message names the flag
     or the file and what to do) is one line `error: ...` from rank 0, exit status 2
-    (infra/distributed.fail). Any other exception is a bug and keeps its traceback."""
+    (infra/distributed.fail); a Ctrl-C that stops at once (infra/interrupt.py) one line, exit
+    status 130. Any other exception is a bug and keeps its traceback."""
     try:
         yield
     except UserError as e:
         distributed.fail(str(e))
+    except KeyboardInterrupt:  # a Ctrl-C before the loop, or a second one in it
+        print("error: interrupted (Ctrl-C)", file=sys.stderr)
+        raise SystemExit(130) from None
+    except SystemExit as e:  # a run stopped by a signal (130, 143) or stuck (1): that status
+        distributed.exit_after_shutdown(e.code if isinstance(e.code, int) else
+                                        0 if e.code is None else 1)
+        raise

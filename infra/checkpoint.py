@@ -12,11 +12,14 @@ intact.
         latest                the name of the newest complete checkpoint
 
 Everything is written into step_N.tmp/, flushed to disk (fsync) and renamed to step_N/ once
-complete; `latest` is replaced atomically after. A failed write (a full disk) removes step_N.tmp/
-and raises on every rank, naming the file; `latest` still points to the previous checkpoint. A
-checkpoint never holds a NaN or an inf. Under FSDP, rank 0 writes the full model and every rank its
-own optimizer shard (resume needs the same world size; the model directory itself loads anywhere).
-Several nodes need a shared filesystem for out_dir.
+complete; `latest` is replaced atomically after. A checkpoint is deleted (a step a resumed run
+saves again, one beyond --keep-checkpoints) by renaming it step_N.old/ first, so a kill at any
+moment leaves `latest` naming a complete checkpoint, and nothing the next start does not delete.
+A failed write (a full disk) removes step_N.tmp/ and raises on every rank, naming the file;
+`latest` still points to the previous checkpoint. A checkpoint never holds a NaN or an inf.
+Under FSDP, rank 0 writes the full model and every rank its own optimizer shard (resume needs the
+same world size; the model directory itself loads anywhere). Several nodes need a shared
+filesystem for out_dir.
 
 The run directory: prepare_out_dir() refuses to start a new run over an old one unless told to,
 check_resume_config() a resume that would change the algorithm; resume() restores the trainer's
@@ -30,6 +33,7 @@ import pickle
 import re
 import shutil
 import zipfile
+import zlib
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -112,13 +116,13 @@ def save(out_dir, step, model, tok_dir, opt, prompt_iter, generator, config: dic
         files.fsync(os.path.join(tmp, "model"))
         # every file and name of the checkpoint is on disk before the rename makes it visible
         files.fsync(tmp)
-        # saving the same step again (a resumed run): swap, then delete the old one
-        if os.path.isdir(final):
-            os.replace(final, final + ".old")
+        # a step_N already there is one a resumed run saves again: `latest` names an earlier
+        # step (the one resumed from, or a later one this run saved), so it can go first
+        if os.path.lexists(final):
+            _discard(final)
         os.replace(tmp, final)
         files.fsync(ckpts)
         files.write_atomic(os.path.join(ckpts, "latest"), os.path.basename(final))
-        shutil.rmtree(final + ".old", ignore_errors=True)
         if keep_last > 0:
             _delete_old(ckpts, keep_last)
     distributed.barrier("checkpoint saved")
@@ -142,6 +146,16 @@ def _raise_together(error, out_dir, tmp, step):
     raise UserError(f"{error}. Checkpoint step {step} not saved ({kept})") from error
 
 
+def _discard(step_dir: str):
+    """Delete a checkpoint directory so that a kill at any moment leaves it whole or gone, never
+    half-deleted under its name: renamed to step_N.old first (what a killed discard left there
+    goes before), then deleted; the next start deletes a step_N.old that remains."""
+    trash = step_dir + ".old"
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(step_dir, trash)
+    shutil.rmtree(trash)
+
+
 def _read(path) -> str:
     with open(path) as f:
         return f.read().strip()
@@ -163,7 +177,7 @@ def _delete_old(ckpts, keep_last):
     current = _read(os.path.join(ckpts, "latest"))
     for name in step_dirs(ckpts)[:-keep_last]:
         if name != current:
-            shutil.rmtree(os.path.join(ckpts, name))
+            _discard(os.path.join(ckpts, name))
 
 
 def latest(out_dir) -> str:
@@ -240,6 +254,7 @@ def load_trainer_state(ckpt, opt, prompt_iter, generator, model=None) -> int:
                         f"needs the same number (this run has {distributed.world_size()}). "
                         "Its model/ directory loads anywhere.")
     file = os.path.join(ckpt, f"trainer_rank{distributed.rank()}.pt")
+    check_crcs(ckpt)
     try:
         state = torch.load(file, weights_only=True)  # tensors and numbers only: no code runs
     except FileNotFoundError:
@@ -262,6 +277,27 @@ def load_trainer_state(ckpt, opt, prompt_iter, generator, model=None) -> int:
     except ValueError as e:
         raise UserError(f"--resume: {os.path.join(ckpt, 'trainer.json')}: {e}") from None
     return meta["step"]
+
+
+def check_crcs(ckpt: str):
+    """Raise on every rank, naming the file, when a rank's trainer_rank<r>.pt in ckpt holds bytes
+    that do not match the CRC-32 its zip records for them (flipped on a disk or in a copy):
+    torch.load checks none, and would train on a garbage optimizer state. Each rank reads its own
+    file whole (~3 GB/s), then the ranks agree, so that all stop at once. The model's
+    safetensors files record no checksum: a flipped weight is found only as a NaN or an inf."""
+    mine = os.path.join(ckpt, f"trainer_rank{distributed.rank()}.pt")
+    try:
+        with zipfile.ZipFile(mine) as archive:
+            bad = archive.testzip()  # the first entry whose CRC-32 does not match, or None
+            problem = bad and f"its entry {bad} does not match its CRC-32"
+    except (OSError, zipfile.BadZipFile, zlib.error) as e:
+        problem = str(e)
+    for rank, found in enumerate(distributed.all_gather_object(problem, name="CRC check")):
+        if found:
+            file = os.path.join(ckpt, f"trainer_rank{rank}.pt")
+            out_dir = os.path.dirname(os.path.dirname(ckpt))
+            raise UserError(f"--resume: {file} is truncated or corrupt ({found}): not loaded. "
+                            f"{_way_back(out_dir, ckpt)}")
 
 
 def check_optimizer_state(saved: dict, opt, file: str, model=None):
@@ -291,35 +327,68 @@ def check_optimizer_state(saved: dict, opt, file: str, model=None):
 # --------------------------------------------------------------------------------------------------
 # The run directory: start, overwrite or resume
 
-def resume(ckpt, model, opt, prompt_iter, generator, metrics_path: str, steps: int) -> int:
+def resume(ckpt, model, opt, prompt_iter, generator, metrics_path: str, steps: int,
+           eval_every: int = 0) -> int:
     """Restore the trainer of `model` from checkpoint ckpt and drop the rows of metrics.jsonl
-    logged after it was saved (the resumed run logs them again) -> the step to continue from. A
-    checkpoint already at --steps or past it leaves metrics.jsonl whole (its final evaluation
-    stays) and says so."""
+    logged after it was saved that the resumed run logs again -> the step to continue from. A
+    checkpoint past --steps, or at it with its final evaluation logged, leaves metrics.jsonl
+    whole and says there is nothing to do; at --steps without it (the run stopped during its
+    final evaluation), the resumed run evaluates."""
     start = load_trainer_state(ckpt, opt, prompt_iter, generator, model)
-    if start >= steps:
+    due = final_evaluation_due(metrics_path, start, steps, eval_every)
+    if start > steps or (start == steps and not due):
         distributed.say(f"--resume: {ckpt} is at step {start} and --steps is {steps}: nothing to "
                         f"do (pass --steps above {start} to train on)")
-    elif distributed.rank() == 0:
-        trim_metrics(metrics_path, start)
+        return start
+    if start == steps:
+        distributed.say(f"--resume: {ckpt} is at --steps {steps}, and its final evaluation was "
+                        "never logged (the run stopped during it): evaluating")
+    if distributed.rank() == 0:  # the evaluation at `start` stays unless the loop makes it again
+        trim_metrics(metrics_path, start,
+                     keep_eval=not (start < steps and eval_every and start % eval_every == 0))
     return start
 
 
-def prepare_out_dir(out_dir: str, resume: bool, overwrite: bool) -> str | None:
+def final_evaluation_due(metrics_path: str, start: int, steps: int, eval_every: int) -> bool:
+    """Whether a run from step `start` ends with the evaluation at --steps: every run that trains
+    (with --eval-every), and a resumed one at --steps whose metrics.jsonl lacks it (read by rank
+    0, agreed by all: under FSDP an evaluation is collective)."""
+    if not eval_every or start > steps:
+        return False
+    if start < steps:
+        return True
+    rows = files.read_jsonl(metrics_path) if distributed.rank() == 0 and \
+        os.path.isfile(metrics_path) else []
+    logged = any(isinstance(row, dict) and row.get("step") == steps and _is_evaluation(row)
+                 for row in rows)
+    return not distributed.all_reduce(float(logged), "max", name="final evaluation logged")
+
+
+def _is_evaluation(row: dict) -> bool:
+    return any(k.startswith("val/") for k in row)
+
+
+def prepare_out_dir(out_dir: str, resume: bool, overwrite: bool,
+                    inputs: dict[str, str] | None = None) -> str | None:
     """Make out_dir ready for a run; returns the checkpoint to resume from (with resume) or None.
 
     A directory that holds a run (a metrics.jsonl or a checkpoints/ directory, not empty) is never
     reused silently: resume continues it, overwrite deletes its metrics.jsonl and checkpoints/
     (nothing else: a plot, notes, the demo's tokenizer stay) and starts again, and with neither this
     raises, naming the directory and both flags. (config.check_flags refuses both at once.)
+    overwrite is refused, before anything is deleted, when one of the files the run reads
+    (inputs: {flag: path}) lies in what it would delete.
     Rank 0 owns out_dir for the run's life (files.own_dir): a second run on it, even with
-    --overwrite, is refused naming the live one's pid. The step_N.tmp/ left by a save that was
-    interrupted (a kill) are deleted."""
+    --overwrite, is refused naming the live one's pid. What a save that was interrupted (a kill)
+    left is deleted: step_N.tmp/ (a checkpoint being written) and step_N.old/ (one being
+    deleted)."""
     ckpts = os.path.join(out_dir, "checkpoints")
+    if overwrite:
+        refuse_inputs_inside(out_dir, inputs or {})
     if distributed.rank() == 0:
         files.own_dir(out_dir)
         for name in os.listdir(ckpts) if os.path.isdir(ckpts) else []:
-            if re.fullmatch(r"step_\d+\.tmp", name):
+            if re.fullmatch(r"step_\d+\.(tmp|old)", name):
                 shutil.rmtree(os.path.join(ckpts, name), ignore_errors=True)
     if resume:
         return latest(out_dir)
@@ -342,6 +411,22 @@ def prepare_out_dir(out_dir: str, resume: bool, overwrite: bool) -> str | None:
     return None
 
 
+def refuse_inputs_inside(out_dir: str, inputs: dict[str, str]):
+    """--overwrite deletes out_dir's metrics.jsonl and what its checkpoints/ holds (through a
+    link, what it points to): refuse when a file the run reads lies there, naming the flag.
+    `--model OUT/checkpoints/step_N/model --overwrite` (a run's model, trained on with new
+    settings) would otherwise delete the model before it loads. Paths are compared resolved, so
+    a step directory that is a link to elsewhere is not refused (only the link is deleted)."""
+    deleted = [os.path.realpath(os.path.join(out_dir, name))
+               for name in ("checkpoints", "metrics.jsonl")]
+    for flag, path in inputs.items():
+        where = os.path.realpath(path) if path else None
+        if where and any(where == d or where.startswith(d + os.sep) for d in deleted):
+            raise UserError(f"{flag} {path} lies in {out_dir}, in what --overwrite deletes "
+                            "(its checkpoints/ and metrics.jsonl): copy it out first, or choose "
+                            "another --out-dir")
+
+
 def _empty_checkpoints(ckpts: str):
     """--overwrite: delete the old run's checkpoints. A checkpoints/ that is a link (to a bigger
     disk) stays a link and loses what it points to (rmtree refuses a link, and with
@@ -359,12 +444,14 @@ def _empty_checkpoints(ckpts: str):
             os.remove(path)
 
 
-def trim_metrics(path: str, step: int) -> int:
+def trim_metrics(path: str, step: int, keep_eval: bool = False) -> int:
     """On resume from checkpoint `step`: keep the rows of metrics.jsonl logged before that
     checkpoint was written, up to and including the first row of `step` (its training row), and drop
     the rest (later steps, and an evaluation logged at `step` after the save), which the resumed run
-    logs again. A crash between logging a step and saving its checkpoint would otherwise leave steps
-    [1, 2, 2, 3]. Rewritten atomically; returns the rows dropped."""
+    logs again. keep_eval: the evaluation at `step` stays, as the resumed run does not make it
+    again (the final one of a run that ended at `step`). A crash between logging a step and saving
+    its checkpoint would otherwise leave steps [1, 2, 2, 3]. Rewritten atomically; returns the
+    rows dropped."""
     if not os.path.isfile(path):
         return 0
     with open(path, encoding="utf-8") as f:
@@ -384,6 +471,10 @@ def trim_metrics(path: str, step: int) -> int:
             raise UserError(f"{path}:{lineno}: not a JSON row; fix or remove the line, then "
                             "resume") from None
         s = row.get("step") if isinstance(row, dict) else None
+        if done and keep_eval and s == step and _is_evaluation(row):
+            kept.append(line)
+            keep_eval = False  # one
+            continue
         if done or (isinstance(s, (int, float)) and s > step):
             continue
         kept.append(line)

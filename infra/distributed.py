@@ -76,15 +76,15 @@ def shutdown(after_error: bool = False):
     dist.destroy_process_group()
 
 
-def exit_after_shutdown():
+def exit_after_shutdown(status: int = 0):
     """End a process of several after shutdown(), skipping the interpreter's teardown: on gloo
     (CPU) a process sometimes aborts there ("terminate called without an active exception", about
-    1 run in 30 here), after its work is done and saved, and its exit code would then report a
-    failure. Flushes the output first. A single process just returns."""
+    1 run in 30 here), after its work is done and saved, and its exit code would then report
+    another status. Flushes the output first. A single process just returns."""
     if launched_world() > 1:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(status)
 
 
 @contextlib.contextmanager
@@ -286,6 +286,44 @@ def all_gather_object(obj, name: str | None = None) -> list:
     with _named("all_gather_object", name, sys._getframe(1)):
         dist.all_gather_object(out, obj)
     return out
+
+
+def check_same(values: dict, what: str):
+    """Raise on every rank, naming each key whose value is not the same on every rank and the
+    ranks that hold each value, in one line: values {name: something comparable}, this rank's
+    (e.g. its flags, as ranks started with their own command lines, one per node, may differ).
+    Nothing in one process."""
+    if not dist.is_initialized():
+        return
+    problems = disagreements(all_gather_object(values, name=what))
+    if problems:
+        raise UserError(f"the ranks disagree on {what}: " + "; ".join(problems))
+
+
+def disagreements(per_rank: list[dict]) -> list[str]:
+    """'KEY: VALUE on ranks 0-2, VALUE on rank 3' for each key whose value differs between the
+    ranks (per_rank[r]: rank r's values; a key a rank lacks is None there)."""
+    problems = []
+    for key in dict.fromkeys(k for values in per_rank for k in values):
+        holders: dict[str, list[int]] = {}
+        for r, values in enumerate(per_rank):
+            holders.setdefault(repr(values.get(key)), []).append(r)
+        if len(holders) > 1:
+            problems.append(f"{key}: " + ", ".join(f"{value} on {_ranks(ranks)}"
+                                                   for value, ranks in holders.items()))
+    return problems
+
+
+def _ranks(ranks: list[int]) -> str:
+    """'rank 3', 'ranks 0-63, 65' (ranks sorted)."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and spans[-1][1] == r - 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
+    return f"rank{'s' if len(ranks) > 1 else ''} {text}"
 
 
 def share_in_order(kept: dict, n_take: int, per_step: int) -> list:

@@ -2,9 +2,13 @@
 pruned, and the run directory: a new run never destroys an old one, a resume drops the metrics it
 will log again and keeps the algorithm."""
 import errno
+import itertools
 import json
 import os
 import re
+import shutil
+import struct
+import zipfile
 
 import pytest
 import torch
@@ -115,6 +119,86 @@ def test_checkpoint_files_are_readable_and_synced_before_the_rename(tmp_path, mo
     assert "tokenizer.json" in os.listdir(os.path.join(final, "model"))  # --model can point at it
 
 
+# --- a kill at any moment of a save ---------------------------------------------------------------
+
+class Killed(BaseException):
+    """The process killed here: a BaseException, which no `except` of the save catches."""
+
+
+# what a save does to the disk, each a moment a kill can come (os and torch patched for one save)
+FILESYSTEM_OPERATIONS = [(os, "replace"), (shutil, "rmtree"), (files, "fsync"),
+                         (files, "write_json"), (files, "write_atomic"),
+                         (checkpoint, "save_hf_checkpoint"), (torch, "save")]
+
+
+def save_killed_at(out_dir, step, model, tok_dir, kill_at: int) -> bool:
+    """Save checkpoint `step` (keeping 1) with the process killed at its kill_at-th filesystem
+    operation (a deletion killed halfway: one file gone) -> whether it was killed (False: the save
+    has fewer operations)."""
+    done = 0
+
+    def killable(name, real):
+        def operation(*args, **kwargs):
+            nonlocal done
+            done += 1
+            if done == kill_at:
+                if name == "rmtree" and os.path.isdir(args[0]):  # a deletion half done
+                    os.remove(next(os.path.join(d, f[0]) for d, _, f in os.walk(args[0]) if f))
+                raise Killed
+            return real(*args, **kwargs)
+        return operation
+
+    with pytest.MonkeyPatch.context() as patch:
+        for module, name in FILESYSTEM_OPERATIONS:
+            patch.setattr(module, name, killable(name, getattr(module, name)))
+        try:
+            save(out_dir, step, model, tok_dir, keep_last=1)
+        except Killed:
+            return True
+    return False
+
+
+def resume_step(out_dir) -> int:
+    """What the next start does (leftovers deleted, `latest` checked complete) -> its step."""
+    ckpt = checkpoint.prepare_out_dir(str(out_dir), resume=True, overwrite=False)
+    return checkpoint.step_number(os.path.basename(ckpt))
+
+
+def kill_each_moment(run, model, tok_dir):
+    """For each moment of the save that the next start makes in a copy of run: a copy killed
+    there and started again (what it saves: the step after the one it resumes)."""
+    for moment in itertools.count(1):
+        killed = run.with_name(f"{run.name}-{moment}")
+        shutil.copytree(run, killed)
+        if not save_killed_at(killed, resume_step(killed) + 1, model, tok_dir, moment):
+            return
+        resume_step(killed)  # `latest` names a complete checkpoint (or this raises)
+        yield killed
+
+
+def state(run):
+    ckpts = run / "checkpoints"
+    return tuple(sorted(os.listdir(ckpts))), (ckpts / "latest").read_text()
+
+
+def test_any_two_kills_during_saves_leave_a_directory_that_resumes(tmp_path, model,
+                                                                   tiny_model_dir, monkeypatch):
+    # before: a kill between renaming step_2.tmp and writing `latest`, twice (the resumed run
+    # saves step 2 again), left step_2 and step_2.old, and every resume died in the next save:
+    # "OSError: Directory not empty: step_2 -> step_2.old"; a step_N.old half deleted stayed
+    monkeypatch.setattr(os, "fsync", lambda fd: None)  # a kill, not a power cut: 10x faster
+    save(tmp_path / "run", 1, model, tiny_model_dir)
+    after_one_kill = {state(run): run for run in kill_each_moment(tmp_path / "run", model,
+                                                                   tiny_model_dir)}
+    for run in after_one_kill.values():
+        for killed in kill_each_moment(run, model, tiny_model_dir):
+            step = resume_step(killed)
+            save(killed, step + 1, model, tiny_model_dir, keep_last=1)  # and training goes on
+            assert resume_step(killed) == step + 1
+            assert state(killed) == (("latest", f"step_{step + 1:06d}"), f"step_{step + 1:06d}")
+    print(f"{len(after_one_kill)} states after one kill: {list(after_one_kill)}")
+
+
 def test_keep_last_deletes_old_checkpoints_but_never_the_latest(tmp_path, model, tiny_model_dir):
     for step in (1, 2, 3, 4):
         save(tmp_path, step, model, tiny_model_dir, keep_last=2)
@@ -130,8 +214,39 @@ def test_a_truncated_optimizer_file_is_named_on_resume(tmp_path, model, tiny_mod
     with open(file, "r+b") as f:
         f.truncate(os.path.getsize(file) // 2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with pytest.raises(ValueError, match=r"step_000001/trainer_rank0\.pt: not a readable "
-                                         r"checkpoint file, truncated"):
+    with pytest.raises(ValueError, match=r"step_000001/trainer_rank0\.pt is truncated or "
+                                         r"corrupt \(File is not a zip file\)"):
+        checkpoint.load_trainer_state(final, opt, PromptIterator([{"x": 1}], 1, 0),
+                                      torch.Generator())
+
+
+def flip_tensor_bytes(file, count: int):
+    """Invert `count` bytes in the middle of the largest tensor of a torch.save file (a zip), as a
+    bad disk or copy would."""
+    with zipfile.ZipFile(file) as archive:
+        entry = max(archive.infolist(), key=lambda e: e.file_size)
+    with open(file, "r+b") as f:
+        f.seek(entry.header_offset + 26)  # the local header: the name's and the extra's lengths
+        name_len, extra_len = struct.unpack("<HH", f.read(4))
+        f.seek(entry.header_offset + 30 + name_len + extra_len + (entry.file_size - count) // 2)
+        data = f.read(count)
+        f.seek(-count, os.SEEK_CUR)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def test_flipped_bytes_in_the_optimizer_file_are_named_on_resume(tmp_path, model,
+                                                                 tiny_model_dir):
+    # before: 2,000 bytes flipped in the optimizer's tensors loaded silently (torch.load checks
+    # no CRC-32) and the run trained on a garbage optimizer state
+    for step in (1, 2):
+        final = save(tmp_path, step, model, tiny_model_dir)
+    flip_tensor_bytes(os.path.join(final, "trainer_rank0.pt"), 2000)
+    torch.load(os.path.join(final, "trainer_rank0.pt"), weights_only=True)  # not a word
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(UserError, match=r"^--resume: .*step_000002/trainer_rank0\.pt is "
+                                        r"truncated or corrupt \(its entry trainer_rank0/data/"
+                                        r"\d+ does not match its CRC-32\): not loaded\. "
+                                        r"step_000001 is complete: to resume from it"):
         checkpoint.load_trainer_state(final, opt, PromptIterator([{"x": 1}], 1, 0),
                                       torch.Generator())
 
@@ -399,6 +514,57 @@ def test_overwrite_empties_a_checkpoints_directory_that_is_a_link(tmp_path):
     os.symlink(elsewhere, run / "checkpoints")
     assert checkpoint.prepare_out_dir(str(run), resume=False, overwrite=True) is None
     assert os.path.islink(run / "checkpoints") and os.listdir(elsewhere) == []
+
+
+def a_finished_run(out_dir):
+    """A run's directory: metrics.jsonl, and checkpoint step 3 with its model/."""
+    model_dir = out_dir / "checkpoints" / "step_000003" / "model"
+    model_dir.mkdir(parents=True)
+    (model_dir / "config.json").write_text("{}")
+    (out_dir / "checkpoints" / "latest").write_text("step_000003")
+    (out_dir / "metrics.jsonl").write_text('{"step": 3}\n')
+    return model_dir
+
+
+@pytest.mark.parametrize("flag,inside", [
+    ("--model", "checkpoints/step_000003/model"),  # train on from a run's model, new settings
+    ("--train-data", "checkpoints/rows.jsonl"),
+    ("--val-data", "metrics.jsonl"),
+    ("--reward-fn", "checkpoints/step_000003/score.py"),
+])
+def test_overwrite_refuses_to_delete_a_file_the_run_reads(tmp_path, flag, inside):
+    a_finished_run(tmp_path)
+    (tmp_path / inside).touch()
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(UserError, match=rf"^{flag} {tmp_path / inside} lies in {tmp_path}, in "
+                                        r"what --overwrite deletes \(its checkpoints/ and "
+                                        r"metrics.jsonl\): copy it out first"):
+        checkpoint.prepare_out_dir(str(tmp_path), resume=False, overwrite=True,
+                                   inputs={flag: str(tmp_path / inside)})
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_overwrite_refuses_a_model_reached_through_a_checkpoints_link(tmp_path):
+    elsewhere = tmp_path / "big-disk"
+    model_dir = a_finished_run(elsewhere)  # elsewhere/checkpoints/step_000003/model
+    run = tmp_path / "run"
+    run.mkdir()
+    os.symlink(elsewhere / "checkpoints", run / "checkpoints")
+    with pytest.raises(UserError, match="--model .* lies in"):
+        checkpoint.prepare_out_dir(str(run), resume=False, overwrite=True,
+                                   inputs={"--model": str(model_dir)})
+    assert (model_dir / "config.json").is_file()
+
+
+def test_overwrite_deletes_a_step_link_but_keeps_the_model_it_points_to(tmp_path):
+    kept = a_finished_run(tmp_path / "kept")
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    os.symlink(kept.parent, run / "checkpoints" / "step_000003")
+    linked = run / "checkpoints" / "step_000003" / "model"
+    assert checkpoint.prepare_out_dir(str(run), resume=False, overwrite=True,
+                                      inputs={"--model": str(linked)}) is None
+    assert not (run / "checkpoints").exists() and (kept / "config.json").is_file()
 
 
 # --- metrics.jsonl --------------------------------------------------------------------------------

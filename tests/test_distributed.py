@@ -1,7 +1,9 @@
 """Two processes (gloo, FSDP2, `torchrun --nproc_per_node=2`) against one: the same update,
 checkpoint and resume."""
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -120,13 +122,16 @@ def test_two_rank_checkpoint_loads_in_one_process_with_identical_logits(two_rank
         torch.testing.assert_close(model(PROBE), two["logits"], rtol=1e-12, atol=1e-12)
 
 
+# a few tiny steps of the tiny model on 2 ranks
+SMALL_RUN = ["--train-prompts", "4", "--gen-prompts", "4", "--group-size", "4",
+             "--max-gen-batches", "2", "--max-response-len", "10", "--overlong-buffer", "4",
+             "--mini-batch-prompts", "2", "--micro-batch-size", "3", "--eval-every", "2",
+             "--eval-prompts", "6", "--eval-samples", "2", "--lr", "1e-3", "--no-dynamic-sampling"]
+
+
 @pytest.mark.needs("all")
 def test_two_rank_run_resumes_exactly(tiny_model_dir, tmp_path):
-    args = ["dapo.py", "--model", tiny_model_dir, "--train-prompts", "4", "--gen-prompts", "4",
-            "--group-size", "4", "--max-gen-batches", "2", "--max-response-len", "10",
-            "--overlong-buffer", "4", "--mini-batch-prompts", "2", "--micro-batch-size", "3",
-            "--eval-every", "2", "--eval-prompts", "6", "--eval-samples", "2",
-            "--lr", "1e-3", "--no-dynamic-sampling"]
+    args = ["dapo.py", "--model", tiny_model_dir, *SMALL_RUN]
     torchrun(*args, "--out-dir", str(tmp_path / "straight"), "--steps", "3")
     torchrun(*args, "--out-dir", str(tmp_path / "resumed"), "--steps", "2")
     torchrun(*args, "--out-dir", str(tmp_path / "resumed"), "--steps", "3", "--resume")
@@ -242,6 +247,98 @@ def test_a_stopped_rank_inside_fsdps_collectives_names_dist_timeout(store_env, t
                                 "stopped or is far behind (raise --dist-timeout if it was only "
                                 "slow) ("), out[-3000:]
     assert "Traceback" not in out, out[-3000:]
+
+
+def test_ranks_started_with_other_flags_or_files_are_named_before_anything_loads(
+        store_env, tiny_model_dir, tmp_path):
+    # two nodes, each with its own command line; rank 1's has another --lr and --steps, and its
+    # rows.jsonl (the same relative path, its own directory) other rows. Before: another --lr or
+    # other rows trained both ranks on different things, exit 0; another --steps hung until
+    # --dist-timeout. Rank 1's copy of the model at another path is not a difference
+    from toy import toy_rows
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for seed, node in enumerate(nodes):
+        node.mkdir()
+        (node / "rows.jsonl").write_text("".join(json.dumps(row) + "\n"
+                                                 for row in toy_rows(8, seed)))
+    shutil.copytree(tiny_model_dir, nodes[1] / "model")
+    flags = ["--out-dir", str(tmp_path / "run"), "--train-data", "rows.jsonl", "--steps", "3",
+             *SMALL_RUN, "--dist-timeout", "20"]
+    env = {**os.environ, **store_env, "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
+           "TRITON_INTERPRET": "0"}
+    own_flags = [["--model", tiny_model_dir],  # rank 0's, rank 1's
+                 ["--model", str(nodes[1] / "model"), "--lr", "0.5", "--steps", "2"]]
+    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "dapo.py"), *flags, *extra],
+                              cwd=node, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r, (node, extra) in enumerate(zip(nodes, own_flags))]
+    out = first_ranks_output(procs)
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert errors == ["error: the ranks disagree on the run (every rank must run the same command "
+                      "line, on the same files): --steps: 3 on rank 0, 2 on rank 1; --lr: "
+                      "0.001 on rank 0, 0.5 on rank 1; --train-data's file (sha256): "
+                      f"'{sha256(nodes[0])}' on rank 0, '{sha256(nodes[1])}' on rank 1"], out
+    assert procs[0].returncode == 2 and not (tmp_path / "run").exists()
+
+
+def sha256(node):
+    return hashlib.sha256((node / "rows.jsonl").read_bytes()).hexdigest()[:16]
+
+
+def test_a_disagreement_names_the_ranks_of_each_value():
+    from infra import distributed
+    ranks = [{"--lr": 0.001, "--seed": 0}] * 64 + [{"--lr": 0.5, "--seed": 0}] + \
+        [{"--lr": 0.001, "--seed": 0}] * 3
+    assert distributed.disagreements(ranks) == ["--lr: 0.001 on ranks 0-63, 65-67, 0.5 on rank 64"]
+    assert distributed.disagreements([{"--seed": 0}, {"--seed": 0, "--new": 1}]) == [
+        "--new: None on rank 0, 1 on rank 1"]
+
+
+# dapo.py, with SIGTERM sent to rank 1 alone during step 2's first optimizer step (one node
+# preempted: its torchrun forwards the scheduler's signal to its own ranks only)
+SIGTERM_ON_RANK_1 = """import os, runpy, signal, sys
+sys.path.insert(0, {root!r})
+from infra import checkpoint
+if os.environ["RANK"] == "1":
+    is_finite, calls = checkpoint.gradient_is_finite, iter(range(1, 99))
+    def signalled(*args):
+        if next(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return is_finite(*args)
+    checkpoint.gradient_is_finite = signalled
+sys.argv[0] = "dapo.py"
+runpy.run_path(os.path.join({root!r}, "dapo.py"), run_name="__main__")
+"""
+
+
+@pytest.mark.needs("all")
+def test_a_sigterm_on_one_rank_makes_every_rank_save_the_step_and_exit_143(
+        store_env, tiny_model_dir, tmp_path):
+    # before: SIGTERM ended rank 1 silently, and rank 0 waited in the next collective
+    run = tmp_path / "run"
+    env = {**os.environ, **store_env, "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
+           "TRITON_INTERPRET": "0"}
+    procs = [subprocess.Popen([sys.executable, "-c", SIGTERM_ON_RANK_1.format(root=ROOT),
+                               "--model", tiny_model_dir, "--out-dir", str(run), "--steps", "3",
+                               *SMALL_RUN, "--dist-timeout", "60"],
+                              cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert [p.returncode for p in procs] == [143, 143], outs
+    assert (run / "checkpoints" / "latest").read_text() == "step_000002"
+    assert sorted(f.name for f in (run / "checkpoints" / "step_000002").glob("*.pt")) == [
+        "trainer_rank0.pt", "trainer_rank1.pt"]
+    said = [line for line in outs[0].splitlines() if line.startswith("SIGTERM: stopped")]
+    assert said[0].startswith("SIGTERM: stopped after step 2, its checkpoint saved. To resume: "
+                              f"torchrun [its flags] {ROOT}/dapo.py --model {tiny_model_dir} "
+                              f"--out-dir {run} --steps 3 "), said
+    assert said[0].endswith(" --dist-timeout 60 --resume") and len(said) == 1, said
 
 
 @pytest.mark.needs("rope", "attention")  # rank 0's forward

@@ -2,10 +2,12 @@
 directory that holds another run, missing files, a resume that changes the algorithm; and it stops
 at NaN weights, and with a non-zero exit when every update was skipped. On the command line such
 a mistake is one line `error: ...`, exit status 2."""
+import itertools
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import replace
@@ -18,6 +20,7 @@ import launch
 from batches import random_batch
 from config import check_flags, parse_args
 from data import PromptIterator
+from infra import interrupt
 from infra.errors import UserError
 from model import Qwen2, preset
 from test_dapo import _cfg, torch_kernel_path  # noqa: F401 (an autouse fixture)
@@ -104,6 +107,20 @@ def test_a_new_run_never_destroys_the_run_in_its_directory(tiny_model_dir, tmp_p
     dapo.main(_cfg(tiny_model_dir, tmp_path, steps=1, eval_every=0, overwrite=True))
 
 
+def test_overwrite_never_deletes_the_model_it_trains_from(tiny_model_dir, tmp_path):
+    # train on from a run's own checkpoint with new settings: before, --overwrite deleted
+    # checkpoints/ first, then failed with "config.json: not found"
+    model_dir = tmp_path / "checkpoints" / "step_000003" / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    (tmp_path / "checkpoints" / "latest").write_text("step_000003")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 3}\n')
+    with pytest.raises(UserError, match=r"--model .*step_000003/model lies in .*, in what "
+                                        "--overwrite deletes"):
+        dapo.main(_cfg(str(model_dir), tmp_path, overwrite=True, lr=1e-4))
+    assert sorted(os.listdir(model_dir)) == sorted(os.listdir(tiny_model_dir))
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 3}\n'
+
+
 @pytest.mark.needs("all")
 def test_a_resume_that_changes_the_algorithm_is_refused(tiny_model_dir, tmp_path):
     dapo.main(_cfg(tiny_model_dir, tmp_path, steps=1, eval_every=0))
@@ -121,6 +138,139 @@ def test_a_step_logged_but_not_saved_is_logged_once_after_the_resume(tiny_model_
     dapo.main(_cfg(tiny_model_dir, tmp_path, steps=4, eval_every=0, save_every=1, resume=True))
     steps = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")]
     assert steps == [1, 2, 3, 4]
+
+
+class Killed(BaseException):
+    """The process killed here (no `except` of the run catches it)."""
+
+
+def rows(out_dir) -> list[dict]:
+    """metrics.jsonl's rows without their timings (which differ from run to run)."""
+    with open(out_dir / "metrics.jsonl") as f:
+        return [{k: v for k, v in json.loads(line).items()
+                 if not k.startswith(("timing/", "perf/"))} for line in f]
+
+
+@pytest.fixture
+def uninterrupted(tiny_model_dir, tmp_path) -> list[dict]:
+    """The rows of a run of _cfg's 3 steps (evaluated at 0, 2 and 3) that nothing stopped (on
+    the kernel's torch path, as the autouse fixture makes every test's)."""
+    dapo.main(_cfg(tiny_model_dir, tmp_path / "uninterrupted"))
+    return rows(tmp_path / "uninterrupted")
+
+
+@pytest.mark.needs("all")
+def test_a_run_killed_in_its_final_evaluation_makes_it_on_resume(tiny_model_dir, tmp_path,
+                                                                 monkeypatch, uninterrupted):
+    # before: the resume said "nothing to do", exit 0, and the final val row was never written
+    evaluate, calls = dapo.evaluate, itertools.count(1)
+
+    def killed_in_the_third(*args, **kwargs):
+        if next(calls) == 3:
+            raise Killed
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(dapo, "evaluate", killed_in_the_third)
+    with pytest.raises(Killed):  # in the final evaluation, after the last checkpoint
+        dapo.main(_cfg(tiny_model_dir, tmp_path / "killed"))
+    monkeypatch.setattr(dapo, "evaluate", evaluate)
+    assert [r["step"] for r in rows(tmp_path / "killed") if "val/acc" in r] == [0, 2]
+    dapo.main(_cfg(tiny_model_dir, tmp_path / "killed", resume=True))
+    assert rows(tmp_path / "killed") == uninterrupted
+
+
+def unhandled(signum, frame):
+    raise AssertionError(f"signal {signum} reached no handler of the run")
+
+
+@pytest.fixture
+def signals_unhandled():
+    """SIGINT and SIGTERM fail the test where the run does not handle them (instead of stopping
+    pytest, or killing it); the handlers in place before are put back after."""
+    before = {s: signal.signal(s, unhandled) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, handler in before.items():
+        signal.signal(s, handler)
+
+
+@pytest.mark.needs("all")
+@pytest.mark.parametrize("signum,status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)],
+                         ids=["ctrl-c", "sigterm"])
+def test_a_signal_ends_the_step_saves_it_and_says_how_to_resume(
+        tiny_model_dir, tmp_path, monkeypatch, capsys, uninterrupted, signals_unhandled, signum,
+        status):
+    # before: Ctrl-C was a KeyboardInterrupt traceback from wherever it landed, SIGTERM a silent
+    # exit; neither said how to resume, and with --save-every 0 (here) every step was lost
+    update, calls = dapo.update_policy, itertools.count(1)
+
+    def signalled_in_step_2(*args, **kwargs):
+        if next(calls) == 2:
+            os.kill(os.getpid(), signum)  # its handler runs now, before the update
+        return update(*args, **kwargs)
+
+    monkeypatch.setattr(dapo, "update_policy", signalled_in_step_2)
+    out_dir = tmp_path / "stopped"
+    monkeypatch.setattr(sys, "argv", ["dapo.py", "--out-dir", str(out_dir), "--overwrite"])
+    with pytest.raises(SystemExit) as stopped:
+        dapo.main(_cfg(tiny_model_dir, out_dir))
+    assert stopped.value.code == status
+    assert (out_dir / "checkpoints" / "latest").read_text() == "step_000002"
+    assert (f"stopped after step 2, its checkpoint saved. To resume: python dapo.py --out-dir "
+            f"{out_dir} --resume\n") in capsys.readouterr().out
+    assert signal.getsignal(signum) is unhandled  # the run's handlers gone
+    monkeypatch.setattr(dapo, "update_policy", update)
+    dapo.main(_cfg(tiny_model_dir, out_dir, resume=True))  # as the line says
+    assert rows(out_dir) == uninterrupted  # step 2 was whole: the same run
+
+
+def test_a_second_ctrl_c_stops_at_once_a_second_sigterm_does_not(signals_unhandled):
+    stop = interrupt.Stop()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # torchrun forwards the scheduler's: the same stop
+        assert stop.requested() and stop.signum == signal.SIGTERM
+    finally:
+        interrupt.restore()
+    stop = interrupt.Stop()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested() and stop.signum == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        interrupt.restore()
+    assert signal.getsignal(signal.SIGINT) is unhandled
+
+
+def ctrl_c(*args):
+    raise KeyboardInterrupt  # what Python's own SIGINT handler raises
+
+
+def test_a_ctrl_c_that_stops_at_once_is_one_line_and_exit_status_130(tmp_path, capsys,
+                                                                      monkeypatch):
+    # before: a KeyboardInterrupt traceback (here: a Ctrl-C while the model loads)
+    monkeypatch.setattr(launch, "setup", ctrl_c)
+    try:
+        command_line(["--out-dir", str(tmp_path / "run")])
+    except BaseException as e:  # a KeyboardInterrupt that got through would stop pytest
+        stopped = e
+    assert isinstance(stopped, SystemExit) and stopped.code == 130
+    assert capsys.readouterr().err == "error: interrupted (Ctrl-C)\n"
+
+
+@pytest.mark.needs("all")
+def test_a_finished_run_resumed_for_more_steps_keeps_its_final_evaluation(tiny_model_dir,
+                                                                          tmp_path):
+    # before: --resume --steps 4 dropped the step-3 evaluation of the finished 3-step run (made
+    # after its last checkpoint, as the loop's evaluations are) and never made it again
+    dapo.main(_cfg(tiny_model_dir, tmp_path / "four", steps=4))
+    dapo.main(_cfg(tiny_model_dir, tmp_path / "three"))
+    three = rows(tmp_path / "three")
+    assert [r["step"] for r in three if "val/acc" in r] == [0, 2, 3]
+    dapo.main(_cfg(tiny_model_dir, tmp_path / "three", steps=4, resume=True))
+    # the 3-step run's rows, then the 4-step run's after step 3: step 4's and its evaluation
+    assert rows(tmp_path / "three") == three + [r for r in rows(tmp_path / "four")
+                                                if r["step"] > 3]
 
 
 @pytest.mark.needs("all")
