@@ -34,9 +34,12 @@ slot's sequence (its keys copied), so the busy slots are always the first ones a
 feeds only those. transformers' generate decodes every row until the longest ends; at 135M
 parameters a row costs a decode step its share of the matmuls, so ended rows are not free:
 
-    slot 0:     b  b  B  B  B  B  B      b ended in slot 0 and c (slot 2, the last busy one)
-    slot 1:     d  d  d  d  D  D             moved into it: the next steps feed 2 rows, not 3
-    slot 2:     .  .  .  .  .
+    slot 0:     b  b  B  B  B             b ends, nothing waits: c, in the last busy slot, moves
+    slot 1:     d  d  d  d  D  D              into slot 0
+    slot 2:     c  c  c  c  C  C
+
+    slot 0:     c  c  c  c  C  C          the next steps feed slots 0 and 1 only
+    slot 1:     d  d  d  d  D  D
 
 Shared prompts (SHARE_PROMPTS): the G samples of a group have one prompt. A slot that takes a prompt
 another slot holds copies its positions [0, len(prompt)) and its next-token logits instead of
@@ -168,7 +171,7 @@ def sample(logits, temperature: float, top_k: int, top_p: float, generator=None)
     BEFORE top-k/top-p truncation: the policy's full distribution, which the trainer's forward
     computes too, not the truncated one sampled from."""
     # exercise: sample
-    scaled = logits if temperature in (0, 1) else logits / temperature  # (B, V); 0: greedy
+    scaled = logits if temperature in (0, 1) else logits / temperature  # (B, V); 0 is greedy
     probs = scaled.softmax(-1)  # (B, V): the policy's, before any truncation
     if temperature == 0:
         token = logits.argmax(-1)  # (B,); top-k and top-p always keep the argmax: nothing to do
@@ -324,9 +327,9 @@ class SlotTable:
         token = token.clone()
         for old, new in zip(movers, holes):
             token[new] = token[old]
-            for entries in (self.seq, self.position, self.n_new):
-                entries[new], entries[old] = entries[old], 0
-            self.seq[old] = self.N
+            moved = self.seq[old], self.position[old], self.n_new[old]
+            self.seq[new], self.position[new], self.n_new[new] = moved
+            self.seq[old], self.position[old], self.n_new[old] = self.N, 0, 0  # free, as retire()
         return token[:max(len(busy), 1)]
 
     def decode(self, model, decode, token) -> torch.Tensor:
