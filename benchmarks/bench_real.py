@@ -68,14 +68,16 @@ def in_precision(precision: str):
     return torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16")
 
 
-def rollout_part(model_dir: str, rounds: int, precisions: list[str], shapes: list[str], tmp: str):
+def rollout_part(model_dir: str, rounds: int, precisions: list[str], shapes: list[str],
+                 slots: int, tmp: str):
     import transformers
     transformers.utils.logging.disable_progress_bar()
     ours = Qwen2.from_pretrained(model_dir, dtype=torch.float32).eval()
     theirs = transformers.AutoModelForCausalLM.from_pretrained(model_dir,
                                                                dtype=torch.float32).eval()
+    at_once = slots or "all"
     print(f"rollout against transformers' generate: up to {NEW_TOKENS} new tokens at temperature "
-          f"1, ours in {SLOTS} slots, theirs in batches of {SLOTS} left-padded rows; "
+          f"1, ours in {at_once} slots, theirs in batches of {at_once} left-padded rows; "
           f"{torch.get_num_threads()} thread(s), CPU time, {rounds} round(s), tok/s min / median")
     for shape in shapes:
         prompts, tok = prompts_of(model_dir, tmp, *SHAPES[shape])
@@ -86,15 +88,16 @@ def rollout_part(model_dir: str, rounds: int, precisions: list[str], shapes: lis
         def run_ours():
             out = generate(ours, prompts, NEW_TOKENS, eos_token_ids=eos,
                            pad_token_id=tok.pad_token_id,
-                           generator=torch.Generator().manual_seed(0), slots=SLOTS)
+                           generator=torch.Generator().manual_seed(0), slots=slots or None)
             return int(out.lengths.sum())
 
         @torch.no_grad()
         def run_theirs():
             torch.manual_seed(0)
             tokens = 0
-            for i in range(0, len(prompts), SLOTS):
-                ids, mask = left_padded(prompts[i:i + SLOTS], tok.pad_token_id)  # (n, P)
+            rows = slots or len(prompts)
+            for i in range(0, len(prompts), rows):
+                ids, mask = left_padded(prompts[i:i + rows], tok.pad_token_id)  # (n, P)
                 out = theirs.generate(input_ids=ids, attention_mask=mask, do_sample=True,
                                       temperature=1.0, top_p=1.0, top_k=0,
                                       max_new_tokens=NEW_TOKENS, eos_token_id=eos,
@@ -198,6 +201,9 @@ def main():
     ap.add_argument("--parts", default="rollout,step", help="(default: %(default)s)")
     ap.add_argument("--shapes", default="rl,eval", help="the rollouts (default: %(default)s)")
     ap.add_argument("--precisions", default="fp32,bf16", help="(default: %(default)s)")
+    ap.add_argument("--slots", type=int, default=SLOTS,
+                    help="rollout: rows decoding at once on both sides, 0 all (default: make "
+                         "real's, %(default)s)")
     ap.add_argument("--rounds", type=int, default=1, help="(default: %(default)s)")
     ap.add_argument("--threads", type=int, default=1, help="(default: %(default)s)")
     args = ap.parse_args()
@@ -210,7 +216,8 @@ def main():
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
         if "rollout" in args.parts:
-            rollout_part(args.model, args.rounds, precisions, args.shapes.split(","), tmp)
+            rollout_part(args.model, args.rounds, precisions, args.shapes.split(","), args.slots,
+                         tmp)
         if "step" in args.parts:
             step_part(args.model, args.rounds, precisions, tmp)
 
