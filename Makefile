@@ -67,8 +67,19 @@ test-vllm: $(VLLM_VENV)/.vllm
 	$(VLLM_VENV)/bin/python -m pytest -q tests_vllm
 	ATEN_CPU_CAPABILITY=default $(VLLM_VENV)/bin/python -m pytest -q -m parity tests_vllm
 
-bench: $(VENV)/.test
-	for f in benchmarks/bench_*.py; do $(PY) $$f || exit 1; done
+# The benchmarks (docs/performance.md). Four on make real's model (SmolLM2-135M-Instruct, converted
+# once as make real does), fp32 and bf16, one thread, CPU time, ROUNDS alternating rounds each:
+# the rollout against transformers' generate and the update's share of the matmul peak
+# (bench_real.py), the RL step against TRL's GRPOTrainer (bench_step.py, in .venv-bench) and the
+# rollout against vLLM (bench_vllm.py, in .venv-vllm); those venvs are made once (minutes of pip).
+ROUNDS ?= 1
+bench: $(VENV)/.test $(BENCH_VENV)/.bench $(VLLM_VENV)/.vllm
+	$(PY) examples/smollm2.py
+	for f in kernels model sampler; do $(PY) benchmarks/bench_$$f.py || exit 1; done
+	$(PY) benchmarks/bench_real.py --rounds $(ROUNDS)
+	for p in fp32 bf16; do $(BENCH_VENV)/bin/python benchmarks/bench_step.py --workload smollm2 \
+	    --precision $$p --warmup 1 --rounds $(ROUNDS) --no-profile || exit 1; done
+	OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python benchmarks/bench_vllm.py --rounds $(ROUNDS)
 
 # The whole RL step against TRL's GRPOTrainer. TRL is no dependency of the project: it goes into a
 # venv of its own (created once), and bench_step.py run by `make bench` above only says it is

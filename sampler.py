@@ -29,6 +29,18 @@ sequences a, b, c, d, e wait in this order (lower case: prompt tokens, upper cas
 A decode step feeds one token per slot and reads the keys up to the furthest slot's position
 (masked past each slot's own), so its shapes change with that length only.
 
+Compact slots (COMPACT_SLOTS): once no sequence waits, a slot that frees up takes the last busy
+slot's sequence (its keys copied), so the busy slots are always the first ones and a decode step
+feeds only those. transformers' generate decodes every row until the longest ends; at 135M
+parameters a row costs a decode step its share of the matmuls, so ended rows are not free:
+
+    slot 0:     b  b  B  B  B             b ends, nothing waits: c, in the last busy slot, moves
+    slot 1:     d  d  d  d  D  D              into slot 0
+    slot 2:     c  c  c  c  C  C
+
+    slot 0:     c  c  c  c  C  C          the next steps feed slots 0 and 1 only
+    slot 1:     d  d  d  d  D  D
+
 Shared prompts (SHARE_PROMPTS): the G samples of a group have one prompt. A slot that takes a prompt
 another slot holds copies its positions [0, len(prompt)) and its next-token logits instead of
 prefilling it; the prompts no slot holds are prefilled once each, in one forward:
@@ -36,9 +48,10 @@ prefilling it; the prompts no slot holds are prefilled once each, in one forward
     slot 0:     e  e  e  E  E  E  E
     slot 1:     e  e  e                  the next sample of e: slot 0's positions 0-2 copied
 
-With SHARE_PROMPTS False and slots=None, generate is plain batched decoding; docs/performance.md
+With both switches False and slots=None, generate is plain batched decoding; docs/performance.md
 measures what each part buys.
 """
+import math
 from collections import Counter, deque
 from dataclasses import dataclass
 
@@ -125,9 +138,10 @@ def decode_one_token(model, tokens, positions, kv_cache):
                  head=last_token_logits)
 
 
-# The speed-up, switchable: False gives the plain loop, for reading or as a reference
+# The speed-ups, switchable: False gives the plain loop, for reading or as a reference
 SHARE_PROMPTS = True  # a prompt a slot holds is copied, not prefilled
-SPEED_UPS = ("SHARE_PROMPTS",)
+COMPACT_SLOTS = True  # once nothing waits, only the busy slots decode
+SPEED_UPS = ("SHARE_PROMPTS", "COMPACT_SLOTS")
 
 
 def filter_logits(logits, top_k: int = 0, top_p: float = 1.0):
@@ -157,21 +171,40 @@ def sample(logits, temperature: float, top_k: int, top_p: float, generator=None)
     BEFORE top-k/top-p truncation: the policy's full distribution, which the trainer's forward
     computes too, not the truncated one sampled from."""
     # exercise: sample
+    scaled = logits if temperature in (0, 1) else logits / temperature  # (B, V); 0 is greedy
+    probs = scaled.softmax(-1)  # (B, V): the policy's, before any truncation
     if temperature == 0:
         token = logits.argmax(-1)  # (B,); top-k and top-p always keep the argmax: nothing to do
-        scaled = logits
+    elif top_k == 0 and top_p == 1.0:
+        token = draw(probs, generator)  # (B,)
     else:
-        scaled = logits / temperature  # (B, V)
-        probs = filter_logits(scaled, top_k, top_p).softmax(-1)  # (B, V)
-        # invert the CDF with one uniform per row: torch.multinomial draws V per row, which on a
-        # CPU costs more than a small model's decode step. float64, so that no token's mass rounds
-        # away; u in (0, total] never lands on a token of zero probability
-        cdf = probs.double().cumsum(-1)  # (B, V)
-        u = 1 - torch.rand(len(cdf), 1, dtype=torch.float64, device=cdf.device, generator=generator)
-        token = torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(-1)  # (B,): first cdf >= u
-    logp = scaled.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)  # (B,)
+        token = draw(filter_logits(scaled, top_k, top_p).softmax(-1), generator)
+    # a float32 probability is as precise relatively as log_softmax's log-prob is absolutely
+    logp = probs.gather(-1, token[:, None]).squeeze(-1).log()  # (B,)
     return token, logp
     # end exercise
+
+
+def draw(probs, generator=None):
+    """probs (B, V), each row a distribution -> one token per row (B,), drawn by inverting the CDF
+    in two levels, each with a uniform of its own: which block of tokens (in proportion to its
+    mass), then which token in it. torch.multinomial draws V exponentials per row, and one float64
+    cumsum over V is a serial loop on a CPU: each costs more than a small model's decode step.
+    float32 sums inside a block, float64 across blocks and inside the chosen one: no token's mass
+    rounds away (a float32 cumsum loses a 1e-8 added to 0.5)."""
+    B, V = probs.shape
+    block = math.gcd(V, 512)  # divides V, so the blocks are a view (vocabularies come in 64s)
+    blocks = probs.view(B, V // block, block)
+    u = 1 - torch.rand(B, 2, dtype=torch.float64, device=probs.device, generator=generator)
+    which = first_reaching(blocks.sum(-1).double().cumsum(-1), u[:, :1])  # (B, 1)
+    inside = blocks.gather(1, which[..., None].expand(B, 1, block))[:, 0]  # (B, block)
+    return (which * block + first_reaching(inside.double().cumsum(-1), u[:, 1:]))[:, 0]
+
+
+def first_reaching(cdf, u):
+    """cdf (B, n) non-decreasing, u (B, 1) in (0, 1] -> (B, 1): the first index where cdf >= u
+    times the row's total, which is never an index of zero mass."""
+    return torch.searchsorted(cdf, u * cdf[:, -1:])
 
 
 def agree_across_ranks(working: bool, prefilling: bool) -> tuple[bool, bool]:
@@ -280,11 +313,32 @@ class SlotTable:
                 self.seq[s], self.position[s], self.n_new[s] = self.N, 0, 0
         return done
 
+    def compact(self, token) -> torch.Tensor:
+        """Once no sequence waits: the last busy slots' sequences move into the free slots before
+        them (keys copied), so that the busy slots come first -> the tokens (n,) those first n slots
+        feed (n >= 1: a rank with nothing left decodes a dummy row, in step with the others);
+        token: the tokens of the slots the last step fed, before the move."""
+        if self.waiting or not COMPACT_SLOTS:
+            return token
+        busy = self.busy()
+        holes = [s for s in range(len(busy)) if self.seq[s] == self.N]
+        movers = busy[len(busy) - len(holes):]  # as many: the busy slots past the first len(busy)
+        copy_rows(self.kv_cache, movers, holes, max((self.position[s] for s in movers), default=0))
+        token = token.clone()
+        for old, new in zip(movers, holes):
+            token[new] = token[old]
+            moved = self.seq[old], self.position[old], self.n_new[old]
+            self.seq[new], self.position[new], self.n_new[new] = moved
+            self.seq[old], self.position[old], self.n_new[old] = self.N, 0, 0  # free, as retire()
+        return token[:max(len(busy), 1)]
+
     def decode(self, model, decode, token) -> torch.Tensor:
-        """Every slot feeds its token (B,) at its position -> next-token logits (B, V); the busy
-        slots move on one position."""
-        positions = torch.tensor(self.position, device=token.device)  # (B,)
-        logits = decode(model, token, positions, self.kv_cache.upto(max(self.position) + 1))
+        """The first slots feed their tokens (n,) at their positions (after compact(), the busy
+        ones; else all B) -> next-token logits (n, V); the busy slots move on one position."""
+        token = self.compact(token)
+        fed = self.position[:len(token)]
+        positions = torch.tensor(fed, device=token.device)  # (n,)
+        logits = decode(model, token, positions, self.kv_cache.upto(max(fed) + 1))
         for s in self.busy():
             self.position[s] += 1
         return logits
@@ -383,11 +437,12 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: 
     try:
         table.refill(model, logits)  # every rank has a prompt, so every rank runs this forward
         while True:
-            # 1) sample: a token for every row (a free one too, drawn into the scratch row)
-            token, logp = sample(logits, temperature, top_k, top_p, generator)  # (B,), (B,)
+            # 1) sample: a token for every row fed (a free one too, drawn into the scratch row)
+            token, logp = sample(logits, temperature, top_k, top_p, generator)  # (n,), (n,)
             # 2) record: each at its sequence's next response index
-            responses.ids[table.seq, table.n_new] = token
-            responses.logprobs[table.seq, table.n_new] = logp
+            fed = table.seq[:len(token)], table.n_new[:len(token)]
+            responses.ids[fed] = token
+            responses.logprobs[fed] = logp
             # 3) retire: the sequences that drew an EOS or reached max_new_tokens leave their slots
             ended = torch.isin(token, eos).tolist()  # the host learns which rows ended: one sync
             for i, length, cut in table.retire(ended, max_new_tokens):
@@ -398,8 +453,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: 
                                                     table.needs_prefill())
             if not working:
                 break
-            # 5) decode: each slot feeds its token at its position
-            logits = table.decode(model, decode, token)  # (B, V)
+            # 5) decode: each slot feeds its token at its position (the busy ones, once none waits)
+            logits = table.decode(model, decode, token)  # (n, V)
             # 6) refill: the free slots take the next waiting sequences
             if not table.refill(model, logits) and prefilling:
                 # another rank prefills: as many forwards, on a dummy

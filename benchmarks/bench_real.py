@@ -26,6 +26,7 @@ import sys
 from dataclasses import replace
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples"), os.path.join(ROOT, "experiments")]
@@ -42,59 +43,90 @@ from infra import gguf  # noqa: E402
 from model import Qwen2  # noqa: E402
 from sampler import generate  # noqa: E402
 
-PROMPTS, G, SLOTS = 8, 8, 64
-NEW_TOKENS = real.SETTINGS["max_response_len"]
+SETTINGS = real.SETTINGS
+NEW_TOKENS, SLOTS = SETTINGS["max_response_len"], SETTINGS["rollout_slots"]
+# make real's two rollouts: prompts (None: every held-out problem) x samples each
+SHAPES = {"rl": (SETTINGS["train_prompts"], SETTINGS["group_size"]),
+          "eval": (None, SETTINGS["eval_samples"])}
 
 
-def prompts_of(model_dir: str, tmp: str) -> tuple[list[list[int]], object]:
-    """The first PROMPTS held-out sums, each G times, through the model's chat template."""
+def prompts_of(model_dir: str, tmp: str, n: int | None,
+               samples: int) -> tuple[list[list[int]], object]:
+    """The first n held-out sums (None: all), each `samples` times, through the model's chat
+    template."""
     _, val = sums.write_task(tmp)
     rows = [{"prompt": [{"role": "user", "content": r["prompt"]}]}
-            for r in real.first_rows(val, PROMPTS)]
+            for r in real.first_rows(val, n or 10**9)]
     tok = load_tokenizer(model_dir)
-    prompts, _ = encode_prompts(rows, tok, real.SETTINGS["max_prompt_len"])
-    return [p for p in prompts for _ in range(G)], tok
+    prompts, _ = encode_prompts(rows, tok, SETTINGS["max_prompt_len"])
+    return [p for p in prompts for _ in range(samples)], tok
 
 
-def rollout_part(model_dir: str, rounds: int, tmp: str):
+def in_precision(precision: str):
+    """The forward phase's context: bf16 autocast over the fp32 weights (make real's rollout), or
+    nothing; the same for both sides."""
+    return torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16")
+
+
+def rollout_part(model_dir: str, rounds: int, precisions: list[str], shapes: list[str],
+                 slots: int, tmp: str):
     import transformers
     transformers.utils.logging.disable_progress_bar()
-    prompts, tok = prompts_of(model_dir, tmp)
     ours = Qwen2.from_pretrained(model_dir, dtype=torch.float32).eval()
     theirs = transformers.AutoModelForCausalLM.from_pretrained(model_dir,
                                                                dtype=torch.float32).eval()
-    eos = tok.eos_token_ids
-    ids, mask = left_padded(prompts, tok.pad_token_id)  # (N, P)
+    at_once = slots or "all"
+    print(f"rollout against transformers' generate: up to {NEW_TOKENS} new tokens at temperature "
+          f"1, ours in {at_once} slots, theirs in batches of {at_once} left-padded rows; "
+          f"{torch.get_num_threads()} thread(s), CPU time, {rounds} round(s), tok/s min / median")
+    for shape in shapes:
+        prompts, tok = prompts_of(model_dir, tmp, *SHAPES[shape])
+        samples = SHAPES[shape][1]
+        n = len(prompts) // samples
+        eos = tok.eos_token_ids
 
-    def run_ours():
-        out = generate(ours, prompts, NEW_TOKENS, eos_token_ids=eos, pad_token_id=tok.pad_token_id,
-                       generator=torch.Generator().manual_seed(0), slots=SLOTS)
-        return int(out.lengths.sum())
+        def run_ours():
+            out = generate(ours, prompts, NEW_TOKENS, eos_token_ids=eos,
+                           pad_token_id=tok.pad_token_id,
+                           generator=torch.Generator().manual_seed(0), slots=slots or None)
+            return int(out.lengths.sum())
 
-    @torch.no_grad()
-    def run_theirs():
-        torch.manual_seed(0)
-        out = theirs.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0,
-                              top_p=1.0, top_k=0, max_new_tokens=NEW_TOKENS, eos_token_id=eos,
-                              pad_token_id=tok.pad_token_id)
-        return sum(lengths_to_eos(out[:, ids.shape[1]:], eos))
+        @torch.no_grad()
+        def run_theirs():
+            torch.manual_seed(0)
+            tokens = 0
+            rows = slots or len(prompts)
+            for i in range(0, len(prompts), rows):
+                ids, mask = left_padded(prompts[i:i + rows], tok.pad_token_id)  # (n, P)
+                out = theirs.generate(input_ids=ids, attention_mask=mask, do_sample=True,
+                                      temperature=1.0, top_p=1.0, top_k=0,
+                                      max_new_tokens=NEW_TOKENS, eos_token_id=eos,
+                                      pad_token_id=tok.pad_token_id)
+                tokens += sum(lengths_to_eos(out[:, ids.shape[1]:], eos))
+            return tokens
 
-    timed = timed_rounds(rounds, {"ours (sampler.generate, 64 slots)": run_ours,
-                                  "transformers generate": run_theirs})
-    print(f"rollout: {len(prompts)} sequences ({PROMPTS} prompts x {G}), up to {NEW_TOKENS} new "
-          f"tokens, fp32, {torch.get_num_threads()} thread(s), {rounds} rounds")
-    rates = {}
-    for name, rows in timed.items():
-        rates[name] = [tokens / seconds for seconds, tokens in rows]
-        print(f"  {name:<36} tok/s per round: " + ", ".join(f"{r:.0f}" for r in rates[name]) +
-              f"  (tokens: {', '.join(str(t) for _, t in rows)})")
-    ours_r, theirs_r = rates.values()
-    ratios = [a / b for a, b in zip(ours_r, theirs_r)]
-    print(f"  ours / transformers, round by round: {', '.join(f'{r:.2f}x' for r in ratios)}; "
-          f"median {statistics.median(ratios):.2f}x")
+        for precision in precisions:
+            def within(run):
+                def timed():
+                    with in_precision(precision):
+                        return run()
+                return timed
+            timed = timed_rounds(rounds, {"ours": within(run_ours),
+                                          "transformers": within(run_theirs)})
+            rates = {name: [tokens / seconds for seconds, tokens in rows]
+                     for name, rows in timed.items()}
+            ratios = [a / b for a, b in zip(rates["ours"], rates["transformers"])]
+            print(f"  {shape} ({n} prompts x {samples}), {precision}: ours {spread(rates['ours'])},"
+                  f" transformers {spread(rates['transformers'])}; ours / transformers "
+                  f"{spread(ratios, '.2f')}x")
 
 
-def step_part(model_dir: str, rounds: int, tmp: str):
+def spread(values: list[float], fmt: str = ".0f") -> str:
+    """min / median of the rounds."""
+    return f"{min(values):{fmt}} / {statistics.median(values):{fmt}}"
+
+
+def step_part(model_dir: str, rounds: int, precisions: list[str], tmp: str):
     train, val = sums.write_task(tmp)
     cfg = parse_args(real.dapo_argv(model_dir, real.Task(train, val), tmp, seed=0))
     cfg = replace(cfg, device="cpu", dynamic_sampling=False)  # one generation batch a step
@@ -103,40 +135,76 @@ def step_part(model_dir: str, rounds: int, tmp: str):
     rows = load_rows(train, tok, verifier=verifier)[:cfg.train_prompts]
     base = Qwen2.from_pretrained(model_dir, dtype=torch.float32)
     start = {k: v.clone() for k, v in base.state_dict().items()}
+    batches = {}  # per precision, its last collected batch: the roofline's update
 
-    def step(fused: bool, precision: str):
+    def step(precision: str):
         base.load_state_dict(start)
         opt = torch.optim.AdamW(base.parameters(), lr=cfg.lr)
-        run = replace(cfg, fused_head=fused, precision=precision)
+        run = replace(cfg, precision=precision)
         t0 = clock()
         collected = dapo.collect_batch(base, FixedRows(rows), tok, run, verifier,
                                        torch.Generator().manual_seed(0))
         t_collect = clock() - t0
         dapo.update_policy(base, opt, collected.to_train, run)
+        batches[precision] = collected.to_train
         return t_collect, clock() - t0 - t_collect, int(collected.to_train.response_mask.sum())
 
-    timed = timed_rounds(rounds, {"bf16, fused head": lambda: step(True, "bf16"),
-                                  "bf16, unfused head": lambda: step(False, "bf16"),
-                                  "fp32, fused head": lambda: step(True, "fp32")})
-    print(f"RL step: {cfg.train_prompts} prompts x {cfg.group_size}, one optimizer step, "
-          f"{torch.get_num_threads()} thread(s), {rounds} rounds (seconds)")
-    for name, results in timed.items():
-        collect = [r[0] for _, r in results]
-        update = [r[1] for _, r in results]
-        print(f"  {name:<19} collect {', '.join(f'{c:.1f}' for c in collect)}; update "
-              f"{', '.join(f'{u:.1f}' for u in update)} (response tokens "
-              f"{', '.join(str(r[2]) for _, r in results)})")
-    fused, unfused, fp32 = ([r[0] + r[1] for _, r in results] for results in timed.values())
-    for name, other in (("unfused head", unfused), ("fp32", fp32)):
-        ratios = ", ".join(f"{o / f:.2f}x" for f, o in zip(fused, other))
-        print(f"  the whole step, {name} / bf16 fused head, round by round: {ratios}")
+    timed = timed_rounds(rounds, {p: lambda p=p: step(p) for p in precisions})
+    print(f"RL step (dapo.collect_batch + dapo.update_policy, make real's settings, dynamic "
+          f"sampling off): {cfg.train_prompts} prompts x {cfg.group_size}, "
+          f"{torch.get_num_threads()} thread(s), CPU time, {rounds} round(s), seconds min / median")
+    for precision, results in timed.items():
+        collect, update = [r[0] for _, r in results], [r[1] for _, r in results]
+        print(f"  {precision}: collect {spread(collect, '.1f')}, update {spread(update, '.1f')} "
+              f"(response tokens {', '.join(str(r[2]) for _, r in results)})")
+        base.load_state_dict(start)
+        opt = torch.optim.AdamW(base.parameters(), lr=cfg.lr)
+        with FlopCounterMode(display=False) as counter:  # the same update again, counted
+            dapo.update_policy(base, opt, batches[precision], replace(cfg, precision=precision))
+        flops, seconds = counter.get_total_flops(), statistics.median(update)
+        rows_per_matmul = cfg.micro_batch_tokens or cfg.micro_batch_size * 64
+        peak = matmul_peak(base.config, rows_per_matmul, PEAK_DTYPE[precision])
+        print(f"  {precision} update: {flops / 1e12:.2f} TFLOP in {seconds:.1f} s = "
+              f"{flops / seconds / 1e9:.0f} GFLOP/s, {100 * flops / seconds / peak:.0f}% of the "
+              f"1-thread matmul peak at the model's shapes ({peak / 1e9:.0f} GFLOP/s at "
+              f"{rows_per_matmul} rows)")
+
+
+# what the update's matmuls run in: bf16 autocast casts both sides of a matmul to bf16
+PEAK_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def matmul_peak(cfg, rows: int, dtype) -> float:
+    """FLOP/s of this process on the model's own matmuls at `rows` rows: each linear layer's forward
+    (x W^T) and its backward's two (g W and g^T x), the output layer's too, timed together, best
+    of 3. The roof under the update: its FLOPs are these matmuls, bar attention's few."""
+    C, mlp, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    calls, flops = [], 0
+    for n_in, n_out in ((C, q), (C, kv), (C, kv), (q, C), (C, mlp), (C, mlp), (mlp, C), (C, V)):
+        x, w, g = (torch.randn(shape, dtype=dtype)
+                   for shape in ((rows, n_in), (n_out, n_in), (rows, n_out)))
+        calls += [lambda x=x, w=w: x @ w.T, lambda g=g, w=w: g @ w, lambda g=g, x=x: g.T @ x]
+        flops += 3 * 2 * rows * n_in * n_out
+    best = float("inf")
+    for _ in range(3):
+        t0 = clock()
+        for call in calls:
+            call()
+        best = min(best, clock() - t0)
+    return flops / best
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=smollm2.OUT, help="(default: %(default)s)")
     ap.add_argument("--parts", default="rollout,step", help="(default: %(default)s)")
-    ap.add_argument("--rounds", type=int, default=3, help="(default: %(default)s)")
+    ap.add_argument("--shapes", default="rl,eval", help="the rollouts (default: %(default)s)")
+    ap.add_argument("--precisions", default="fp32,bf16", help="(default: %(default)s)")
+    ap.add_argument("--slots", type=int, default=SLOTS,
+                    help="rollout: rows decoding at once on both sides, 0 all (default: make "
+                         "real's, %(default)s)")
+    ap.add_argument("--rounds", type=int, default=1, help="(default: %(default)s)")
     ap.add_argument("--threads", type=int, default=1, help="(default: %(default)s)")
     args = ap.parse_args()
     if not gguf.is_converted(args.model):
@@ -144,12 +212,14 @@ def main():
               "python examples/smollm2.py, writes it)")
         return
     torch.set_num_threads(args.threads)
+    precisions = args.precisions.split(",")
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
         if "rollout" in args.parts:
-            rollout_part(args.model, args.rounds, tmp)
+            rollout_part(args.model, args.rounds, precisions, args.shapes.split(","), args.slots,
+                         tmp)
         if "step" in args.parts:
-            step_part(args.model, args.rounds, tmp)
+            step_part(args.model, args.rounds, precisions, tmp)
 
 
 if __name__ == "__main__":

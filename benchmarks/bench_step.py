@@ -1,10 +1,20 @@
 """
 The whole RL step, this project against TRL's GRPOTrainer: the same base model, prompts, reward,
-G, lengths and batch, on CPU in fp32, one thread by default, timed in CPU time.
+G, lengths and batch, on CPU, one thread by default, timed in CPU time.
 
     make bench-step                                   # creates .venv-bench/ (TRL) once, runs this
     .venv-bench/bin/python benchmarks/bench_step.py   # 1 warm-up, 5 timed rounds, 1 profiled step
     .venv-bench/bin/python benchmarks/bench_step.py --slots 128 --micro-batch-tokens 0 --no-profile
+    .venv-bench/bin/python benchmarks/bench_step.py --workload smollm2 --precision bf16 --rounds 3
+
+Two workloads (--workload): "demo" (below) and "smollm2", `make real`'s step on
+SmolLM2-135M-Instruct (converted by examples/smollm2.py; skipped, saying so, when absent): 8 sums
+x G = 8 responses of up to 32 tokens, the sums verifier (examples/sums.py) plus the overlong
+penalty (8-token buffer), lr 1e-5 and the rest of experiments/real.py's settings, one optimizer
+step a rollout and dynamic sampling off; ours is dapo.py with those flags, and again with
+--micro-batch-tokens 0 (micro-batches of 64 rows: whole groups); TRL's micro-batches 16 rows.
+--precision bf16: bf16 autocast over fp32 weights on both sides (TRL's bf16=True; `make real`'s
+precision). The demo workload is fp32 only.
 
 What a step is, on both sides: one rollout and one optimizer step. 32 toy prompts x G = 8
 responses of up to 40 tokens at temperature 1; each scored by math_dapo (reward.score_response)
@@ -48,21 +58,46 @@ import statistics
 import sys
 import tempfile
 import warnings
+from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "examples"), os.path.join(ROOT, "experiments")]
 import dapo  # noqa: E402
+import real  # noqa: E402
+import sampler  # noqa: E402
+import smollm2  # noqa: E402
+import sums  # noqa: E402
 from common import FixedRows, clock  # noqa: E402
-from config import Config  # noqa: E402
-from data import load_tokenizer  # noqa: E402
+from config import Config, parse_args  # noqa: E402
+from data import load_rows, load_tokenizer  # noqa: E402
+from infra import gguf  # noqa: E402
+from launch import load_verifier  # noqa: E402
 from model import Qwen2  # noqa: E402
-from reward import Verifier, overlong_penalty, score_response  # noqa: E402
+from reward import overlong_penalty, score_response  # noqa: E402
 from toy import demo_base_model, make_toy_tokenizer, toy_rows  # noqa: E402
 
-PROMPTS, G, MAX_LEN, BUFFER, MICRO, LR = 32, 8, 40, 16, 64, 1e-6
-OURS, TRL = ("ours, defaults", "ours, eager", "ours, compiled"), "TRL"
+TRL = "TRL"
 PHASES = ("generate", "reward", "rollout other", "update")
+
+
+@dataclass
+class Workload:
+    """What both sides train on, and our sides' flags."""
+    base: str  # a Hugging Face directory: the base model and its tokenizer
+    rows: list[dict]  # dapo.py rows, in the order TRL takes them: step i, chunk i
+    prompts: int  # per step
+    group: int  # G
+    cfg: Config  # ours (the first side's flags); its lengths, lr and weight decay are TRL's too
+    sides: dict  # our side's name -> its flags over cfg
+    score: Callable  # (response text, ground truth, data_source) -> the correctness reward
+    trl_micro_batch: int  # TRL's per_device_train_batch_size
+    micro: str  # our micro-batches, in words
+
+    def chunks(self, n_steps: int) -> list[list[dict]]:
+        return [self.rows[i * self.prompts:(i + 1) * self.prompts] for i in range(n_steps)]
 
 
 class Phases:
@@ -110,20 +145,17 @@ def base_model_dir(root):
 class OurSide:
     """A copy of the policy with its optimizer, stepped by dapo.py's own functions."""
 
-    def __init__(self, base, phases, **flags):
-        self.cfg = Config(train_prompts=PROMPTS, gen_prompts=PROMPTS, group_size=G,
-                          dynamic_sampling=False, max_response_len=MAX_LEN,
-                          overlong_buffer=BUFFER, mini_batch_prompts=PROMPTS,
-                          micro_batch_size=MICRO, lr=LR, device="cpu", **flags)
-        self.model = Qwen2.from_pretrained(base, dtype=torch.float32)
+    def __init__(self, work: Workload, phases, **flags):
+        self.cfg = replace(work.cfg, **flags)
+        self.model = Qwen2.from_pretrained(work.base, dtype=torch.float32)
         if self.cfg.compile:  # as launch.load_policy does
             self.model.compile_blocks()
-        self.tok = load_tokenizer(base)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, betas=(0.9, 0.999),
-                                     weight_decay=0.0)
+        self.tok = load_tokenizer(work.base)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr, betas=(0.9, 0.999),
+                                     weight_decay=self.cfg.weight_decay)
         self.generator = torch.Generator().manual_seed(0)
         self.phases = phases
-        self.verifier = Verifier()  # math_dapo; its scoring is the "reward" phase
+        self.verifier = load_verifier(self.cfg)  # its scoring is the "reward" phase
         self.verifier.score_responses = phases.wrap("reward", self.verifier.score_responses)
 
     def step(self, rows):
@@ -141,35 +173,94 @@ class OurSide:
         return collected.to_train, collected.metrics  # its advantages computed
 
 
-def trl_trainer(base, rows, max_steps, micro, out_dir, phases, tokens):
-    """GRPOTrainer on `rows` in order, G x 32 prompts per step; appends each step's generated
-    tokens to `tokens`."""
+def math_dapo_score(text: str, truth: str, source: str) -> float:
+    return score_response(source, text, truth)["score"]
+
+
+def sums_score(text: str, truth: str, source: str) -> float:
+    return sums.score(text, truth)["score"]
+
+
+def demo_workload(root, args) -> Workload:
+    """32 toy prompts x G = 8, math_dapo: ours three ways (the module docstring)."""
+    prompts, G, max_len, micro = 32, 8, 40, 64
+    cfg = Config(train_prompts=prompts, gen_prompts=prompts, group_size=G,
+                 dynamic_sampling=False, max_response_len=max_len, overlong_buffer=16,
+                 mini_batch_prompts=prompts, micro_batch_size=micro, lr=1e-6, device="cpu")
+    tuned = dict(rollout_slots=args.slots, micro_batch_tokens=args.micro_batch_tokens)
+    n_steps = args.warmup + args.rounds + args.profile
+    budget = args.micro_batch_tokens
+    micro_words = f"{budget} tokens" if budget else f"{micro} rows"
+    return Workload(
+        base=base_model_dir(root), rows=toy_rows(prompts * n_steps, seed=0), prompts=prompts,
+        group=G, cfg=cfg, score=math_dapo_score, trl_micro_batch=args.trl_micro_batch or micro,
+        # dapo.py's own flags: --rollout-slots 512 (so 256 slots here), 64-row micro-batches
+        sides={"ours, defaults": {}, "ours, eager": tuned,
+               "ours, compiled": dict(tuned, compile=True)},
+        micro=(f"ours, defaults: dapo.py's flags ({prompts * G} slots, micro-batches of {micro} "
+               f"rows); ours, eager/compiled: {args.slots} slots, micro-batches of {micro_words}"))
+
+
+def smollm2_workload(root, args) -> Workload | None:
+    """make real's step on SmolLM2-135M-Instruct (None when the converted model is absent)."""
+    if not gguf.is_converted(smollm2.OUT):
+        return None
+    train, val = sums.write_task(root)
+    cfg = parse_args(real.dapo_argv(smollm2.OUT, real.Task(train, val), root, seed=0))
+    # one optimizer step a rollout, one generation batch a step: TRL's step
+    cfg = replace(cfg, device="cpu", dynamic_sampling=False, precision=args.precision,
+                  gen_prompts=cfg.train_prompts, mini_batch_prompts=cfg.train_prompts)
+    verifier = load_verifier(cfg)
+    rows = load_rows(train, load_tokenizer(smollm2.OUT), verifier=verifier)
+    n_steps = args.warmup + args.rounds + args.profile
+    if len(rows) < cfg.train_prompts * n_steps:
+        raise SystemExit(f"bench_step: {len(rows)} training sums hold fewer than {n_steps} steps")
+    micro = (f"{cfg.micro_batch_tokens} tokens" if cfg.micro_batch_tokens
+             else f"{cfg.micro_batch_size} rows")
+    return Workload(
+        base=smollm2.OUT, rows=rows, prompts=cfg.train_prompts, group=cfg.group_size, cfg=cfg,
+        score=sums_score,
+        trl_micro_batch=args.trl_micro_batch or 16,
+        # the second side's micro-batch is the whole mini-batch: its groups stay whole, so each
+        # prompt goes through the update's forward once (model.shared_prompt_logprobs)
+        sides={"ours": {}, "ours, 64 rows": dict(micro_batch_tokens=0)},
+        micro=(f"ours: make real's flags ({cfg.rollout_slots} slots, micro-batches of {micro}, "
+               f"length-sorted); ours, 64 rows: micro-batches of {cfg.micro_batch_size} rows"))
+
+
+def trl_trainer(work: Workload, max_steps, out_dir, phases, tokens):
+    """GRPOTrainer on the workload's rows in order, G x its prompts per step; appends each step's
+    generated tokens to `tokens`."""
     import datasets
     import transformers
     from trl import GRPOConfig, GRPOTrainer
+    cfg = work.cfg
 
-    def math_dapo(completions, completion_ids, reward_model, data_source, **_):
+    def reward(completions, completion_ids, reward_model, data_source, **_):
         """The verifier both sides use, plus the overlong penalty of dapo.shape_rewards."""
         tokens.append(sum(len(ids) for ids in completion_ids))  # EOS included, as ours
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [score_response(src, text, rm["ground_truth"])["score"]
-                + overlong_penalty(len(ids), MAX_LEN, BUFFER)
-                for text, ids, rm, src in zip(texts, completion_ids, reward_model, data_source)]
+        return [work.score(text, rm["ground_truth"], source)
+                + overlong_penalty(len(ids), cfg.max_response_len, cfg.overlong_buffer)
+                for text, ids, rm, source in zip(texts, completion_ids, reward_model, data_source)]
 
-    steps_per_generation = PROMPTS * G // micro
+    steps_per_generation = work.prompts * work.group // work.trl_micro_batch
     args = GRPOConfig(
-        output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, activation_checkpointing=False,
-        loss_type="dapo", beta=0.0, epsilon=0.2, epsilon_high=0.28, num_generations=G,
-        per_device_train_batch_size=micro, gradient_accumulation_steps=steps_per_generation,
+        output_dir=out_dir, use_cpu=True, bf16=cfg.precision == "bf16", fp16=False,
+        activation_checkpointing=False, loss_type="dapo", beta=0.0, epsilon=cfg.eps_low,
+        epsilon_high=cfg.eps_high, num_generations=work.group,
+        per_device_train_batch_size=work.trl_micro_batch,
+        gradient_accumulation_steps=steps_per_generation,
         steps_per_generation=steps_per_generation, num_iterations=1,
-        max_completion_length=MAX_LEN, temperature=1.0, top_p=1.0, top_k=0, use_vllm=False,
-        learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0, adam_beta1=0.9,
-        adam_beta2=0.999, max_grad_norm=1.0, max_steps=max_steps, shuffle_dataset=False,
+        max_completion_length=cfg.max_response_len, temperature=1.0, top_p=1.0, top_k=0,
+        use_vllm=False, learning_rate=cfg.lr, lr_scheduler_type="constant",
+        weight_decay=cfg.weight_decay, adam_beta1=0.9, adam_beta2=0.999,
+        max_grad_norm=cfg.grad_clip, max_steps=max_steps, shuffle_dataset=False,
         report_to="none", save_strategy="no", logging_steps=10**6, disable_tqdm=True, seed=0)
     trainer = GRPOTrainer(
-        model=transformers.Qwen2ForCausalLM.from_pretrained(base, dtype=torch.float32),
-        reward_funcs=math_dapo, args=args, train_dataset=datasets.Dataset.from_list(rows),
-        processing_class=transformers.AutoTokenizer.from_pretrained(base))
+        model=transformers.AutoModelForCausalLM.from_pretrained(work.base, dtype=torch.float32),
+        reward_funcs=reward, args=args, train_dataset=datasets.Dataset.from_list(work.rows),
+        processing_class=transformers.AutoTokenizer.from_pretrained(work.base))
     assert not trainer.args.gradient_checkpointing, "TRL would recompute activations"
     trainer.remove_callback(transformers.PrinterCallback)  # its end-of-training metrics line
     # TRL's phases, by the methods it calls on itself
@@ -196,8 +287,8 @@ def top_ops(prof, n):
 class Record:
     """Per side: (seconds, tokens, {phase: seconds}) of each timed round, and the profile."""
 
-    def __init__(self, args):
-        self.args, self.rounds, self.profiles = args, {n: [] for n in (*OURS, TRL)}, {}
+    def __init__(self, args, sides):
+        self.args, self.rounds, self.profiles = args, {n: [] for n in (*sides, TRL)}, {}
 
     def timed(self, step):
         return self.args.warmup <= step < self.args.warmup + self.args.rounds
@@ -244,14 +335,12 @@ def alternating_callback(record, ours, chunks, phases, tokens):
     return Alternate()
 
 
-def report(record):
+def report(record, work: Workload):
     args = record.args
-    micro = f"{args.micro_batch_tokens} tokens" if args.micro_batch_tokens else f"{MICRO} rows"
-    print(f"\nthe whole step, median of {args.rounds} rounds, CPU seconds\n"
-          f"ours, defaults: dapo.py's flags ({PROMPTS * G} slots, micro-batches of {MICRO} rows); "
-          f"ours, eager/compiled: {args.slots} slots, micro-batches of {micro}; TRL: micro-batches "
-          f"of {args.trl_micro_batch} rows")
-    print(f"{'':>15} {'s/step':>7} {'tokens':>7} {'ms/token':>8} {'TRL/this':>12} | "
+    print(f"\nthe whole step, {args.workload}, {work.cfg.precision}, median of {args.rounds} "
+          f"rounds (min in brackets), CPU seconds\n{work.micro}; TRL: micro-batches of "
+          f"{work.trl_micro_batch} rows")
+    print(f"{'':>15} {'s/step (min)':>15} {'tokens':>7} {'ms/token':>8} {'TRL/this':>12} | "
           + " ".join(f"{p:>13}" for p in PHASES))
     med = {}
     for name, rounds in record.rounds.items():
@@ -261,8 +350,9 @@ def report(record):
                      {p: statistics.median(r[2][p] for r in rounds) for p in PHASES})
     for name, (seconds, tokens, per_token, spent) in med.items():
         ratios = f"{med[TRL][0] / seconds:.2f}x/{med[TRL][2] / per_token:.2f}x"
-        print(f"{name:>15} {seconds:7.2f} {tokens:7.0f} {1e3 * per_token:8.3f} {ratios:>12} | "
-              + " ".join(f"{spent[p]:13.3f}" for p in PHASES))
+        seconds_min = min(r[0] for r in record.rounds[name])
+        print(f"{name:>15} {seconds:7.2f} ({seconds_min:.2f}) {tokens:7.0f} {1e3 * per_token:8.3f} "
+              f"{ratios:>12} | " + " ".join(f"{spent[p]:13.3f}" for p in PHASES))
     print("TRL/this: TRL's seconds per step over this side's / the same per generated token; "
           "phases: medians")
     for name, (ops, total) in record.profiles.items():
@@ -274,20 +364,27 @@ def report(record):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    ap.add_argument("--workload", choices=("demo", "smollm2"), default="demo",
+                    help="the demo's toy step, or make real's (default: %(default)s)")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                    help="smollm2: both sides' (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads, the same on every side")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds, each side once (median)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first (compile, set-up)")
     # measured best on this CPU for the toy shape (64 of 32/64/128/256 slots, 1024 of 512-4096)
     ap.add_argument("--slots", type=int, default=64,
-                    help="ours, eager/compiled: KV-cache slots (dapo.py's --rollout-slots)")
+                    help="demo, ours eager/compiled: KV-cache slots (dapo.py's --rollout-slots)")
     ap.add_argument("--micro-batch-tokens", type=int, default=1024,
-                    help="ours, eager/compiled: micro-batches by token budget (0: 64 rows each)")
-    ap.add_argument("--trl-micro-batch", type=int, default=MICRO,
-                    help="TRL: per_device_train_batch_size, rows per micro-batch (divides 256)")
+                    help="demo, ours eager/compiled: micro-batches by token budget (0: 64 rows)")
+    ap.add_argument("--trl-micro-batch", type=int, default=0,
+                    help="TRL: per_device_train_batch_size, dividing the rows of a step "
+                         "(default: 64 demo, 16 smollm2)")
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                     help="one more step per side under torch.profiler, outside the table")
     ap.add_argument("--top", type=int, default=12, help="ops listed per side in the profile")
     args = ap.parse_args()
+    if args.workload == "demo" and args.precision != "fp32":
+        ap.error("--precision bf16 is for --workload smollm2")
     try:
         import trl
     except ImportError:
@@ -306,24 +403,24 @@ def main():
           flush=True)
 
     n_steps = args.warmup + args.rounds + args.profile
-    rows = toy_rows(PROMPTS * n_steps, seed=0)  # TRL takes them in order: step i, chunk i
-    chunks = [rows[i * PROMPTS:(i + 1) * PROMPTS] for i in range(n_steps)]
-    phases, tokens, record = Phases(), [], Record(args)
-    # dapo.py's own name for the sampler, wrapped to count the phase (OurSide wraps the verifier)
-    dapo.generate = phases.wrap("generate", dapo.generate)
+    phases, tokens = Phases(), []
+    # the sampler, under the name Engine.generate calls, wrapped to count the phase (OurSide
+    # wraps the verifier)
+    sampler.generate = phases.wrap("generate", sampler.generate)
     with tempfile.TemporaryDirectory() as root:
-        base = base_model_dir(root)
-        tuned = dict(rollout_slots=args.slots, micro_batch_tokens=args.micro_batch_tokens)
-        # dapo.py's own flags: --rollout-slots 512 (so 256 slots here), 64-row micro-batches
-        ours = {OURS[0]: OurSide(base, phases),
-                OURS[1]: OurSide(base, phases, **tuned),
-                OURS[2]: OurSide(base, phases, **tuned, compile=True)}
-        trainer = trl_trainer(base, rows, n_steps, args.trl_micro_batch, os.path.join(root, "trl"),
-                              phases, tokens)
+        work = (demo_workload if args.workload == "demo" else smollm2_workload)(root, args)
+        if work is None:
+            print(f"bench_step: skipped, no converted model in {smollm2.OUT} (make real, or "
+                  "python examples/smollm2.py, writes it)")
+            return
+        record = Record(args, work.sides)
+        ours = {name: OurSide(work, phases, **flags) for name, flags in work.sides.items()}
+        trainer = trl_trainer(work, n_steps, os.path.join(root, "trl"), phases, tokens)
         torch.set_num_threads(args.threads)  # whatever the trainer's set-up did
-        trainer.add_callback(alternating_callback(record, ours, chunks, phases, tokens))
+        trainer.add_callback(alternating_callback(record, ours, work.chunks(n_steps), phases,
+                                                  tokens))
         trainer.train()
-    report(record)
+    report(record, work)
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 

@@ -23,8 +23,11 @@ class CUDAGraphDecode:
 
     def __call__(self, model, tokens, positions, kv_cache):
         S = min(self.max_len, max(64, 2 ** math.ceil(math.log2(kv_cache.length))))
-        self.tokens.copy_(tokens)
-        self.positions.copy_(positions)
+        n = len(tokens)  # the first n rows; the graphs feed all B, the rest a dummy at position 0
+        self.tokens.zero_()
+        self.positions.zero_()
+        self.tokens[:n].copy_(tokens)
+        self.positions[:n].copy_(positions)
         if S not in self.graphs:
             # the graph reads and writes this call's cache, at its addresses
             view = kv_cache.upto(S)
@@ -39,4 +42,4 @@ class CUDAGraphDecode:
             self.graphs[S] = graph, logits
         graph, logits = self.graphs[S]
         graph.replay()
-        return logits.clone()  # the next replay overwrites the graph's output
+        return logits[:n].clone()  # the next replay overwrites the graph's output

@@ -176,6 +176,22 @@ def test_sampling_never_draws_a_token_of_zero_probability(top_k_only):
     assert set(token[1::2].tolist()) == {2, 4}
 
 
+def test_draw_follows_the_distribution_across_blocks_of_the_vocabulary():
+    """1536 tokens: three blocks of 512 for draw()'s first level. Mass on the first and last token
+    of a block, in the middle of another and spread thin over a third: each drawn in proportion
+    (4 binomial standard deviations), and nothing else."""
+    probs = torch.zeros(1536)
+    probs[[0, 511, 700, 1535]] = torch.tensor([0.1, 0.2, 0.3, 0.2])
+    probs[1024:1535] = 0.2 / 511  # the last block's other tokens, together 0.2
+    n = 20000
+    token = sampler.draw(probs.expand(n, 1536), torch.Generator().manual_seed(0))
+    freq = torch.bincount(token, minlength=1536) / n
+    for group in ([0], [511], [700], [1535], list(range(1024, 1535))):
+        p, f = probs[group].sum(), freq[group].sum()
+        assert (f - p).abs() <= 4 * (p * (1 - p) / n).sqrt(), (group[0], f, p)
+    assert freq[probs == 0].sum() == 0
+
+
 def test_copy_rows_reads_every_row_before_writing_and_stops_at_n():
     k = torch.randn(3, 2, 6, 4)
     cache = KVCache([k.clone()], [-k])
@@ -330,6 +346,23 @@ def test_progress_bar_changes_nothing_and_training_mode_is_restored(capsys):
     assert torch.equal(quiet.response_ids, loud.response_ids)
     assert "generate" in capsys.readouterr().err
     assert model.training
+
+
+@pytest.mark.needs("sample", "rope", "attention", "kv_cache")
+@pytest.mark.parametrize("compact", [True, False])
+def test_once_nothing_waits_a_decode_step_feeds_only_the_busy_slots(monkeypatch, compact):
+    """COMPACT_SLOTS: the rows of a forward after the prefill are the sequences still going (a
+    row moves into the slot of one that ended); off, every slot decodes to the end."""
+    monkeypatch.setattr(sampler, "COMPACT_SLOTS", compact)
+    model = tiny_model()
+    rows = []  # per forward, its rows
+    model.register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[0]))
+    r = generate(model, PROMPTS, max_new_tokens=8, temperature=0, eos_token_ids=[UNEQUAL_EOS])
+    lengths = r.lengths.tolist()
+    assert len(set(lengths)) > 2  # greedy: rows end after 2, 4 and 8 tokens
+    # the forward after token t feeds the sequences longer than t
+    going = [sum(n > t for n in lengths) for t in range(1, max(lengths))]
+    assert rows[1:] == (going if compact else [len(PROMPTS)] * len(going))
 
 
 def test_empty_prompt_is_refused():
