@@ -71,9 +71,9 @@ def test_keep_groups_keeps_groups_of_one():
 
 def _loss(ratio, adv, eps_high=0.28, dual_clip=0.0):
     logp = torch.log(torch.tensor([[ratio]]))
-    mask = torch.ones(1, 1, dtype=torch.bool)
-    return policy_loss(logp, torch.zeros(1, 1), torch.tensor([adv]), mask, 0.2, eps_high, 1.0,
-                       dual_clip).loss.item()
+    mask, adv = torch.ones(1, 1, dtype=torch.bool), torch.tensor([adv])
+    surrogate = policy_loss(logp, torch.zeros(1, 1), adv, mask, 0.2, eps_high, 1.0)
+    return dapo.beyond_the_paper(surrogate, adv, mask, 1.0, dual_clip, 1.0).loss.item()
 
 
 @pytest.mark.parametrize("ratio,adv,eps_high,expected", [
@@ -88,6 +88,7 @@ def test_clip_higher_surrogate_on_hand_cases(ratio, adv, eps_high, expected):
     assert _loss(ratio, adv, eps_high) == pytest.approx(expected, abs=1e-6)
 
 
+@pytest.mark.needs("policy_loss")
 def test_dual_clip_caps_negative_advantage_loss():
     assert _loss(5.0, -1.0) == pytest.approx(5.0, abs=1e-5)
     assert _loss(5.0, -1.0, dual_clip=3.0) == pytest.approx(3.0, abs=1e-6)
@@ -113,13 +114,14 @@ def test_token_level_loss_weighs_every_token_equally():
     assert per_sequence.item() == pytest.approx(-(2 / 1 + 3 / 3) / 2)
 
 
+@pytest.mark.needs("policy_loss")
 def test_a_token_weight_scales_its_loss_but_not_the_token_count():
     # the rollout correction's weight w (infra/rollout_correction.py): sum_t w_t l_t / denom, and
     # a token masked by the correction (w = 0) stays in Eq. 12's count, as in TRL and verl
-    logp = torch.zeros(1, 3)  # r = 1 on every token: l = -A = -1
-    weight = torch.tensor([[2.0, 0.0, 0.5]])
-    out = policy_loss(logp, logp, torch.tensor([1.0]), torch.ones(1, 3, dtype=torch.bool), 0.2,
-                      0.28, denom=3.0, weight=weight)
+    logp, adv = torch.zeros(1, 3), torch.tensor([1.0])  # r = 1 on every token: l = -A = -1
+    mask, weight = torch.ones(1, 3, dtype=torch.bool), torch.tensor([[2.0, 0.0, 0.5]])
+    surrogate = policy_loss(logp, logp, adv, mask, 0.2, 0.28, denom=3.0)
+    out = dapo.beyond_the_paper(surrogate, adv, mask, 3.0, dual_clip=0.0, weight=weight)
     assert out.loss.item() == pytest.approx(-(2.0 + 0.0 + 0.5) / 3)
     assert out.loss_tok.tolist() == [[-1.0, -1.0, -1.0]] and out.ratio.tolist() == [[1, 1, 1]]
 
@@ -187,12 +189,11 @@ def table_logprobs(model, batch, temperature, fused_head=True):  # as dapo.respo
     return logp, entropy.expand(logp.shape)
 
 
-def unclipped_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom, dual_clip=0.0,
-                   weight=1.0):
+def unclipped_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom):
     """policy_loss's contract, without the clip."""
     ratio = torch.exp(logp - old_logp)
     loss_tok = -adv[:, None] * ratio
-    return dapo.PolicyLoss((loss_tok * weight * loss_mask / denom).sum(), loss_tok, ratio)
+    return dapo.PolicyLoss((loss_tok * loss_mask / denom).sum(), loss_tok, ratio)
 
 
 @pytest.fixture
@@ -296,7 +297,7 @@ def test_update_is_the_same_with_the_fused_and_the_unfused_head(tied):
 def test_micro_batches_by_tokens_pack_sorted_rows_under_the_budget():
     batch = random_batch(50, n=8)
     widths = batch.prompt_mask.sum(-1), batch.response_mask.sum(-1)
-    parts = batch.micro_batches(max_rows=64, max_tokens=30)
+    parts = batch.micro_batch_rows(max_rows=64, max_tokens=30)
     rows = sorted(i for part in parts for i in part.tolist())
     assert rows == list(range(8))
     for part in parts:
@@ -457,7 +458,8 @@ def test_clip_statistics_mean_what_verl_means():
     old_logp = torch.full((4, 1), math.log(0.1))
     logp, adv = old_logp + ratio.log(), torch.tensor([1.0, -1.0, -1.0, 1.0])
     mask = torch.ones(4, 1, dtype=torch.bool)
-    out = policy_loss(logp, old_logp, adv, mask, 0.2, 0.28, 1.0, dual_clip=3.0)
+    out = dapo.beyond_the_paper(policy_loss(logp, old_logp, adv, mask, 0.2, 0.28, 1.0), adv, mask,
+                                1.0, dual_clip=3.0, weight=1.0)
     stats = clip_stats(out, logp, old_logp, adv, mask)
     assert stats["clip_high"] == 1 and stats["clip_low"] == 1 and stats["dual_clip"] == 1
     assert stats["pg_loss"].item() == pytest.approx(-1.28 + 0.8 + 3.0 - 1.0)

@@ -254,7 +254,7 @@ def test_a_sequence_longer_than_micro_batch_tokens_is_planned_as_its_own_micro_b
     longest = int((batch.prompt_mask.sum(-1) + batch.response_lengths).max())
     widest = max(len(rows) * int(batch.prompt_mask[rows].sum(-1).max()
                                  + batch.response_lengths[rows].max())
-                 for rows in batch.micro_batches(64, max_tokens=4))
+                 for rows in batch.micro_batch_rows(64, max_tokens=4))
     assert widest == longest > 4  # the longest sequence alone, past the 4 tokens asked for
     cfg = Config(precision="fp32", max_prompt_len=batch.prompt_ids.shape[1],
                  max_response_len=batch.response_ids.shape[1], micro_batch_tokens=4)

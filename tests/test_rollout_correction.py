@@ -89,16 +89,17 @@ def test_the_weights_statistics_mean_what_verl_means():
 @pytest.fixture
 def table_policy(monkeypatch):
     """The update's forward on a context-free table (test_dapo.TablePolicy), in float64; ->
-    the (old_logp, weight) that each policy_loss call got."""
+    the (surrogate, weight, denom) that each call of dapo.beyond_the_paper got, where the
+    correction's weight reaches the loss."""
     calls = []
-    real = dapo.policy_loss
+    real = dapo.beyond_the_paper
     monkeypatch.setattr(dapo, "response_logprobs", table_logprobs)
 
-    def spy(logp, old_logp, adv, mask, eps_low, eps_high, denom, dual_clip, weight):
-        calls.append((old_logp, weight, denom))
-        return real(logp, old_logp, adv, mask, eps_low, eps_high, denom, dual_clip, weight)
+    def spy(surrogate, adv, mask, denom, dual_clip, weight):
+        calls.append((surrogate, weight, denom))
+        return real(surrogate, adv, mask, denom, dual_clip, weight)
 
-    monkeypatch.setattr(dapo, "policy_loss", spy)
+    monkeypatch.setattr(dapo, "beyond_the_paper", spy)
     return calls
 
 
@@ -122,7 +123,7 @@ def sampler_agreeing(batch):
     return replace(batch, rollout_logp=logp)
 
 
-# one optimizer step (pi_old is the update's own forward), and two (old_logprobs() first)
+# one optimizer step (pi_old is the update's own forward), and two (with_old_logprobs() first)
 STEPS = pytest.mark.parametrize("mini_batch_prompts", [2, 1])
 
 
@@ -154,7 +155,7 @@ def test_the_weight_is_the_trainers_pi_old_over_the_samplers(table_policy, mini_
     update(cfg, batch)
     rows = mini_batch_prompts * 4  # one micro-batch per optimizer step, its rows in order
     assert len(table_policy) == len(batch) // rows
-    for step, (old_logp, weight, _) in enumerate(table_policy):
+    for step, (_, weight, _) in enumerate(table_policy):
         part = batch.rows(slice(step * rows, (step + 1) * rows))
         mask = part.response_mask
         want = (pi_old[step * rows:(step + 1) * rows, :mask.shape[1]] - part.rollout_logp).exp()
