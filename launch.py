@@ -32,8 +32,9 @@ from infra import (checkpoint, cpu, distributed, files, health, hf_io, hub, inte
                    precision, trackers, vllm_engine)
 from infra.errors import UserError
 from infra.files import need_file
+from infra.reward_fn import reward_fn_file
 from model import ModelConfig, Qwen2, rope_inv_freq
-from reward import Verifier, reward_fn_file
+from reward import Verifier
 from sampler import Engine
 
 
