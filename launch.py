@@ -324,11 +324,11 @@ def load_data(cfg: Config, tok, verifier: Verifier) -> tuple[list[dict], list[di
     if not (cfg.train_data and cfg.val_data):
         from toy import toy_rows  # the demo's task, where a file is not given
     if cfg.train_data:
-        train_rows = load_rows(cfg.train_data, tok, verifier=verifier)
+        train_rows = load_rows(cfg.train_data, tok, has_scorer=verifier.has_scorer)
     else:
         train_rows = toy_rows(20000, seed=cfg.seed, split="train")
     if cfg.val_data:
-        val_rows = load_rows(cfg.val_data, tok, verifier=verifier)
+        val_rows = load_rows(cfg.val_data, tok, has_scorer=verifier.has_scorer)
     else:
         val_rows = toy_rows(1000, seed=cfg.seed, split="test")
     if not cfg.eval_only and len(train_rows) < cfg.gen_batch_prompts:

@@ -205,7 +205,6 @@ class Scores:
 # --------------------------------------------------------------------------------------------------
 # The verifier a run builds: the built-in ones above, and with --reward-fn FILE.py:NAME your own
 # (infra/reward_fn.py loads it and calls it safely)
-CUSTOM_DATA_SOURCE = "custom"  # the data_source of plain {"prompt", "answer"} rows (data.py)
 
 @dataclass
 class Verifier:

@@ -51,8 +51,8 @@ def test_plain_jsonl_rows_become_chat_rows_scored_by_the_reward_fn(tmp_path):
                                                   {"prompt": "1+1?", "answer": 2}])
     with pytest.raises(ValueError, match=r"plain.jsonl:1: no reward function for data_source "
                                          r"'custom'.*--reward-fn"):
-        load_rows(data)
-    rows = load_rows(data, verifier=Verifier.load(f"{COUNTDOWN}:score", False))
+        load_rows(data, has_scorer=Verifier().has_scorer)
+    rows = load_rows(data, has_scorer=Verifier.load(f"{COUNTDOWN}:score", False).has_scorer)
     assert rows == [
         {"data_source": "custom", "prompt": [{"role": "user", "content": "2+3?"}],
          "reward_model": {"ground_truth": "5", "style": "rule"}},
@@ -64,11 +64,12 @@ def test_a_row_without_a_verifier_says_how_to_use_the_built_in_one(tmp_path):
     # before: the error pointed at --reward-fn only; "math_dapo" was in data.py alone
     data = plain_jsonl(tmp_path / "plain.jsonl", [{"prompt": "2+3?", "answer": "5"}])
     with pytest.raises(ValueError) as e:
-        load_rows(data)
+        load_rows(data, has_scorer=Verifier().has_scorer)
     assert 'give the row "data_source": "math_dapo" for the built-in verifier' in str(e.value)
     assert "--reward-fn FILE.py:NAME" in str(e.value)
     row = {"prompt": "2+3?", "answer": "5", "data_source": "math_dapo"}
-    assert load_rows(plain_jsonl(tmp_path / "math.jsonl", [row]))[0]["data_source"] == "math_dapo"
+    rows = load_rows(plain_jsonl(tmp_path / "math.jsonl", [row]), has_scorer=Verifier().has_scorer)
+    assert rows[0]["data_source"] == "math_dapo"
 
 
 def test_the_readme_says_which_rows_the_built_in_verifier_scores_and_where_the_data_is():
@@ -87,7 +88,7 @@ def test_a_bad_plain_row_names_its_line(tmp_path, row, error):
     verifier = Verifier.load(f"{COUNTDOWN}:score", False)
     data = plain_jsonl(tmp_path / "bad.jsonl", [{"prompt": "1+1?", "answer": "2"}, row])
     with pytest.raises(ValueError, match=error):
-        load_rows(data, verifier=verifier)
+        load_rows(data, has_scorer=verifier.has_scorer)
 
 
 def test_reward_fn_all_rows_needs_reward_fn():
@@ -269,7 +270,7 @@ def test_a_runs_verifier_ends_with_the_run(tiny_model_dir, tmp_path, capsys):
     cfg = replace(countdown_run(tiny_model_dir, tmp_path, f"{path}:f"), eval_only=True)
     assert dapo.main(cfg)["val/reward_fn_error"] == 1.0
     with pytest.raises(ValueError, match="no reward function for data_source 'custom'"):
-        load_rows(cfg.val_data)
+        load_rows(cfg.val_data, has_scorer=Verifier().has_scorer)
     capsys.readouterr()
     math = plain_jsonl(tmp_path / "math.jsonl", [{"prompt": "1+1?", "answer": "2",
                                                   "data_source": "math_dapo"}])
