@@ -32,8 +32,9 @@ from infra import (checkpoint, cpu, distributed, files, health, hf_io, hub, inte
                    precision, trackers, vllm_engine)
 from infra.errors import UserError
 from infra.files import need_file
+from infra.reward_fn import reward_fn_file
 from model import ModelConfig, Qwen2, rope_inv_freq
-from reward import Verifier, reward_fn_file
+from reward import Verifier
 from sampler import Engine
 
 
@@ -327,11 +328,11 @@ def load_data(cfg: Config, tok, verifier: Verifier) -> tuple[list[dict], list[di
         distributed.say(f"warning: --model {cfg.model} without --train-data trains on the demo's "
                         "toy sums (pass --train-data, e.g. DAPO-Math-17k's parquet file)")
     if cfg.train_data:
-        train_rows = load_rows(cfg.train_data, tok, verifier=verifier)
+        train_rows = load_rows(cfg.train_data, tok, has_scorer=verifier.has_scorer)
     else:
         train_rows = demo().toy_rows(20000, seed=cfg.seed, split="train")
     if cfg.val_data:
-        val_rows = load_rows(cfg.val_data, tok, verifier=verifier)
+        val_rows = load_rows(cfg.val_data, tok, has_scorer=verifier.has_scorer)
     else:
         val_rows = demo().toy_rows(1000, seed=cfg.seed, split="test")
     if not cfg.eval_only and len(train_rows) < cfg.gen_batch_prompts:
