@@ -21,7 +21,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from tokenizers import Tokenizer as _HFTokenizer
@@ -224,7 +224,8 @@ def _from_plain(row, where: str):
             "reward_model": {"ground_truth": row["answer"], "style": "rule"}}
 
 
-def _check_row(row, where: str, has_scorer: Callable[[str], bool] | None) -> str | None:
+def _check_row(row, where: str, has_scorer: Callable[[str], bool] | None,
+               known_data_sources: Sequence[str] = ()) -> str | None:
     """Raise on a row that breaks the schema or that no verifier scores (has_scorer); return why
     a well-formed but unusable row is skipped, or None. A JSON integer ground truth is turned into
     the string the verifier compares."""
@@ -238,8 +239,8 @@ def _check_row(row, where: str, has_scorer: Callable[[str], bool] | None) -> str
                         f"give the row \"data_source\": \"math_dapo\" for the built-in verifier "
                         "of DAPO-Math-17k (+1 when the response's last \"Answer: ...\" line "
                         "matches the ground truth, else -1), or give yours with --reward-fn "
-                        "FILE.py:NAME (the built-in verifiers score the data_sources of "
-                        "reward.py's SCORERS, and 'aime*')")
+                        "FILE.py:NAME (the built-in verifiers score the data_sources "
+                        f"{', '.join(known_data_sources) or 'of reward.py'})")
     prompt = row.get("prompt")
     if not isinstance(prompt, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str)
@@ -270,10 +271,12 @@ def _check_row(row, where: str, has_scorer: Callable[[str], bool] | None) -> str
 
 
 def load_rows(path: str, tokenizer: Tokenizer | None = None, dedupe: bool = True,
-              has_scorer: Callable[[str], bool] | None = None) -> list[dict]:
+              has_scorer: Callable[[str], bool] | None = None,
+              known_data_sources: Sequence[str] = ()) -> list[dict]:
     """Rows from a .parquet or .jsonl file (one JSON object per line), in file order, each of a
     data_source that has_scorer(data_source) says is rewarded (the run's
-    reward.Verifier.has_scorer; None: every data_source is taken, the caller scores them).
+    reward.Verifier.has_scorer; None: every data_source is taken, the caller scores them);
+    known_data_sources, the built-in verifiers', are named when a row's is not rewarded.
 
     A row that breaks the schema (not an object, no data_source, a prompt that is not a list of
     messages) or that cannot be used (a data_source without a reward function; with a tokenizer, a
@@ -290,7 +293,7 @@ def load_rows(path: str, tokenizer: Tokenizer | None = None, dedupe: bool = True
     for where, row in source:
         n_read += 1
         row = _from_plain(row, where)
-        reason = _check_row(row, where, has_scorer)
+        reason = _check_row(row, where, has_scorer, known_data_sources)
         if reason:
             skipped.setdefault(reason, []).append(where)
             continue

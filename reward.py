@@ -231,6 +231,10 @@ class Verifier:
         """Whether --reward-fn (if given) scores the rows of this data_source."""
         return self.reward_fn is not None and (self.every_row or not has_scorer(data_source))
 
+    def built_in_data_sources(self) -> list[str]:
+        """The data_sources a built-in verifier scores, for the error that a row has none."""
+        return sorted(SCORERS) + ["aime*"]
+
     def has_scorer(self, data_source: str) -> bool:
         """Whether rows of this data_source can be rewarded: data.py checks every row on load,
         not when it is drawn."""
