@@ -18,7 +18,7 @@ import torch
 import dapo
 import launch
 from batches import random_batch
-from config import check_flags, parse_args
+from config import parse_args
 from data import PromptIterator
 from infra import interrupt
 from infra.errors import UserError
@@ -76,7 +76,6 @@ def test_fewer_rows_than_a_generation_batch_names_the_flag(tiny_model_dir, tmp_p
     with pytest.raises(ValueError, match="3 usable rows, fewer than --gen-prompts 4"):
         dapo.main(_cfg(tiny_model_dir, tmp_path / "run", train_data=str(few_rows(tmp_path)),
                        dynamic_sampling=True))
-
 
 
 @pytest.mark.parametrize("with_model", [True, False])
@@ -498,30 +497,6 @@ def test_the_reward_file_is_imported_once_before_the_model_loads(tiny_model_dir,
 
 
 # --- round 4: flags a hostile user gives (each failed before its fix) -----------------------------
-
-NAN, INF = float("nan"), float("inf")
-
-
-@pytest.mark.parametrize("overrides,message", [
-    (dict(eps_high=NAN), "--eps-high must be a finite number, got nan"),  # trained on a NaN loss
-    (dict(lr=NAN), "--lr must be a finite number, got nan"),
-    (dict(weight_decay=INF), "--weight-decay must be a finite number, got inf"),
-    (dict(eval_temperature=NAN), "--eval-temperature must be a finite number, got nan"),
-    (dict(overlong_factor=NAN), "--overlong-factor must be a finite number, got nan"),
-    (dict(overlong_factor=-1.0), "--overlong-factor must be >= 0, got -1.0"),  # a bonus
-    (dict(dist_timeout=INF), "--dist-timeout must be a finite number, got inf"),
-    (dict(dist_timeout=1e30), "--dist-timeout must be in (0, 1e+09] seconds, got 1e+30"),
-    (dict(reward_timeout=NAN), "--reward-timeout must be a finite number or inf (no limit), "
-                               "got nan"),
-    (dict(temperature=-INF), "--temperature must be a finite number, got -inf"),
-    (dict(plan=-7), "--plan must be a number of processes >= 1 (0: off), got -7"),
-])
-def test_a_non_finite_or_out_of_range_number_is_one_line_naming_the_flag(overrides, message):
-    # check_flags alone: before the fix, most of these ran (and trained the demo on a NaN)
-    with pytest.raises(ValueError, match="bad flags") as e:
-        check_flags(dapo.Config(**overrides))
-    assert str(e.value) == f"bad flags: {message}"  # that line alone: no second one for a NaN
-
 
 def test_a_negative_plan_on_the_command_line_is_refused_not_read_as_a_bare_plan(tmp_path,
                                                                                 capsys,
