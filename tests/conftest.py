@@ -25,6 +25,8 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "experiments"), os.path.join(ROOT, "cou
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from rendezvous import held_store_env  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
@@ -38,6 +40,14 @@ def tiny_model_dir(tmp_path_factory):
     # beside the tokenizer files
     Qwen2(preset("tiny", vocab_size=tok.vocab_size)).save_pretrained(d)
     return d
+
+
+@pytest.fixture
+def store_env():
+    """The environment in which two plain processes (two_ranks.start_pair) meet on a store that
+    the test holds while it runs (rendezvous.py says why not a free port)."""
+    with held_store_env() as env:
+        yield env
 
 
 def pytest_configure(config):

@@ -1,6 +1,6 @@
-"""Run by tests/test_distributed.py as two plain processes (RANK and WORLD_SIZE set by the test,
-which also holds the store they meet on; no torchrun: the test itself stops and kills them). Each
-mode is one way a rank can go wrong.
+"""Run by tests/test_distributed.py and tests/test_launch.py as two plain processes (RANK and
+WORLD_SIZE set by the test, which also holds the store they meet on; no torchrun: the test itself
+stops and kills them). Each mode is one way a rank can go wrong.
 
     stop  rank 1 stops itself (SIGSTOP, as a debugger or a swapping node would); rank 0 waits in a
           named all-reduce

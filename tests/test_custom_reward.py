@@ -16,20 +16,11 @@ from reward import Verifier
 from config import Config
 from data import load_rows
 from examples.countdown import make_problem, make_row, score
-from launch import check_files, load_verifier
+from tmpfiles import plain_jsonl, write
 from test_dapo import torch_kernel_path  # noqa: F401 (an autouse fixture: the PyTorch kernel path)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COUNTDOWN = os.path.join(ROOT, "examples", "countdown.py")
-
-
-def write(path, text):
-    path.write_text(text, encoding="utf-8")
-    return str(path)
-
-
-def plain_jsonl(path, rows):
-    return write(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 @pytest.mark.needs("extract_answer", "normalize")  # math_dapo keeps its own verifier
@@ -89,11 +80,6 @@ def test_a_bad_plain_row_names_its_line(tmp_path, row, error):
     data = plain_jsonl(tmp_path / "bad.jsonl", [{"prompt": "1+1?", "answer": "2"}, row])
     with pytest.raises(ValueError, match=error):
         load_rows(data, has_scorer=verifier.has_scorer)
-
-
-def test_reward_fn_all_rows_needs_reward_fn():
-    with pytest.raises(ValueError, match="--reward-fn-all-rows needs --reward-fn"):
-        check_files(Config(reward_fn_all_rows=True))
 
 
 TRUTH = json.dumps({"numbers": [3, 5, 7], "target": 16})
@@ -237,28 +223,6 @@ def test_the_readme_commands_of_your_own_task_run_as_written(tiny_model_dir, tmp
 
 
 # --- round 4: what a hostile verifier does (each failed before its fix) ---------------------------
-
-def test_the_check_call_scores_a_row_the_verifier_will_score(tiny_model_dir, tmp_path):
-    # before: it scored the first training row, the toy task's '5' without --train-data (which
-    # the built-in verifier scores), so --eval-only on your own task was impossible
-    from data import load_tokenizer
-    from launch import load_data
-    val = plain_jsonl(tmp_path / "val.jsonl", [{"prompt": "x1?", "answer": "x1"}])
-    picky = write(tmp_path / "picky.py", "def f(r, g):\n    assert g.startswith('x'), g\n"
-                                         "    return float(r == g)\n")
-    tok = load_tokenizer(tiny_model_dir)
-    for eval_only in (True, False):  # training on the toy task, evaluating on your own
-        cfg = Config(model=tiny_model_dir, val_data=val, reward_fn=f"{picky}:f",
-                     eval_only=eval_only)
-        assert load_data(cfg, tok, load_verifier(cfg))[1][0]["reward_model"]["ground_truth"] == "x1"
-    broken = write(tmp_path / "broken.py", "def f(r, g):\n    raise KeyError(g)\n")
-    cfg = Config(model=tiny_model_dir, val_data=val, reward_fn=f"{broken}:f", eval_only=True)
-    with pytest.raises(ValueError, match=r"the check call f\('x1', 'x1'\) failed: KeyError"):
-        load_data(cfg, tok, load_verifier(cfg))
-    math_row = {"prompt": "1+1?", "answer": "2", "data_source": "math_dapo"}
-    cfg = replace(cfg, val_data=plain_jsonl(tmp_path / "math.jsonl", [math_row]))
-    # it scores no row: nothing to check it on
-    assert len(load_data(cfg, tok, load_verifier(cfg))[1]) == 1
 
 
 @pytest.mark.needs("all")

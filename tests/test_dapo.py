@@ -3,8 +3,6 @@ and the loop."""
 import json
 import math
 import os
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -20,6 +18,7 @@ from infra.errors import UserError
 from infra.metrics import clip_stats, training_batch_metrics
 from model import Qwen2, preset, response_logprobs
 from reward import Verifier
+from two_ranks import torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -419,7 +418,7 @@ def test_two_ranks_keep_the_groups_one_process_keeps(tmp_path, monkeypatch, spli
     cfg = replace(collect_worker.CFG, mini_batch_prompts=1) if split == "rows" else \
         collect_worker.CFG
     one, one_metrics = collect_worker.collect(cfg)
-    torchrun_collect(tmp_path, *(["rows"] if split == "rows" else []))
+    torchrun("tests/collect_worker.py", str(tmp_path), *(["rows"] if split == "rows" else []))
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
     two = [sorted(a + b) for a, b in zip(ranks[0]["mini_batches"], ranks[1]["mini_batches"])]
     assert two == [sorted(m) for m in one]
@@ -430,14 +429,6 @@ def test_two_ranks_keep_the_groups_one_process_keeps(tmp_path, monkeypatch, spli
     # others, and one of them held more than its half of the groups with signal
     owned = {r: {g for m in one for g in m if collect_worker.position(g) % 2 == r} for r in (0, 1)}
     assert len(owned[0]) != len(owned[1])
-
-
-def torchrun_collect(out_dir, *args):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "tests/collect_worker.py", str(out_dir), *args]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
 
 def test_log_ratio_is_clamped_so_an_overflowing_ratio_keeps_the_gradient_finite():

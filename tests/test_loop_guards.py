@@ -19,7 +19,6 @@ import dapo
 import launch
 from batches import random_batch
 from config import parse_args
-from data import PromptIterator
 from infra import interrupt
 from infra.errors import UserError
 from model import Qwen2, preset
@@ -356,29 +355,6 @@ def test_a_users_mistake_is_one_line_and_exit_status_2(tmp_path, capsys, monkeyp
     out, err = capsys.readouterr()
     assert err == message + "\n" and out == ""
     assert not (tmp_path / "run").exists()
-
-
-def unpack_three_into_two():
-    first, second = [1, 2, 3]  # noqa: F841
-
-
-def multiply_mismatched_shapes():
-    return torch.zeros(2, 3) @ torch.zeros(2, 3)
-
-
-def draw_from_no_rows():
-    return PromptIterator([], batch_size=1, seed=0)  # a guard of ours on its callers, not a flag
-
-
-@pytest.mark.parametrize("bug,error", [(unpack_three_into_two, ValueError),
-                                       (multiply_mismatched_shapes, RuntimeError),
-                                       (draw_from_no_rows, ValueError)])
-def test_a_bug_keeps_its_traceback(bug, error):
-    # the types of a user's mistake, raised by Python, by torch or by a `raise` of ours that is
-    # not a UserError
-    with pytest.raises(error):
-        with launch.user_errors_in_one_line():
-            bug()
 
 
 def test_the_command_line_refuses_a_directory_that_holds_a_run_in_one_line(tmp_path):

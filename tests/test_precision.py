@@ -22,7 +22,7 @@ from dapo_kernels.linear import accumulate_weight_grad, has_mixed_addmm
 from infra import cpu, health, precision
 from model import Qwen2, preset, response_logprobs
 from test_dapo import _cfg
-from test_distributed import torchrun
+from two_ranks import torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 U = precision.BF16_UNIT_ROUNDOFF
