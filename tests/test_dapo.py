@@ -7,7 +7,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import dapo
 import toy
@@ -18,6 +17,7 @@ from infra.errors import UserError
 from infra.metrics import clip_stats, training_batch_metrics
 from model import Qwen2, preset, response_logprobs
 from reward import Verifier
+from tiny_models import flat_params, tiny_float64_model
 from two_ranks import torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -155,19 +155,6 @@ def test_update_is_the_same_for_any_micro_batch_split(token_level):
         assert m["actor/pg_loss"] == pytest.approx(results[0][1]["actor/pg_loss"], rel=1e-12)
 
 
-def tiny_float64_model(tied=True) -> Qwen2:
-    torch.manual_seed(0)
-    return Qwen2(preset("tiny", vocab_size=50, tie_word_embeddings=tied)).double()
-
-
-def flat_params(model) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
-
-
-def flat_grads(model) -> torch.Tensor:
-    return torch.cat([p.grad.flatten() for p in model.parameters()])
-
-
 # --- the token count before the split (Eq. 12), with a stand-in policy and loss ---
 # update_policy alone: model.py, the kernels and policy_loss() are exercises of their own
 
@@ -291,17 +278,6 @@ def test_update_is_the_same_with_the_fused_and_the_unfused_head(tied):
     moved = (weights[1] - flat_params(tiny_float64_model(tied))).abs().max()
     assert moved > 1e-2  # the steps moved the weights
     assert (weights[0] - weights[1]).abs().max() < 1e-9 * moved
-
-
-def test_micro_batches_by_tokens_pack_sorted_rows_under_the_budget():
-    batch = random_batch(50, n=8)
-    widths = batch.prompt_mask.sum(-1), batch.response_mask.sum(-1)
-    parts = batch.micro_batch_rows(max_rows=64, max_tokens=30)
-    rows = sorted(i for part in parts for i in part.tolist())
-    assert rows == list(range(8))
-    for part in parts:
-        padded = len(part) * (widths[0][part].max() + widths[1][part].max())
-        assert padded <= 30 or len(part) == 1
 
 
 @pytest.mark.needs("policy_loss", "token_count", "logprobs_forward", "logprobs_backward", "rope",
@@ -518,43 +494,3 @@ def test_the_eval_only_example_of_the_help_is_the_papers_aime_evaluation():
         (32, 1.0, 0.7, 0)
 
 
-@pytest.mark.parity
-@pytest.mark.needs("logprobs_forward", "rope", "attention")
-@pytest.mark.parametrize("fused_head", [True, False])
-def test_response_logprobs_and_gradients_equal_each_sequence_alone(fused_head, monkeypatch):
-    """The batch's rows, laid out from column 0 (prompt, response, then padding), against each
-    sequence alone, in float64 (the same sums in another order): log-probs, entropies and every
-    gradient. And attention takes no explicit mask (causal only: what a flash kernel accepts)."""
-    model = tiny_float64_model()
-    batch = random_batch(50, n=5, dtype=torch.float64)
-    assert len(set(batch.prompt_mask.sum(-1).tolist())) > 1  # prompts of several lengths
-    masks, sdpa = [], F.scaled_dot_product_attention
-
-    def spy(*args, **kwargs):
-        masks.append((kwargs.get("attn_mask"), kwargs.get("is_causal")))
-        return sdpa(*args, **kwargs)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
-    g = torch.Generator().manual_seed(1)
-    w_logp, w_entropy = (torch.randn(batch.response_ids.shape, generator=g, dtype=torch.float64)
-                         * batch.response_mask for _ in range(2))  # (B, R): loss weights
-    logp, entropy = response_logprobs(model, batch, 0.7, fused_head)
-    assert masks and all(mask is None and causal for mask, causal in masks)
-    if fused_head:
-        assert (logp[~batch.response_mask] == 0).all()  # the fused head skips the padding
-    ((logp * w_logp).sum() + (entropy * w_entropy).sum()).backward()
-    grads = flat_grads(model)
-    model.zero_grad(set_to_none=True)
-    loss = 0
-    for i in range(len(batch)):
-        p = batch.prompt_ids[i][batch.prompt_mask[i]].tolist()
-        r = batch.response_ids[i][batch.response_mask[i]].tolist()
-        logits = model(torch.tensor([p + r]))[0, len(p) - 1:-1] / 0.7  # (len(r), V)
-        ref = logits.log_softmax(-1)[torch.arange(len(r)), r]
-        ref_entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
-        assert (logp[i, :len(r)] - ref).abs().max() < 1e-12
-        assert (entropy[i, :len(r)] - ref_entropy).abs().max() < 1e-12
-        loss = loss + (ref * w_logp[i, :len(r)]).sum() + (ref_entropy * w_entropy[i, :len(r)]).sum()
-    loss.backward()
-    ref_grads = flat_grads(model)
-    assert (grads - ref_grads).abs().max() < 1e-12 * ref_grads.abs().max()
