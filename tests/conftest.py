@@ -50,17 +50,6 @@ def store_env():
         yield env
 
 
-def pytest_configure(config):
-    # the student handout (assign.py) blanks the exercises: a test that runs the code of exercises
-    # it does not grade names them, and in the handout it fails until they are written
-    config.addinivalue_line("markers", "needs(*exercises): runs the code of these exercises of "
-                                       "assign.py ('all': the training loop end to end)")
-    # `make test` runs these a second time under ATEN_CPU_CAPABILITY=default (another CPU kernel
-    # set), so that an equality that holds only on one CPU's rounding fails here, not elsewhere
-    config.addinivalue_line("markers", "parity: compares two computations of the same numbers "
-                                       "(float64, or a tolerance derived from fp32 epsilon)")
-
-
 # The longest files on a fresh clone (seconds on one of 2 cores): the notebook warms up the demo's
 # base model (~180), the handout runs the suite in a copy (~85), the two-rank runs (~90 together).
 # make test has pytest-xdist hand out whole files in collection order (--dist loadfile
