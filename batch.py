@@ -3,26 +3,29 @@ The batch of a rollout step: every response to every prompt, as tensors, in one 
 
 rollout() in dapo.py makes one from the sampler's output and the verifier's scores; the loop then
 adds the shaped reward, the group advantage and pi_old's log-probs with dataclasses.replace, so a
-function's signature says which fields it reads. The three operations the loop needs:
+function's signature says which fields it reads. The operations the loop needs:
 
     batch.groups(keep)      whole groups (dynamic sampling keeps or drops a prompt's G responses)
-    batch.rows(slice)       mini-batches and micro-batches, their padding trimmed
+    batch.split(rows)       mini-batches, one optimizer step each, their padding trimmed
+    batch.micro_batches()   micro-batches, by count or by a budget of tokens, as many on every rank
+    batch.per_token(fn)     fn's (b, r) results on each micro-batch, put back in (N, R) tensors
     Batch.cat([...])        generation batches accumulated until the training batch is full
-    batch.micro_batches()   the rows of each micro-batch, by count or by a budget of tokens
 
-and dynamic sampling's buffer across processes: group_number(), groups_to_train(), share_groups().
+and dynamic sampling's buffer, GroupBuffer (add, size, take), whose groups N ranks share out so
+that they train on exactly what one process would.
 
 Layout of row i (P = longest prompt, R = longest response of the batch):
 
     prompt_ids[i]:   pad pad p0 p1 p2        left-padded, so every prompt ends at column P
     response_ids[i]: r0  r1  r2 EOS pad pad  right-padded, so every response starts at column 0
 """
+import time
 from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
 
-from infra import distributed
+from infra import distributed, health
 from infra.errors import UserError
 
 
@@ -112,7 +115,32 @@ class Batch:
     def split(self, rows_per_part: int) -> list["Batch"]:
         return [self.rows(slice(i, i + rows_per_part)) for i in range(0, len(self), rows_per_part)]
 
-    def micro_batches(self, max_rows: int, max_tokens: int = 0) -> list[torch.Tensor]:
+    def micro_batches(self, max_rows: int, max_tokens: int = 0) -> list["Batch"]:
+        """The micro-batches of micro_batch_rows(), in step with the other ranks: under FSDP
+        every forward and backward is a collective, so a rank with fewer micro-batches than
+        another runs as many, the extra ones stand-ins that train nothing (stand_in())."""
+        parts = [self.rows(index) for index in self.micro_batch_rows(max_rows, max_tokens)]
+        return _in_step_with_every_rank(parts)
+
+    def stand_in(self) -> "Batch":
+        """Its first row with no response token: it goes through the model, and weighs nothing in
+        a loss or a metric (both sum over the response mask)."""
+        row = self.rows(slice(0, 1))
+        return replace(row, response_mask=torch.zeros_like(row.response_mask))
+
+    def per_token(self, fn, max_rows: int, max_tokens: int = 0) -> list[torch.Tensor]:
+        """fn(micro-batch) -> (b, r) tensors, run on each micro-batch in step with the other ranks
+        and put back together as (N, R) tensors in this batch's row order, 0 on padding."""
+        rows = self.micro_batch_rows(max_rows, max_tokens)
+        micro_batches = _in_step_with_every_rank([self.rows(index) for index in rows])
+        results = [fn(micro) for micro in micro_batches]  # the stand-ins' last, then dropped
+        joined = [t.new_zeros(self.response_ids.shape) for t in results[0]]  # (N, R) each
+        for index, micro, parts in zip(rows, micro_batches, results):
+            for whole, part in zip(joined, parts):
+                whole[index, :part.shape[1]] = part.masked_fill(~micro.response_mask, 0.0)
+        return joined
+
+    def micro_batch_rows(self, max_rows: int, max_tokens: int = 0) -> list[torch.Tensor]:
         """Row indices of each micro-batch: max_rows rows at a time or, with max_tokens, rows
         sorted by length and packed while the micro-batch's padded size (rows x (longest prompt +
         longest response)) stays within max_tokens, which bounds padding and memory. A longer row
@@ -150,15 +178,70 @@ class Batch:
         return replace(batches[0], **joined)
 
 
-# --------------------------------------------------------------------------------------------------
-# Dynamic sampling's buffer over several processes (Algorithm 1, lines 6-8): the groups each rank
-# kept are numbered in the order one process would have generated them and the first N shared
-# out, so the ranks train on exactly the responses one process would
+def _in_step_with_every_rank(parts: list[Batch]) -> list[Batch]:
+    """parts, then as many stand-ins (the first part's stand_in()) as this rank has fewer parts
+    than the rank with the most."""
+    most = int(distributed.all_reduce(len(parts), "max", name="micro-batch count"))
+    return parts + [parts[0].stand_in()] * (most - len(parts))
 
-def group_number(n_gen: int, prompts_per_gen: int, i: int) -> int:
-    """The global number of this rank's i-th group of its n_gen-th generation batch (rank r
-    samples prompts r, r + W, r + 2W, ... of each generation batch)."""
-    return n_gen * prompts_per_gen + i * distributed.world_size() + distributed.rank()
+
+@dataclass
+class Collected:
+    """What dapo.collect_batch hands the update and the log."""
+    to_train: Batch | None  # this rank's share of the training batch; None when nothing was kept
+    generated: Batch  # every response this rank generated, kept or not: what the alarms quote
+    metrics: dict  # the rollout's and dynamic sampling's, over all ranks
+
+
+# --------------------------------------------------------------------------------------------------
+# Dynamic sampling's buffer (Algorithm 1, lines 6-8)
+
+class GroupBuffer:
+    """The groups with signal, whole, added generation batch after generation batch until the
+    buffer holds `capacity` over all ranks. Rank r samples prompts r, r + W, r + 2W, ... of each
+    generation batch; its groups are numbered in the order one process would have generated them,
+    and take() shares out the first N, so that W ranks train on exactly what one process would."""
+
+    def __init__(self, capacity: int, max_gen_batches: int = 0):
+        self.capacity, self.max_gen_batches = capacity, max_gen_batches
+        self.kept: dict[int, Batch] = {}  # this rank's groups with signal, by global number
+        self.n_kept = 0  # the groups kept over all ranks, as of the last done()
+        self.generated: list[Batch] = []  # this rank's generation batches, every group of them
+        self.end_times: list[float] = []  # when each was added
+
+    def done(self) -> bool:
+        """Whether dynamic sampling stops: the buffer holds its capacity over all ranks, or
+        max_gen_batches generation batches were added (0: no cap). A collective: every rank calls
+        it. health says so when the search runs long, and stops one that finds no group at all."""
+        self.n_kept = distributed.all_reduce(len(self.kept), name="dynamic-sampling count")
+        if self.n_kept >= self.capacity:
+            return True
+        health.check_sampling(len(self.generated), self.n_kept, self.capacity)
+        return bool(self.max_gen_batches) and len(self.generated) == self.max_gen_batches
+
+    def add(self, batch: Batch, keep: torch.Tensor, prompts_per_gen: int):
+        """The groups that keep (num_groups,) bool marks, of this rank's share of a generation
+        batch of prompts_per_gen prompts."""
+        first = len(self.generated) * prompts_per_gen
+        world, rank = distributed.world_size(), distributed.rank()
+        for i in keep.nonzero().flatten().tolist():
+            self.kept[first + i * world + rank] = batch.groups([i])
+        self.generated.append(batch)
+        self.end_times.append(time.time())
+
+    def take(self, n_groups: int, mini_batch_prompts: int, group_size: int) -> Batch | None:
+        """This rank's share of the responses of the first n_groups groups kept over all ranks,
+        each optimizer step's split evenly between the ranks: whole groups when each rank's share
+        of a step is whole groups, else single responses (the paper's 32 prompts per step on 128
+        ranks). None when n_groups is 0."""
+        if not n_groups:
+            return None
+        if mini_batch_prompts % distributed.world_size() == 0:  # whole groups fit each share
+            return Batch.cat(distributed.share_in_order(self.kept, n_groups, mini_batch_prompts))
+        responses = {g * group_size + i: row for g, group in self.kept.items()
+                     for i, row in enumerate(group.split(1))}
+        return Batch.cat(distributed.share_in_order(responses, n_groups * group_size,
+                                                    mini_batch_prompts * group_size))
 
 
 def groups_to_train(n_kept: int, cfg) -> int:
@@ -172,19 +255,3 @@ def groups_to_train(n_kept: int, cfg) -> int:
                         f"signal in --max-gen-batches {cfg.max_gen_batches} generation batches: "
                         "raise the cap (0 = none), or train on them with --on-gen-cap train")
     return n_kept - n_kept % cfg.mini_batch_prompts
-
-
-def share_groups(kept: dict[int, Batch], n_take: int, mini_batch_prompts: int,
-                 group_size: int) -> Batch | None:
-    """This rank's share of the responses of the first n_take groups kept over all ranks (kept:
-    {global group number: its Batch of group_size responses}), each optimizer step's split evenly
-    between the ranks: whole groups when each rank's share of a step is whole groups, else single
-    responses (the paper's 32 prompts per step on 128 ranks). None when n_take is 0."""
-    if not n_take:
-        return None
-    if mini_batch_prompts % distributed.world_size() == 0:  # whole groups fit each share
-        return Batch.cat(distributed.share_in_order(kept, n_take, mini_batch_prompts))
-    responses = {g * group_size + i: row for g, group in kept.items()
-                 for i, row in enumerate(group.split(1))}
-    return Batch.cat(distributed.share_in_order(responses, n_take * group_size,
-                                                mini_batch_prompts * group_size))

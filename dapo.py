@@ -12,7 +12,7 @@ where Algorithm 1 of the paper applies it:
 No KL term and no reference model. Entropy is measured and logged, never added to the loss.
 
     python dapo.py                  # the embedded demo: a tiny model learns the toy task on CPU
-    python dapo.py --help           # every flag; the README has the paper's full command line
+    python dapo.py --help           # every flag, with the paper's value
     python dapo.py --eval-only --model PATH --val-data aime-2024.parquet --out-dir runs/eval \\
         --max-prompt-len 2048 --max-response-len 20480 --eval-samples 32 --eval-top-p 0.7 \\
         --eval-prompts 0
@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 import launch
-from batch import Batch, group_number, groups_to_train, share_groups
+from batch import Batch, Collected, GroupBuffer, groups_to_train
 from config import Config, parse_args
 from data import PromptIterator, Tokenizer, encode_prompts
 from infra import (checkpoint, distributed, health, interrupt, metrics, precision,
@@ -64,32 +64,28 @@ def keep_groups(acc, group_size):
 
 @dataclass
 class PolicyLoss:
-    loss: torch.Tensor  # (): sum_it w_it l_it mask_it / denom, what to back-propagate
-    loss_tok: torch.Tensor  # (B, R): l_it, before the weight, the mask and the denominator
+    loss: torch.Tensor  # (): sum_it l_it mask_it / denom, what to back-propagate
+    loss_tok: torch.Tensor  # (B, R): l_it, before the mask and the denominator
     ratio: torch.Tensor  # (B, R): r_it, of the clamped log-ratio
 
 
-def policy_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom, dual_clip=0.0,
-                weight=1.0) -> PolicyLoss:
+def policy_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom) -> PolicyLoss:
     """The clipped surrogate with decoupled bounds (Eq. 10), r_it = pi_theta / pi_old:
 
         l_it = max(-A_i r_it, -A_i clip(r_it, 1 - eps_low, 1 + eps_high))
 
-    summed as sum_it w_it l_it mask_it / denom: Eq. 12's token-level mean with denom = the response
+    summed as sum_it l_it mask_it / denom: Eq. 12's token-level mean with denom = the response
     tokens of the whole mini-batch (all ranks), naive GRPO's mean of sequence means with denom =
-    |o_i| * n_sequences. logp, old_logp, loss_mask (B, R); adv (B,); denom a number or (B, 1);
-    weight (B, R), detached. dual_clip > 1 caps a negative-advantage token's loss at -A * c."""
+    |o_i| * n_sequences. logp, old_logp, loss_mask (B, R); adv (B,); denom a number or (B, 1)."""
     # exercise: policy_loss
     mask = loss_mask.float()
     adv = adv[:, None]  # (B, 1): one advantage for every token of a response
-    # clamped: exp() above ~88.7 is inf, and one inf makes the gradient NaN (clipped anyway)
+    # The log-ratio is clamped: exp() above ~88.7 is inf, and one inf makes the gradient NaN
+    # (such a ratio is clipped anyway).
     ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))  # (B, R)
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
     loss_tok = torch.maximum(-adv * ratio, -adv * clipped)  # (B, R) the pessimistic of the two
-    if dual_clip > 1:
-        dual = (adv < 0) & (loss_tok > -adv * dual_clip)  # (B, R)
-        loss_tok = torch.where(dual, -adv * dual_clip, loss_tok)
-    return PolicyLoss((loss_tok * weight * mask / denom).sum(), loss_tok, ratio)
+    return PolicyLoss((loss_tok * mask / denom).sum(), loss_tok, ratio)
     # end exercise
 
 
@@ -109,6 +105,24 @@ def tokens_in_loss(batch: Batch, cfg):
     if cfg.overlong_filtering:
         return batch.response_mask & ~batch.truncated[:, None]
     return batch.response_mask
+
+
+# ------------------------------------------------------------------------------------------------
+# Beyond the paper: what verl adds to the surrogate, each off by default
+
+def beyond_the_paper(surrogate: PolicyLoss, adv, loss_mask, denom, dual_clip: float,
+                     weight) -> PolicyLoss:
+    """The surrogate with verl's two additions, summed as policy_loss sums it: the dual clip (Ye et
+    al. 2020; c = dual_clip > 1), l_it = min(l_it, -A_i c) where A_i < 0, and the rollout
+    correction's weights (infra/rollout_correction.py), l_it w_it. Neither set: the surrogate."""
+    if dual_clip <= 1 and isinstance(weight, float) and weight == 1.0:
+        return surrogate
+    loss_tok, adv = surrogate.loss_tok, adv[:, None]  # (B, R), (B, 1)
+    if dual_clip > 1:
+        dual = (adv < 0) & (loss_tok > -adv * dual_clip)  # (B, R)
+        loss_tok = torch.where(dual, -adv * dual_clip, loss_tok)
+    loss = (loss_tok * weight * loss_mask.float() / denom).sum()
+    return replace(surrogate, loss=loss, loss_tok=loss_tok)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -140,132 +154,113 @@ def evaluate(model, rows, tok, cfg, verifier, engine=None) -> dict:
                     temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, generator=generator,
                     engine=engine)
     result = metrics.eval_metrics(batch, len(mine), len(rows), k)
-    health.warn_evaluation(result, verifier.spec, verifier.take_errors(), batch)  # as a step
+    health.warn_evaluation(result, verifier.spec, verifier.take_errors(), batch)
     return result
 
 
 # ------------------------------------------------------------------------------------------------
 # Algorithm 1, lines 2-8: sample, reward and filter until the batch is full
 
-@dataclass
-class Collected:
-    to_train: Batch | None  # this rank's share of the training batch; None when nothing was kept
-    generated: Batch  # every response this rank generated, kept or not (the alarms' example)
-    metrics: dict  # the rollout's and dynamic sampling's, over all ranks
-
-
 def collect_batch(model, prompt_iter, tok, cfg, verifier, generator, engine=None) -> Collected:
-    """Generation batches from pi_old, scored, reward-shaped and filtered until --train-prompts
-    groups with signal are kept over all ranks (or --max-gen-batches): this rank's share trains."""
+    """Generation batches from pi_old, scored, reward-shaped and filtered into the buffer until it
+    holds --train-prompts groups with signal (or --max-gen-batches were drawn)."""
     rank, world = distributed.rank(), distributed.world_size()
-    kept: dict[int, Batch] = {}  # the groups with signal on this rank, by global group number
-    gen_batches, ends = [], []  # this rank's generation batches, and the time each ended
-    while True:
-        n_kept = distributed.all_reduce(len(kept), name="dynamic-sampling count")  # all ranks'
-        if n_kept >= cfg.train_prompts:
-            break
-        health.check_sampling(len(gen_batches), n_kept, cfg.train_prompts)
-        if cfg.max_gen_batches and len(gen_batches) == cfg.max_gen_batches:
-            break
+    buffer = GroupBuffer(cfg.train_prompts, cfg.max_gen_batches)
+    while not buffer.done():  # Algorithm 1, line 8: until the buffer holds N
         # --- Rollout (Algorithm 1, lines 3-5): pi_old samples G responses per prompt ---
         prompts = prompt_iter.next_batch()
         batch = rollout(model, prompts[rank::world], tok, cfg, verifier, group_size=cfg.group_size,
                         temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                        generator=generator, engine=engine)
+                        generator=generator, engine=engine)  # this rank's share of the prompts
         # --- DAPO technique 4: overlong reward shaping (paper Sec. 3.4, Eq. 13) ---
         batch = replace(batch, reward=shape_rewards(batch.response_lengths, batch.score, cfg))
         # --- Algorithm 1, line 9: group advantages (Eq. 9), here while each group is whole ---
         batch = replace(batch, adv=group_advantages(batch.reward, cfg.group_size))
         # --- DAPO technique 2: dynamic sampling (paper Sec. 3.2): keep the groups with signal ---
-        keep = keep_groups(batch.acc, cfg.group_size) if cfg.dynamic_sampling else (
-            torch.ones(batch.num_groups, dtype=torch.bool))  # (groups,) bool
-        kept |= {group_number(len(gen_batches), len(prompts), i): batch.groups([i])
-                 for i in keep.nonzero().flatten().tolist()}
-        gen_batches.append(batch)
-        ends.append(time.time())
-    n_take = groups_to_train(n_kept, cfg)
-    to_train = share_groups(kept, n_take, cfg.mini_batch_prompts, cfg.group_size)
-    generated = Batch.cat(gen_batches)
+        keep = keep_groups(batch.acc, cfg.group_size) | (not cfg.dynamic_sampling)  # (groups,)
+        buffer.add(batch, keep, len(prompts))  # Algorithm 1, line 7
+    n_trained = groups_to_train(buffer.n_kept, cfg)
+    to_train = buffer.take(n_trained, cfg.mini_batch_prompts, cfg.group_size)
+    generated = Batch.cat(buffer.generated)
     return Collected(to_train, generated, metrics.collection_metrics(
-        generated, to_train, n_kept, n_take, ends, cfg.group_size, cfg.train_prompts,
-        cfg.gen_batch_prompts))
+        generated, to_train, buffer.n_kept, n_trained, buffer.end_times, cfg.group_size,
+        cfg.train_prompts, cfg.gen_batch_prompts))
 
 
 # ------------------------------------------------------------------------------------------------
 # Algorithm 1, lines 10-11: the policy update
 
-@torch.no_grad()
-def old_logprobs(model, batch: Batch, cfg) -> tuple[torch.Tensor, torch.Tensor]:
-    """log pi_old of every response token and the entropy of pi_old there, computed in
-    micro-batches: (N, R) each, 0 on padding."""
-    old_logp = old_entropy = None
-    parts = batch.micro_batches(cfg.micro_batch_size, cfg.micro_batch_tokens)
-    for index, stand_in in distributed.even_out(parts):  # as many on every rank
-        micro = batch.rows(index)
-        with precision.autocast(cfg.precision, cfg.device):
-            logp, entropy = response_logprobs(model, micro, cfg.temperature, cfg.fused_head)
-        if old_logp is None:
-            old_logp = logp.new_zeros(batch.response_ids.shape)  # (N, R)
-            old_entropy = torch.zeros_like(old_logp)
-        if not stand_in:  # a stand-in only keeps the ranks' collectives in step
-            old_logp[index, :logp.shape[1]] = logp.masked_fill(~micro.response_mask, 0.0)
-            old_entropy[index, :logp.shape[1]] = entropy.masked_fill(~micro.response_mask, 0.0)
-    return old_logp, old_entropy
-
-
 def update_policy(model, opt, batch: Batch, cfg) -> dict:
-    """One epoch over the batch in mini-batches (one optimizer step each) of micro-batches
+    """One epoch over the batch in mini-batches, one optimizer step each, of micro-batches
     (gradient accumulation), each rank holding its share of every mini-batch -> the metrics."""
     model.train()
-    world = distributed.world_size()
+    world, stats = distributed.world_size(), metrics.UpdateStats()
     mini_rows = cfg.mini_batch_prompts * cfg.group_size // world  # this rank's rows per step
-    eps_high = cfg.eps_high if cfg.clip_higher else cfg.eps_low  # technique 1 off: PPO's clip
-    stats = metrics.UpdateStats()
-    # pi_old (Algorithm 1, line 4): with several optimizer steps the policy moves between them
-    if len(batch) > mini_rows:
-        old_logp, old_entropy = old_logprobs(model, batch, cfg)
-        stats.add_old_policy(old_logp, old_entropy, batch)
-        batch = replace(batch, old_logp=old_logp)
+    # pi_old <- pi_theta (Algorithm 1, line 3), computed now, before the policy moves, unless one
+    # optimizer step's first forward is pi_old's (a batch with no loss token takes no forward)
+    in_loss = distributed.all_reduce(tokens_in_loss(batch, cfg).sum().item(), name="loss tokens")
+    if len(batch) > mini_rows or in_loss == 0:
+        batch = with_old_logprobs(model, batch, cfg, stats)
     for mini_batch in batch.split(mini_rows):
         # --- DAPO technique 3: the token-level loss's denominator, counted over the mini-batch
-        # on every rank before the micro-batch split (verl PR #623, TRL #5619 divided after) ---
+        # on every rank before the micro-batch split ---
         # exercise: token_count
         mask = tokens_in_loss(mini_batch, cfg)  # (B, R)
         n_tokens, n_seqs = distributed.all_reduce([mask.sum().item(), mask.any(-1).sum().item()])
         # end exercise
         if n_tokens == 0:
-            if mini_batch.old_logp is None:  # pi_old's entropy is logged whatever the loss mask
-                stats.add_old_policy(*old_logprobs(model, mini_batch, cfg), mini_batch)
             continue
-        parts = mini_batch.micro_batches(cfg.micro_batch_size, cfg.micro_batch_tokens)
-        for index, stand_in in distributed.even_out(parts):  # as many on every rank
-            micro = mini_batch.rows(index)
-            mask = tokens_in_loss(micro, cfg) & (not stand_in)  # (B, R)
-            with precision.autocast(cfg.precision, cfg.device):  # the forward: not around a step
+        for micro in mini_batch.micro_batches(cfg.micro_batch_size, cfg.micro_batch_tokens):
+            # Autocast around each forward, never around an optimizer step (infra/precision.py).
+            with precision.autocast(cfg.precision, cfg.device):
                 logp, entropy = response_logprobs(model, micro, cfg.temperature, cfg.fused_head)
-            old_logp = micro.old_logp
-            if old_logp is None:  # one optimizer step: this forward is pi_old's
-                old_logp = logp.detach()
-                stats.add_old_policy(old_logp, entropy, micro, stand_in)
-            denom = n_tokens if cfg.token_level_loss else (  # off: naive GRPO's sequence mean
-                mask.sum(-1, keepdim=True).clamp(min=1) * n_seqs)
-            correction = rollout_correction.correct(  # pi_old / pi_sampler (not in the paper)
-                old_logp, micro.rollout_logp, micro.response_mask, cfg.rollout_correction,
-                cfg.rollout_is_min, cfg.rollout_is_max)
-            # --- DAPO technique 1: clip-higher, in the clipped surrogate (Sec. 3.1, Eq. 10) ---
-            surrogate = policy_loss(logp, old_logp, micro.adv, mask, cfg.eps_low, eps_high, denom,
-                                    cfg.dual_clip, correction.weight)
-            (surrogate.loss * world).backward()  # FSDP averages gradients; the loss is global
-            stats.add_loss(surrogate, logp, old_logp, micro.adv, mask, correction)
+            if micro.old_logp is None:  # one optimizer step: this forward is pi_old's
+                micro = replace(micro, old_logp=logp.detach())
+                stats.add_old_policy(micro.old_logp, entropy, micro)
+            surrogate = micro_batch_loss(logp, micro, n_tokens, n_seqs, cfg, stats)
+            # Eq. 12's mean is over every rank's tokens and each rank's loss is its share of it;
+            # FSDP averages the ranks' gradients: times W, the average is the mean's gradient
+            (surrogate.loss * world).backward()
         # Algorithm 1, line 11: one AdamW step on the mini-batch's gradient, its norm clipped
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        grad_norm, finite = checkpoint.gradient_is_finite(grad_norm)  # else skipped, and said
+        grad_norm, finite = health.gradient_is_finite(grad_norm)
         if finite:
             opt.step()
-            checkpoint.check_finite(model, "after an optimizer step")
+            health.check_finite(model, "after an optimizer step")
         opt.zero_grad(set_to_none=True)
         stats.add_step(grad_norm, finite)
     return stats.result(batch)
+
+
+def micro_batch_loss(logp, micro: Batch, n_tokens, n_seqs, cfg, stats) -> PolicyLoss:
+    """A micro-batch's share of the mini-batch's loss (its clip fractions and the rest go into
+    stats): the clip-higher surrogate over Eq. 12's denominator, then verl's additions."""
+    mask = tokens_in_loss(micro, cfg)  # (B, R)
+    denom = n_tokens if cfg.token_level_loss else (  # off: naive GRPO's mean of sequence means
+        mask.sum(-1, keepdim=True).clamp(min=1) * n_seqs)
+    eps_high = cfg.eps_high if cfg.clip_higher else cfg.eps_low  # technique 1 off: PPO's clip
+    # --- DAPO technique 1: clip-higher, in the clipped surrogate (Sec. 3.1, Eq. 10) ---
+    surrogate = policy_loss(logp, micro.old_logp, micro.adv, mask, cfg.eps_low, eps_high, denom)
+    correction = rollout_correction.correct(  # pi_old / pi_sampler: not in the paper
+        micro.old_logp, micro.rollout_logp, micro.response_mask, cfg.rollout_correction,
+        cfg.rollout_is_min, cfg.rollout_is_max)
+    surrogate = beyond_the_paper(surrogate, micro.adv, mask, denom, cfg.dual_clip,
+                                 correction.weight)
+    stats.add_loss(surrogate, logp, micro.old_logp, micro.adv, mask, correction)
+    return surrogate
+
+
+@torch.no_grad()
+def with_old_logprobs(model, batch: Batch, cfg, stats) -> Batch:
+    """The batch with log pi_old of every response token (old_logp, (N, R), 0 on padding),
+    computed in micro-batches before any optimizer step; pi_old's entropy goes into stats."""
+    def forward(micro: Batch):
+        with precision.autocast(cfg.precision, cfg.device):
+            return response_logprobs(model, micro, cfg.temperature, cfg.fused_head)
+
+    old_logp, old_entropy = batch.per_token(forward, cfg.micro_batch_size, cfg.micro_batch_tokens)
+    stats.add_old_policy(old_logp, old_entropy, batch)
+    return replace(batch, old_logp=old_logp)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -277,18 +272,19 @@ def set_lr(opt, cfg, step):
         group["lr"] = cfg.lr * min(1.0, step / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
 
 
-def train(cfg: Config, model, tok, tok_dir, resume_dir, train_rows, val_rows,
-          verifier: Verifier, engine: Engine):  # a launch.Setup
+def train(cfg: Config, setup: launch.Setup):
+    model, tok, val_rows = setup.model, setup.tok, setup.val_rows
+    verifier, engine = setup.verifier, setup.engine
     if cfg.eval_only:
         result = evaluate(model, val_rows, tok, cfg, verifier, engine)
         metrics.report_eval(result, cfg.out_dir, asdict(cfg), trackers.open_all(cfg))
         return result
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    prompt_iter = PromptIterator(train_rows, cfg.gen_batch_prompts, cfg.seed)
+    prompt_iter = PromptIterator(setup.train_rows, cfg.gen_batch_prompts, cfg.seed)
     generator = torch.Generator(cfg.device).manual_seed(cfg.seed + distributed.rank())
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
-    start = checkpoint.resume(resume_dir, model, opt, prompt_iter, generator, metrics_path,
-                              cfg.steps, cfg.eval_every) if resume_dir else 0
+    start = checkpoint.resume(setup.resume_dir, model, opt, prompt_iter, generator, metrics_path,
+                              cfg.steps, cfg.eval_every) if setup.resume_dir else 0
     log = metrics.RunLog(metrics_path, start, cfg.steps,
                          trackers.open_all(cfg, start, metrics_path))
     alarms = health.Alarms(cfg.stop_when_stuck, verifier.spec)
@@ -309,14 +305,11 @@ def train(cfg: Config, model, tok, tok_dir, resume_dir, train_rows, val_rows,
         log.step(done, logged, opt.param_groups[0]["lr"], t_gen, time.time() - t0 - t_gen)
         stuck = alarms.check(done, logged, collected.generated, tok, verifier.take_errors())
         stopping = stop.requested()  # Ctrl-C or SIGTERM, on any rank (infra/interrupt.py)
-        if stuck or stopping or (cfg.save_every and done % cfg.save_every == 0) or \
-                done == cfg.steps:
-            checkpoint.save(cfg.out_dir, done, model, tok_dir, opt, prompt_iter, generator,
+        if stuck or stopping or checkpoint.due(done, cfg.save_every, cfg.steps):
+            checkpoint.save(cfg.out_dir, done, model, setup.tok_dir, opt, prompt_iter, generator,
                             asdict(cfg), keep_last=cfg.keep_checkpoints)
-        if stuck:
-            raise alarms.error()
-        if stopping:
-            raise stop.exit(done)  # says how to resume; exit status 130 or 143
+        if stuck or stopping:  # a dead run's error, or the command that resumes (status 130, 143)
+            raise alarms.error() if stuck else stop.exit(done)
     alarms.finish()  # a run that took no optimizer step trained nothing: a non-zero exit
     # the evaluation at --steps; a resume at --steps makes it if it was never logged (a kill)
     if checkpoint.final_evaluation_due(metrics_path, start, cfg.steps, cfg.eval_every):
@@ -327,8 +320,8 @@ def train(cfg: Config, model, tok, tok_dir, resume_dir, train_rows, val_rows,
 
 def main(cfg: Config):
     with launch.session(cfg) as cfg:  # the checks, the processes; cfg with the device resolved
-        cfg = launch.plan(cfg)  # the memory plan, printed; --rollout-slots auto resolved
-        return None if cfg.plan else train(cfg, **vars(launch.setup(cfg)))  # --plan: it alone
+        cfg = launch.plan(cfg)  # the precision and the memory plan, printed (--plan: no more)
+        return None if cfg.plan else train(cfg, launch.setup(cfg))
 
 
 if __name__ == "__main__":

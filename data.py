@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from tokenizers import Tokenizer as _HFTokenizer
@@ -28,9 +29,9 @@ from tokenizers import Tokenizer as _HFTokenizer
 from infra import datafiles, templates
 from infra.errors import UserError
 from infra.files import need_file, read_json
-from reward import CUSTOM_DATA_SOURCE, SCORERS, Verifier
 
 log = logging.getLogger("data")
+CUSTOM_DATA_SOURCE = "custom"  # the data_source of plain {"prompt", "answer"} rows (--reward-fn's)
 
 # --------------------------------------------------------------------------------------------------
 # Tokenizer and chat template
@@ -223,21 +224,23 @@ def _from_plain(row, where: str):
             "reward_model": {"ground_truth": row["answer"], "style": "rule"}}
 
 
-def _check_row(row, where: str, verifier: Verifier) -> str | None:
-    """Raise on a row that breaks the schema or that the verifier cannot score; return why a
-    well-formed but unusable row is skipped, or None. A JSON integer ground truth is turned into
+def _check_row(row, where: str, has_scorer: Callable[[str], bool] | None,
+               known_data_sources: Sequence[str] = ()) -> str | None:
+    """Raise on a row that breaks the schema or that no verifier scores (has_scorer); return why
+    a well-formed but unusable row is skipped, or None. A JSON integer ground truth is turned into
     the string the verifier compares."""
     if not isinstance(row, dict):
         raise UserError(f"{where}: expected an object with data_source, prompt and reward_model, "
                         f"got {type(row).__name__}")
     if not isinstance(row.get("data_source"), str):
         raise UserError(f"{where}: 'data_source' is missing or not a string")
-    if not verifier.has_scorer(row["data_source"]):
+    if has_scorer is not None and not has_scorer(row["data_source"]):
         raise UserError(f"{where}: no reward function for data_source {row['data_source']!r}: "
                         f"give the row \"data_source\": \"math_dapo\" for the built-in verifier "
                         "of DAPO-Math-17k (+1 when the response's last \"Answer: ...\" line "
                         "matches the ground truth, else -1), or give yours with --reward-fn "
-                        f"FILE.py:NAME (reward.py knows {sorted(SCORERS)} and 'aime*')")
+                        "FILE.py:NAME (the built-in verifiers score the data_sources "
+                        f"{', '.join(known_data_sources) or 'of reward.py'})")
     prompt = row.get("prompt")
     if not isinstance(prompt, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str)
@@ -268,9 +271,12 @@ def _check_row(row, where: str, verifier: Verifier) -> str | None:
 
 
 def load_rows(path: str, tokenizer: Tokenizer | None = None, dedupe: bool = True,
-              verifier: Verifier | None = None) -> list[dict]:
-    """Rows from a .parquet or .jsonl file (one JSON object per line), in file order, each to be
-    scored by `verifier` (None: the built-in verifiers alone).
+              has_scorer: Callable[[str], bool] | None = None,
+              known_data_sources: Sequence[str] = ()) -> list[dict]:
+    """Rows from a .parquet or .jsonl file (one JSON object per line), in file order, each of a
+    data_source that has_scorer(data_source) says is rewarded (the run's
+    reward.Verifier.has_scorer; None: every data_source is taken, the caller scores them);
+    known_data_sources, the built-in verifiers', are named when a row's is not rewarded.
 
     A row that breaks the schema (not an object, no data_source, a prompt that is not a list of
     messages) or that cannot be used (a data_source without a reward function; with a tokenizer, a
@@ -282,13 +288,12 @@ def load_rows(path: str, tokenizer: Tokenizer | None = None, dedupe: bool = True
     DAPO-Math-17k parquet takes about a minute, once per run; a deduplicated JSONL copy loads in a
     second."""
     source = datafiles.read_rows(path)
-    verifier = verifier or Verifier()
     rows, wheres, first_ground_truth, skipped = [], [], {}, {}
     n_read = n_dup = n_conflict = 0
     for where, row in source:
         n_read += 1
         row = _from_plain(row, where)
-        reason = _check_row(row, where, verifier)
+        reason = _check_row(row, where, has_scorer, known_data_sources)
         if reason:
             skipped.setdefault(reason, []).append(where)
             continue

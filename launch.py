@@ -32,8 +32,9 @@ from infra import (checkpoint, cpu, distributed, files, health, hf_io, hub, inte
                    precision, trackers, vllm_engine)
 from infra.errors import UserError
 from infra.files import need_file
+from infra.reward_fn import reward_fn_file
 from model import ModelConfig, Qwen2, rope_inv_freq
-from reward import Verifier, reward_fn_file
+from reward import Verifier
 from sampler import Engine
 
 
@@ -127,6 +128,14 @@ def setup(cfg: Config) -> Setup:
                  rollout_engine(cfg, model, tok))
 
 
+def demo():
+    """toy.py, the demo's task, tokenizer and base model, for a run without --model (or without
+    --train-data / --val-data). Imported here, where such a run takes it, and only then: the
+    algorithm never imports the demo."""
+    import toy
+    return toy
+
+
 def model_config(cfg: Config) -> tuple[ModelConfig, str | None]:
     """The shape of the policy a run will load, from config.json alone: the checkpoint's
     (--resume), --model's or the demo's. Returns (it, the config.json read, None for the demo)."""
@@ -137,8 +146,7 @@ def model_config(cfg: Config) -> tuple[ModelConfig, str | None]:
             model_dir = cfg.model
         config_json = need_file(model_dir, "config.json")
         return ModelConfig.from_json(config_json), config_json
-    from toy import demo_model_config  # the demo's, imported only where it is chosen
-    return demo_model_config(), None
+    return demo().demo_model_config(), None
 
 
 HUB_FLAGS = {"--model": "model", "--train-data": "dataset", "--val-data": "dataset"}
@@ -263,8 +271,7 @@ def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:
         else:
             model = Qwen2.from_pretrained(tok_dir, dtype=torch.float32, device=cfg.device)
     else:
-        from toy import demo_policy
-        tok_dir, model = demo_policy(cfg.out_dir, cfg.device, cfg.seed)
+        tok_dir, model = demo().demo_policy(cfg.out_dir, cfg.device, cfg.seed)
         if sharded:
             distributed.shard(model, mixed_precision=cfg.precision == "bf16")
         tok = load_tokenizer(tok_dir)
@@ -296,7 +303,7 @@ def load_sharded(model_dir: str, cfg: Config) -> Qwen2:
         hf_io.load_rows_into(model_dir, distributed.local_rows(model), cfg.device,
                              skip=hf_io.tied_keys(model_cfg))
     model.inv_freq = rope_inv_freq(model.config, cfg.device)
-    checkpoint.check_finite(model, f"loading {model_dir}")  # every rank stops, naming the weight
+    health.check_finite(model, f"loading {model_dir}")  # every rank stops, naming the weight
     return model
 
 
@@ -320,16 +327,16 @@ def load_data(cfg: Config, tok, verifier: Verifier) -> tuple[list[dict], list[di
     if cfg.model and not cfg.train_data and not cfg.eval_only:
         distributed.say(f"warning: --model {cfg.model} without --train-data trains on the demo's "
                         "toy sums (pass --train-data, e.g. DAPO-Math-17k's parquet file)")
-    if not (cfg.train_data and cfg.val_data):
-        from toy import toy_rows  # the demo's task, where a file is not given
     if cfg.train_data:
-        train_rows = load_rows(cfg.train_data, tok, verifier=verifier)
+        train_rows = load_rows(cfg.train_data, tok, has_scorer=verifier.has_scorer,
+                               known_data_sources=verifier.built_in_data_sources())
     else:
-        train_rows = toy_rows(20000, seed=cfg.seed, split="train")
+        train_rows = demo().toy_rows(20000, seed=cfg.seed, split="train")
     if cfg.val_data:
-        val_rows = load_rows(cfg.val_data, tok, verifier=verifier)
+        val_rows = load_rows(cfg.val_data, tok, has_scorer=verifier.has_scorer,
+                             known_data_sources=verifier.built_in_data_sources())
     else:
-        val_rows = toy_rows(1000, seed=cfg.seed, split="test")
+        val_rows = demo().toy_rows(1000, seed=cfg.seed, split="test")
     if not cfg.eval_only and len(train_rows) < cfg.gen_batch_prompts:
         raise UserError(f"{cfg.train_data}: {len(train_rows)} usable rows, fewer than "
                         f"{cfg.gen_batch_flag} {cfg.gen_batch_prompts} (the prompts of one "

@@ -100,14 +100,13 @@ EXERCISES = [
         "Eq. 10, 12 (Sec. 3.1, 3.3)", "medium", 12,
         "the clipped surrogate (Eq. 10) over denom (Eq. 12)",
         ("r = exp(logp - old_logp); clamp the log-ratio to [-20, 20] first (exp(90) is inf).",
-         "Take the max of the two per-token losses (the pessimistic one), then the dual clip.",
-         "Return PolicyLoss(sum(weight * l * mask) / denom, l, r): the loop reads its clip "
-         "statistics from your l and r."),
+         "Take the max of the two per-token losses (the pessimistic one).",
+         "Return PolicyLoss(sum(l * mask) / denom, l, r): the loop reads its clip statistics "
+         "from your l and r (and verl's additions, beyond_the_paper, reweigh your l)."),
         _tests("test_dapo.py", "test_clip_higher_surrogate_on_hand_cases",
-               "test_dual_clip_caps_negative_advantage_loss", "test_clipped_tokens_get_no_gradient",
+               "test_clipped_tokens_get_no_gradient",
                "test_token_level_loss_weighs_every_token_equally",
-               "test_log_ratio_is_clamped_so_an_overflowing_ratio_keeps_the_gradient_finite",
-               "test_a_token_weight_scales_its_loss_but_not_the_token_count"),
+               "test_log_ratio_is_clamped_so_an_overflowing_ratio_keeps_the_gradient_finite"),
         idea=("test_clip_higher_surrogate_on_hand_cases",
               "test_token_level_loss_weighs_every_token_equally")),
     Exercise(

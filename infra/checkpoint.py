@@ -23,11 +23,9 @@ filesystem for out_dir.
 
 The run directory: prepare_out_dir() refuses to start a new run over an old one unless told to,
 check_resume_config() a resume that would change the algorithm; resume() restores the trainer's
-state and drops the metrics the resumed run will log again. And the guard of every optimizer
-step: gradient_is_finite().
+state and drops the metrics the resumed run will log again.
 """
 import json
-import math
 import os
 import pickle
 import re
@@ -38,43 +36,9 @@ import zlib
 import torch
 from safetensors import SafetensorError, safe_open
 
-from infra import distributed, files, precision
+from infra import distributed, files, health
 from infra.errors import UserError
-from infra.hf_io import checkpoint_files, first_nonfinite, save_hf_checkpoint
-
-
-def check_finite(model, where: str):
-    """Raise on every rank, naming the first parameter that holds a NaN or an inf: such weights
-    would train on, reporting only groups without signal, and reach every later checkpoint. Cheap
-    enough for every optimizer step: one fused norm over this rank's shards and, under
-    torch.distributed, one all-reduce of the first bad index."""
-    params = dict(model.named_parameters())  # a tied weight once
-    # FSDP shards
-    local = {n: distributed.local_shard(p).detach() for n, p in params.items()}
-    names = list(local)
-    bad = first_nonfinite(local)
-    index = names.index(bad) if bad else len(names)
-    first = int(distributed.all_reduce(index, "min", name="check_finite"))
-    if first < len(names):
-        name = names[first]
-        counts = local[name].isnan().sum().item(), local[name].isinf().sum().item()
-        held = (f"{counts[0]} NaN and {counts[1]} inf value(s)" if any(counts)
-                else "NaN/inf values on another rank")
-        raise FloatingPointError(f"{where}: parameter {name!r} holds {held}. Stopping before they "
-                                 "reach a checkpoint: the last one saved is finite (resume from "
-                                 "it, with a lower --lr?)")
-
-
-def gradient_is_finite(grad_norm) -> tuple[float, bool]:
-    """The guard of every optimizer step, given clip_grad_norm_'s norm: refuses a step inside an
-    autocast region (infra/precision.py says why), and says so when the gradient holds a NaN or an
-    inf anywhere (then the caller skips the step and the weights stay finite).
-    -> (the norm before clipping, whether to step)."""
-    precision.check_no_autocast()
-    grad_norm = distributed.as_local(grad_norm).item()
-    if not math.isfinite(grad_norm):
-        distributed.say(f"non-finite gradient norm ({grad_norm}): update skipped")
-    return grad_norm, math.isfinite(grad_norm)
+from infra.hf_io import checkpoint_files, save_hf_checkpoint
 
 
 def save(out_dir, step, model, tok_dir, opt, prompt_iter, generator, config: dict,
@@ -86,7 +50,7 @@ def save(out_dir, step, model, tok_dir, opt, prompt_iter, generator, config: dic
     ckpts = os.path.join(out_dir, "checkpoints")
     final = os.path.join(ckpts, f"step_{step:06d}")
     tmp = final + ".tmp"
-    check_finite(model, f"not saving checkpoint step {step}")
+    health.check_finite(model, f"not saving checkpoint step {step}")
     weights = distributed.full_state_dict(model)  # a collective under FSDP: every rank takes part
     error = None
     if rank == 0:
@@ -347,6 +311,12 @@ def resume(ckpt, model, opt, prompt_iter, generator, metrics_path: str, steps: i
         trim_metrics(metrics_path, start,
                      keep_eval=not (start < steps and eval_every and start % eval_every == 0))
     return start
+
+
+def due(step: int, save_every: int, steps: int) -> bool:
+    """Whether the loop saves after `step` steps: every --save-every steps (0: never), and at the
+    run's end (--steps)."""
+    return bool(save_every and step % save_every == 0) or step == steps
 
 
 def final_evaluation_due(metrics_path: str, start: int, steps: int, eval_every: int) -> bool:

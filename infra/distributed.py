@@ -358,13 +358,3 @@ def share_in_order(kept: dict, n_take: int, per_step: int) -> list:
             incoming |= {g: item for g, item in sent.items() if destination[g] == me}
     return [kept[g] if g in kept else incoming[g].to(_device)
             for g, _ in first if destination[g] == me]
-
-
-def even_out(parts: list) -> list[tuple[object, bool]]:
-    """(part, False) for each of this rank's micro-batches (each a tensor of row indices), then
-    as many (its first row, True) stand-ins as this rank is short of the rank with the most. Under
-    FSDP every forward and backward is a collective, so a rank with fewer micro-batches must still
-    run as many as the others: its stand-ins go through the model and train nothing (the caller
-    masks them out)."""
-    most = int(all_reduce(len(parts), "max", name="micro-batch count"))
-    return [(p, False) for p in parts] + [(parts[0][:1], True)] * (most - len(parts))

@@ -3,9 +3,16 @@ the flag that fixes it; with --stop-when-stuck N the run stops (checkpoint, non-
 N consecutive dead steps, and a run that took no optimizer step (every update skipped, or none
 to take) never exits 0. Three more warnings, for a run that trains on something wrong: responses
 without an answer the verifier can read, sampler log-probs that disagree with the trainer's, and
-a --reward-fn that raised. And a bound on dynamic sampling that finds no signal at all."""
-from infra import distributed
+a --reward-fn that raised. And a bound on dynamic sampling that finds no signal at all.
+
+The guard of every optimizer step is here too: gradient_is_finite() before it (a NaN or inf
+gradient skips the step, and says so), check_finite() after it (weights that went bad stop the run
+before they reach a checkpoint)."""
+import math
+
+from infra import distributed, precision
 from infra.errors import UserError
+from infra.hf_io import first_nonfinite
 
 TRUNCATED_ALARM = 0.9  # almost every response truncated
 NO_ANSWER_ALARM = 0.9  # of the responses that ended, the verifier read no answer in almost all
@@ -179,3 +186,40 @@ def check_sampling(n_gen: int, n_kept: int, train_prompts: int):
             f"dynamic sampling found no group with signal in {n_gen} generation batches (every "
             "group all right or all wrong); check --max-response-len, the prompt's answer "
             "format against the verifier, or set --max-gen-batches to train on what is kept")
+
+
+# --------------------------------------------------------------------------------------------------
+# The guard of every optimizer step
+
+def check_finite(model, where: str):
+    """Raise on every rank, naming the first parameter that holds a NaN or an inf: such weights
+    would train on, reporting only groups without signal, and reach every later checkpoint. Cheap
+    enough for every optimizer step: one fused norm over this rank's shards and, under
+    torch.distributed, one all-reduce of the first bad index."""
+    params = dict(model.named_parameters())  # a tied weight once
+    # FSDP shards
+    local = {n: distributed.local_shard(p).detach() for n, p in params.items()}
+    names = list(local)
+    bad = first_nonfinite(local)
+    index = names.index(bad) if bad else len(names)
+    first = int(distributed.all_reduce(index, "min", name="check_finite"))
+    if first < len(names):
+        name = names[first]
+        counts = local[name].isnan().sum().item(), local[name].isinf().sum().item()
+        held = (f"{counts[0]} NaN and {counts[1]} inf value(s)" if any(counts)
+                else "NaN/inf values on another rank")
+        raise FloatingPointError(f"{where}: parameter {name!r} holds {held}. Stopping before they "
+                                 "reach a checkpoint: the last one saved is finite (resume from "
+                                 "it, with a lower --lr?)")
+
+
+def gradient_is_finite(grad_norm) -> tuple[float, bool]:
+    """The guard of every optimizer step, given clip_grad_norm_'s norm: refuses a step inside an
+    autocast region (infra/precision.py says why), and says so when the gradient holds a NaN or an
+    inf anywhere (then the caller skips the step and the weights stay finite).
+    -> (the norm before clipping, whether to step)."""
+    precision.check_no_autocast()
+    grad_norm = distributed.as_local(grad_norm).item()
+    if not math.isfinite(grad_norm):
+        distributed.say(f"non-finite gradient norm ({grad_norm}): update skipped")
+    return grad_norm, math.isfinite(grad_norm)

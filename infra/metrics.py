@@ -66,13 +66,12 @@ class UpdateStats:
         self.sums["tokens"] += loss_mask.sum().item()
         self.correction.add_weights(correction, loss_mask)
 
-    def add_old_policy(self, old_logp, entropy, batch, stand_in: bool = False):
+    def add_old_policy(self, old_logp, entropy, batch):
         """pi_old's log-probs and entropy (B, R) on a (micro-)batch.Batch's response tokens: its
-        entropy, and its distance to the sampler's log-probs (add_parity); nothing for a stand-in
-        micro-batch (distributed.even_out)."""
-        if not stand_in:
-            self.add_entropy(entropy, batch.response_mask)
-            self.add_parity(old_logp, batch.rollout_logp, batch.response_mask)
+        entropy, and its distance to the sampler's log-probs (add_parity). A stand-in micro-batch
+        (Batch.stand_in) has none."""
+        self.add_entropy(entropy, batch.response_mask)
+        self.add_parity(old_logp, batch.rollout_logp, batch.response_mask)
 
     def add_entropy(self, entropy, response_mask):
         """pi_old's entropy, summed over every response token (not only the loss's)."""

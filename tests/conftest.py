@@ -25,6 +25,8 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "experiments"), os.path.join(ROOT, "cou
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from rendezvous import held_store_env  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
@@ -40,15 +42,12 @@ def tiny_model_dir(tmp_path_factory):
     return d
 
 
-def pytest_configure(config):
-    # the student handout (assign.py) blanks the exercises: a test that runs the code of exercises
-    # it does not grade names them, and in the handout it fails until they are written
-    config.addinivalue_line("markers", "needs(*exercises): runs the code of these exercises of "
-                                       "assign.py ('all': the training loop end to end)")
-    # `make test` runs these a second time under ATEN_CPU_CAPABILITY=default (another CPU kernel
-    # set), so that an equality that holds only on one CPU's rounding fails here, not elsewhere
-    config.addinivalue_line("markers", "parity: compares two computations of the same numbers "
-                                       "(float64, or a tolerance derived from fp32 epsilon)")
+@pytest.fixture
+def store_env():
+    """The environment in which two plain processes (two_ranks.start_pair) meet on a store that
+    the test holds while it runs (rendezvous.py says why not a free port)."""
+    with held_store_env() as env:
+        yield env
 
 
 # The longest files on a fresh clone (seconds on one of 2 cores): the notebook warms up the demo's

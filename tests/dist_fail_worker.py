@@ -1,6 +1,6 @@
-"""Run by tests/test_distributed.py as two plain processes (RANK and WORLD_SIZE set by the test,
-which also holds the store they meet on; no torchrun: the test itself stops and kills them). Each
-mode is one way a rank can go wrong.
+"""Run by tests/test_distributed.py and tests/test_launch.py as two plain processes (RANK and
+WORLD_SIZE set by the test, which also holds the store they meet on; no torchrun: the test itself
+stops and kills them). Each mode is one way a rank can go wrong.
 
     stop  rank 1 stops itself (SIGSTOP, as a debugger or a swapping node would); rank 0 waits in a
           named all-reduce
@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from infra import checkpoint  # noqa: E402
+from infra import health  # noqa: E402
 from infra import distributed  # noqa: E402
 from infra.errors import UserError  # noqa: E402
 from model import Qwen2, preset  # noqa: E402
@@ -62,12 +63,12 @@ def main(mode, timeout_s, out_dir=None):
     elif mode == "nan":
         torch.manual_seed(0)
         model = distributed.shard(Qwen2(preset("tiny", vocab_size=64)), mixed_precision=False)
-        checkpoint.check_finite(model, "before")  # all finite: passes on both ranks
+        health.check_finite(model, "before")  # all finite: passes on both ranks
         if rank == 1:
             with torch.no_grad():
                 dict(model.named_parameters())[POISONED].to_local()[0, 0] = float("nan")
         try:
-            checkpoint.check_finite(model, "after step 3")
+            health.check_finite(model, "after step 3")
         except FloatingPointError as e:
             print(f"rank {rank} raised: {e}", flush=True)
         distributed.shutdown()

@@ -76,7 +76,7 @@ def main(model_dir, out_dir, opt_name):
     opt = make_optimizer(opt_name, model.parameters())
     cfg = run_config(opt_name)
     mine = my_share(make_batch(tok.vocab_size), rank, world, cfg)
-    real = [len(part.micro_batches(cfg.micro_batch_size, cfg.micro_batch_tokens))
+    real = [len(part.micro_batch_rows(cfg.micro_batch_size, cfg.micro_batch_tokens))
             for part in mine.split(cfg.mini_batch_prompts * GROUP // world)]
     with open(os.path.join(out_dir, f"micro_batches_rank{rank}.json"), "w") as f:
         json.dump(real, f)  # before the stand-ins: how many each rank needed

@@ -1,4 +1,4 @@
-r"""Run by tests/test_memory.py under `torchrun --nproc_per_node=2`: launch.load_sharded, the
+r"""Run by tests/test_launch.py under `torchrun --nproc_per_node=2`: launch.load_sharded, the
 policy loaded shard by shard, with this rank's peak memory during the load and the full weights
 it gathers to. The peak is of anonymous memory (RssAnon, sampled every millisecond): the
 file pages a memory-mapped read touches are page cache, which the kernel takes back at need.

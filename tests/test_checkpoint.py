@@ -15,7 +15,7 @@ import torch
 
 from config import Config, check_flags
 from data import PromptIterator
-from infra import checkpoint, files, hf_io, metrics
+from infra import checkpoint, files, health, hf_io, metrics
 from infra.errors import UserError
 from model import Qwen2, preset
 
@@ -39,14 +39,14 @@ def model(tiny_model_dir):
 # --- non-finite weights ---------------------------------------------------------------------------
 
 def test_check_finite_names_the_first_parameter_with_a_nan(model):
-    checkpoint.check_finite(model, "after step 1")  # finite: nothing happens
+    health.check_finite(model, "after step 1")  # finite: nothing happens
     with torch.no_grad():
         model.model.layers[1].self_attn.k_proj.bias[2] = float("nan")
         model.model.norm.weight[0] = float("inf")
     with pytest.raises(FloatingPointError, match=r"after step 7: parameter "
                                                  r"'model\.layers\.1\.self_attn\.k_proj\.bias' "
                                                  r"holds 1 NaN and 0 inf value\(s\)"):
-        checkpoint.check_finite(model, "after step 7")
+        health.check_finite(model, "after step 7")
 
 
 def test_a_checkpoint_with_a_nan_is_never_written(tmp_path, model, tiny_model_dir):

@@ -3,13 +3,10 @@ and the loop."""
 import json
 import math
 import os
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import dapo
 import toy
@@ -20,6 +17,8 @@ from infra.errors import UserError
 from infra.metrics import clip_stats, training_batch_metrics
 from model import Qwen2, preset, response_logprobs
 from reward import Verifier
+from tiny_models import flat_params, tiny_float64_model
+from two_ranks import torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,9 +70,9 @@ def test_keep_groups_keeps_groups_of_one():
 
 def _loss(ratio, adv, eps_high=0.28, dual_clip=0.0):
     logp = torch.log(torch.tensor([[ratio]]))
-    mask = torch.ones(1, 1, dtype=torch.bool)
-    return policy_loss(logp, torch.zeros(1, 1), torch.tensor([adv]), mask, 0.2, eps_high, 1.0,
-                       dual_clip).loss.item()
+    mask, adv = torch.ones(1, 1, dtype=torch.bool), torch.tensor([adv])
+    surrogate = policy_loss(logp, torch.zeros(1, 1), adv, mask, 0.2, eps_high, 1.0)
+    return dapo.beyond_the_paper(surrogate, adv, mask, 1.0, dual_clip, 1.0).loss.item()
 
 
 @pytest.mark.parametrize("ratio,adv,eps_high,expected", [
@@ -88,6 +87,7 @@ def test_clip_higher_surrogate_on_hand_cases(ratio, adv, eps_high, expected):
     assert _loss(ratio, adv, eps_high) == pytest.approx(expected, abs=1e-6)
 
 
+@pytest.mark.needs("policy_loss")
 def test_dual_clip_caps_negative_advantage_loss():
     assert _loss(5.0, -1.0) == pytest.approx(5.0, abs=1e-5)
     assert _loss(5.0, -1.0, dual_clip=3.0) == pytest.approx(3.0, abs=1e-6)
@@ -113,13 +113,14 @@ def test_token_level_loss_weighs_every_token_equally():
     assert per_sequence.item() == pytest.approx(-(2 / 1 + 3 / 3) / 2)
 
 
+@pytest.mark.needs("policy_loss")
 def test_a_token_weight_scales_its_loss_but_not_the_token_count():
     # the rollout correction's weight w (infra/rollout_correction.py): sum_t w_t l_t / denom, and
     # a token masked by the correction (w = 0) stays in Eq. 12's count, as in TRL and verl
-    logp = torch.zeros(1, 3)  # r = 1 on every token: l = -A = -1
-    weight = torch.tensor([[2.0, 0.0, 0.5]])
-    out = policy_loss(logp, logp, torch.tensor([1.0]), torch.ones(1, 3, dtype=torch.bool), 0.2,
-                      0.28, denom=3.0, weight=weight)
+    logp, adv = torch.zeros(1, 3), torch.tensor([1.0])  # r = 1 on every token: l = -A = -1
+    mask, weight = torch.ones(1, 3, dtype=torch.bool), torch.tensor([[2.0, 0.0, 0.5]])
+    surrogate = policy_loss(logp, logp, adv, mask, 0.2, 0.28, denom=3.0)
+    out = dapo.beyond_the_paper(surrogate, adv, mask, 3.0, dual_clip=0.0, weight=weight)
     assert out.loss.item() == pytest.approx(-(2.0 + 0.0 + 0.5) / 3)
     assert out.loss_tok.tolist() == [[-1.0, -1.0, -1.0]] and out.ratio.tolist() == [[1, 1, 1]]
 
@@ -154,19 +155,6 @@ def test_update_is_the_same_for_any_micro_batch_split(token_level):
         assert m["actor/pg_loss"] == pytest.approx(results[0][1]["actor/pg_loss"], rel=1e-12)
 
 
-def tiny_float64_model(tied=True) -> Qwen2:
-    torch.manual_seed(0)
-    return Qwen2(preset("tiny", vocab_size=50, tie_word_embeddings=tied)).double()
-
-
-def flat_params(model) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
-
-
-def flat_grads(model) -> torch.Tensor:
-    return torch.cat([p.grad.flatten() for p in model.parameters()])
-
-
 # --- the token count before the split (Eq. 12), with a stand-in policy and loss ---
 # update_policy alone: model.py, the kernels and policy_loss() are exercises of their own
 
@@ -187,12 +175,11 @@ def table_logprobs(model, batch, temperature, fused_head=True):  # as dapo.respo
     return logp, entropy.expand(logp.shape)
 
 
-def unclipped_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom, dual_clip=0.0,
-                   weight=1.0):
+def unclipped_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom):
     """policy_loss's contract, without the clip."""
     ratio = torch.exp(logp - old_logp)
     loss_tok = -adv[:, None] * ratio
-    return dapo.PolicyLoss((loss_tok * weight * loss_mask / denom).sum(), loss_tok, ratio)
+    return dapo.PolicyLoss((loss_tok * loss_mask / denom).sum(), loss_tok, ratio)
 
 
 @pytest.fixture
@@ -291,17 +278,6 @@ def test_update_is_the_same_with_the_fused_and_the_unfused_head(tied):
     moved = (weights[1] - flat_params(tiny_float64_model(tied))).abs().max()
     assert moved > 1e-2  # the steps moved the weights
     assert (weights[0] - weights[1]).abs().max() < 1e-9 * moved
-
-
-def test_micro_batches_by_tokens_pack_sorted_rows_under_the_budget():
-    batch = random_batch(50, n=8)
-    widths = batch.prompt_mask.sum(-1), batch.response_mask.sum(-1)
-    parts = batch.micro_batches(max_rows=64, max_tokens=30)
-    rows = sorted(i for part in parts for i in part.tolist())
-    assert rows == list(range(8))
-    for part in parts:
-        padded = len(part) * (widths[0][part].max() + widths[1][part].max())
-        assert padded <= 30 or len(part) == 1
 
 
 @pytest.mark.needs("policy_loss", "token_count", "logprobs_forward", "logprobs_backward", "rope",
@@ -418,7 +394,7 @@ def test_two_ranks_keep_the_groups_one_process_keeps(tmp_path, monkeypatch, spli
     cfg = replace(collect_worker.CFG, mini_batch_prompts=1) if split == "rows" else \
         collect_worker.CFG
     one, one_metrics = collect_worker.collect(cfg)
-    torchrun_collect(tmp_path, *(["rows"] if split == "rows" else []))
+    torchrun("tests/collect_worker.py", str(tmp_path), *(["rows"] if split == "rows" else []))
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
     two = [sorted(a + b) for a, b in zip(ranks[0]["mini_batches"], ranks[1]["mini_batches"])]
     assert two == [sorted(m) for m in one]
@@ -429,14 +405,6 @@ def test_two_ranks_keep_the_groups_one_process_keeps(tmp_path, monkeypatch, spli
     # others, and one of them held more than its half of the groups with signal
     owned = {r: {g for m in one for g in m if collect_worker.position(g) % 2 == r} for r in (0, 1)}
     assert len(owned[0]) != len(owned[1])
-
-
-def torchrun_collect(out_dir, *args):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "tests/collect_worker.py", str(out_dir), *args]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
 
 def test_log_ratio_is_clamped_so_an_overflowing_ratio_keeps_the_gradient_finite():
@@ -457,7 +425,8 @@ def test_clip_statistics_mean_what_verl_means():
     old_logp = torch.full((4, 1), math.log(0.1))
     logp, adv = old_logp + ratio.log(), torch.tensor([1.0, -1.0, -1.0, 1.0])
     mask = torch.ones(4, 1, dtype=torch.bool)
-    out = policy_loss(logp, old_logp, adv, mask, 0.2, 0.28, 1.0, dual_clip=3.0)
+    out = dapo.beyond_the_paper(policy_loss(logp, old_logp, adv, mask, 0.2, 0.28, 1.0), adv, mask,
+                                1.0, dual_clip=3.0, weight=1.0)
     stats = clip_stats(out, logp, old_logp, adv, mask)
     assert stats["clip_high"] == 1 and stats["clip_low"] == 1 and stats["dual_clip"] == 1
     assert stats["pg_loss"].item() == pytest.approx(-1.28 + 0.8 + 3.0 - 1.0)
@@ -512,38 +481,6 @@ def test_eval_only_prints_avg_and_pass_at_k_and_writes_them_to_eval_json(tiny_mo
     assert saved.pop("config")["model"] == tiny_model_dir and saved == out
 
 
-def test_help_lists_the_flags():
-    out = subprocess.run([sys.executable, "dapo.py", "--help"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 0
-    for flag in ("--eps-high", "--no-dynamic-sampling", "--token-level-loss", "--overlong-buffer",
-                 "--resume", "--micro-batch-tokens", "--on-gen-cap", "--overwrite"):
-        assert flag in out.stdout
-    # a header before the flags: whose defaults they are, and how the paper's values are marked
-    header = out.stdout.split("options:")[0]
-    assert "Every default below runs the embedded CPU demo" in header
-    assert "(paper: X) is the setting of the paper's run" in header
-    assert "--device is cuda where torch sees a GPU, else cpu" in header
-
-
-# Every flag that the paper's run sets (paper Sec. 4.1, or verl's recipe/dapo script)
-PAPER_FLAGS = ["model", "train_data", "val_data", "steps", "train_prompts", "gen_prompts",
-               "group_size", "max_gen_batches", "on_gen_cap", "max_prompt_len",
-               "max_response_len", "overlong_buffer", "overlong_factor", "temperature", "top_p",
-               "top_k", "mini_batch_prompts", "micro_batch_tokens", "lr", "weight_decay",
-               "grad_clip", "warmup_steps", "eps_low", "eps_high", "dual_clip", "clip_higher",
-               "dynamic_sampling", "token_level_loss", "overlong_shaping", "overlong_filtering",
-               "eval_every", "eval_samples", "eval_temperature", "eval_top_p", "eval_prompts",
-               "save_every", "activation_checkpointing"]
-
-
-@pytest.mark.parametrize("name", PAPER_FLAGS)
-def test_help_gives_the_papers_value(name):
-    from dataclasses import fields
-    help_text = {f.name: f.metadata["help"] for f in fields(Config)}[name]
-    assert "(paper: " in help_text, help_text
-
-
 def test_the_eval_only_example_of_the_help_is_the_papers_aime_evaluation():
     # before: `--eval-only --model PATH --val-data aime-2024.parquet --eval-samples 32` evaluated
     # with the demo's 64-token prompts and 40-token responses
@@ -557,43 +494,3 @@ def test_the_eval_only_example_of_the_help_is_the_papers_aime_evaluation():
         (32, 1.0, 0.7, 0)
 
 
-@pytest.mark.parity
-@pytest.mark.needs("logprobs_forward", "rope", "attention")
-@pytest.mark.parametrize("fused_head", [True, False])
-def test_response_logprobs_and_gradients_equal_each_sequence_alone(fused_head, monkeypatch):
-    """The batch's rows, laid out from column 0 (prompt, response, then padding), against each
-    sequence alone, in float64 (the same sums in another order): log-probs, entropies and every
-    gradient. And attention takes no explicit mask (causal only: what a flash kernel accepts)."""
-    model = tiny_float64_model()
-    batch = random_batch(50, n=5, dtype=torch.float64)
-    assert len(set(batch.prompt_mask.sum(-1).tolist())) > 1  # prompts of several lengths
-    masks, sdpa = [], F.scaled_dot_product_attention
-
-    def spy(*args, **kwargs):
-        masks.append((kwargs.get("attn_mask"), kwargs.get("is_causal")))
-        return sdpa(*args, **kwargs)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
-    g = torch.Generator().manual_seed(1)
-    w_logp, w_entropy = (torch.randn(batch.response_ids.shape, generator=g, dtype=torch.float64)
-                         * batch.response_mask for _ in range(2))  # (B, R): loss weights
-    logp, entropy = response_logprobs(model, batch, 0.7, fused_head)
-    assert masks and all(mask is None and causal for mask, causal in masks)
-    if fused_head:
-        assert (logp[~batch.response_mask] == 0).all()  # the fused head skips the padding
-    ((logp * w_logp).sum() + (entropy * w_entropy).sum()).backward()
-    grads = flat_grads(model)
-    model.zero_grad(set_to_none=True)
-    loss = 0
-    for i in range(len(batch)):
-        p = batch.prompt_ids[i][batch.prompt_mask[i]].tolist()
-        r = batch.response_ids[i][batch.response_mask[i]].tolist()
-        logits = model(torch.tensor([p + r]))[0, len(p) - 1:-1] / 0.7  # (len(r), V)
-        ref = logits.log_softmax(-1)[torch.arange(len(r)), r]
-        ref_entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
-        assert (logp[i, :len(r)] - ref).abs().max() < 1e-12
-        assert (entropy[i, :len(r)] - ref_entropy).abs().max() < 1e-12
-        loss = loss + (ref * w_logp[i, :len(r)]).sum() + (ref_entropy * w_entropy[i, :len(r)]).sum()
-    loss.backward()
-    ref_grads = flat_grads(model)
-    assert (grads - ref_grads).abs().max() < 1e-12 * ref_grads.abs().max()

@@ -1,9 +1,7 @@
 """Two processes (gloo, FSDP2, `torchrun --nproc_per_node=2`) against one: the same update,
 checkpoint and resume."""
-import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -16,24 +14,9 @@ from dapo import update_policy
 from data import load_tokenizer
 from dist_worker import PROBE, load_model, make_batch, make_optimizer, run_config
 from model import Qwen2
-from rendezvous import held_store_env
+from two_ranks import SMALL_RUN, first_ranks_output, start_pair, torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def torchrun(*args, timeout=300):
-    """Run under torchrun with 2 processes; a hang (ranks out of lockstep) fails at the timeout
-    instead of blocking."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           *args]
-    try:
-        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                             timeout=timeout)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"torchrun {' '.join(args)} hung for {timeout}s")
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    return out
 
 
 def one_process_update(model_dir, opt_name):
@@ -122,13 +105,6 @@ def test_two_rank_checkpoint_loads_in_one_process_with_identical_logits(two_rank
         torch.testing.assert_close(model(PROBE), two["logits"], rtol=1e-12, atol=1e-12)
 
 
-# a few tiny steps of the tiny model on 2 ranks
-SMALL_RUN = ["--train-prompts", "4", "--gen-prompts", "4", "--group-size", "4",
-             "--max-gen-batches", "2", "--max-response-len", "10", "--overlong-buffer", "4",
-             "--mini-batch-prompts", "2", "--micro-batch-size", "3", "--eval-every", "2",
-             "--eval-prompts", "6", "--eval-samples", "2", "--lr", "1e-3", "--no-dynamic-sampling"]
-
-
 @pytest.mark.needs("all")
 def test_two_rank_run_resumes_exactly(tiny_model_dir, tmp_path):
     args = ["dapo.py", "--model", tiny_model_dir, *SMALL_RUN]
@@ -146,35 +122,8 @@ def test_two_rank_run_resumes_exactly(tiny_model_dir, tmp_path):
 
 
 # --- a rank that goes wrong -----------------------------------------------------------------------
-# two plain processes (tests/dist_fail_worker.py), a few seconds each
-
-
-@pytest.fixture
-def store_env():
-    with held_store_env() as env:
-        yield env
-
-
-def start_pair(mode, timeout_s, store_env, *args):
-    env = {**os.environ, **store_env, "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
-           "TRITON_INTERPRET": "0"}
-    return [subprocess.Popen([sys.executable, "tests/dist_fail_worker.py", mode, str(timeout_s),
-                              *args],
-                             cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for r in range(2)]
-
-
-def first_ranks_output(procs) -> str:
-    """Rank 0's output once it ends (120 s at most); then every rank is killed (SIGKILL ends a
-    stopped process too)."""
-    try:
-        return procs[0].communicate(timeout=120)[0]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-
+# two plain processes (tests/dist_fail_worker.py), a few seconds each; those that go wrong inside
+# launch.session are in test_launch.py
 
 def test_a_stopped_rank_makes_the_others_fail_naming_the_collective(store_env):
     start = time.time()
@@ -183,19 +132,6 @@ def test_a_stopped_rank_makes_the_others_fail_naming_the_collective(store_env):
     assert ("rank 0: all_reduce 'dynamic-sampling count' timed out after 3 s: another rank "
             "stopped" in out), out[-3000:]
     assert waited < 60  # the 3 s timeout plus two interpreter start-ups, not the 30 min default
-
-
-def test_a_dead_rank_leaves_the_first_error_last(store_env):
-    # before: launch.session's shutdown barrier failed too, and its error, raised last, hid the
-    # first ("barrier 'shutdown' failed: another rank has probably exited")
-    procs = start_pair("dead", timeout_s=60, store_env=store_env)
-    out = first_ranks_output(procs)
-    waiting, dead = procs
-    assert waiting.returncode != 0 and dead.returncode == 3
-    assert "barrier 'shutdown'" not in out, out[-3000:]
-    last = out.strip().splitlines()[-1]  # torch prefixes "[rank0]: " to a rank's traceback
-    assert ("UserError: rank 0: all_reduce 'dynamic-sampling count' failed: another rank has "
-            "probably exited" in last), out[-3000:]
 
 
 def test_a_nan_in_one_ranks_shard_stops_every_rank_naming_the_parameter(store_env):
@@ -233,58 +169,6 @@ def test_a_checkpoint_missing_one_ranks_file_fails_every_rank_at_once(store_env,
                 and "trainer_rank1.pt is missing" in out), out[-3000:]
 
 
-@pytest.mark.needs("rope", "attention")  # rank 0's forward
-def test_a_stopped_rank_inside_fsdps_collectives_names_dist_timeout(store_env, tmp_path):
-    # before: a raw gloo "Timed out waiting 3000ms for recv operation to complete" from inside
-    # FSDP2's forward or backward, with a traceback, naming no flag
-    procs = start_pair("fsdp", 3, store_env, str(tmp_path / "run"))
-    out = first_ranks_output(procs)
-    waiting = procs[0]
-    errors = [line for line in out.splitlines() if line.startswith("error:")]
-    assert waiting.returncode == 2 and len(errors) == 1, out[-3000:]
-    assert errors[0].startswith("error: rank 0: a collective (in the model's forward or "
-                                "backward, or torch's own) timed out after 3 s: another rank "
-                                "stopped or is far behind (raise --dist-timeout if it was only "
-                                "slow) ("), out[-3000:]
-    assert "Traceback" not in out, out[-3000:]
-
-
-def test_ranks_started_with_other_flags_or_files_are_named_before_anything_loads(
-        store_env, tiny_model_dir, tmp_path):
-    # two nodes, each with its own command line; rank 1's has another --lr and --steps, and its
-    # rows.jsonl (the same relative path, its own directory) other rows. Before: another --lr or
-    # other rows trained both ranks on different things, exit 0; another --steps hung until
-    # --dist-timeout. Rank 1's copy of the model at another path is not a difference
-    from toy import toy_rows
-    nodes = [tmp_path / "node0", tmp_path / "node1"]
-    for seed, node in enumerate(nodes):
-        node.mkdir()
-        (node / "rows.jsonl").write_text("".join(json.dumps(row) + "\n"
-                                                 for row in toy_rows(8, seed)))
-    shutil.copytree(tiny_model_dir, nodes[1] / "model")
-    flags = ["--out-dir", str(tmp_path / "run"), "--train-data", "rows.jsonl", "--steps", "3",
-             *SMALL_RUN, "--dist-timeout", "20"]
-    env = {**os.environ, **store_env, "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
-           "TRITON_INTERPRET": "0"}
-    own_flags = [["--model", tiny_model_dir],  # rank 0's, rank 1's
-                 ["--model", str(nodes[1] / "model"), "--lr", "0.5", "--steps", "2"]]
-    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "dapo.py"), *flags, *extra],
-                              cwd=node, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r, (node, extra) in enumerate(zip(nodes, own_flags))]
-    out = first_ranks_output(procs)
-    errors = [line for line in out.splitlines() if line.startswith("error:")]
-    assert errors == ["error: the ranks disagree on the run (every rank must run the same command "
-                      "line, on the same files): --steps: 3 on rank 0, 2 on rank 1; --lr: "
-                      "0.001 on rank 0, 0.5 on rank 1; --train-data's file (sha256): "
-                      f"'{sha256(nodes[0])}' on rank 0, '{sha256(nodes[1])}' on rank 1"], out
-    assert procs[0].returncode == 2 and not (tmp_path / "run").exists()
-
-
-def sha256(node):
-    return hashlib.sha256((node / "rows.jsonl").read_bytes()).hexdigest()[:16]
-
-
 def test_a_disagreement_names_the_ranks_of_each_value():
     from infra import distributed
     ranks = [{"--lr": 0.001, "--seed": 0}] * 64 + [{"--lr": 0.5, "--seed": 0}] + \
@@ -298,14 +182,14 @@ def test_a_disagreement_names_the_ranks_of_each_value():
 # preempted: its torchrun forwards the scheduler's signal to its own ranks only)
 SIGTERM_ON_RANK_1 = """import os, runpy, signal, sys
 sys.path.insert(0, {root!r})
-from infra import checkpoint
+from infra import health
 if os.environ["RANK"] == "1":
-    is_finite, calls = checkpoint.gradient_is_finite, iter(range(1, 99))
+    is_finite, calls = health.gradient_is_finite, iter(range(1, 99))
     def signalled(*args):
         if next(calls) == 3:
             os.kill(os.getpid(), signal.SIGTERM)
         return is_finite(*args)
-    checkpoint.gradient_is_finite = signalled
+    health.gradient_is_finite = signalled
 sys.argv[0] = "dapo.py"
 runpy.run_path(os.path.join({root!r}, "dapo.py"), run_name="__main__")
 """
@@ -339,21 +223,6 @@ def test_a_sigterm_on_one_rank_makes_every_rank_save_the_step_and_exit_143(
                               f"torchrun [its flags] {ROOT}/dapo.py --model {tiny_model_dir} "
                               f"--out-dir {run} --steps 3 "), said
     assert said[0].endswith(" --dist-timeout 60 --resume") and len(said) == 1, said
-
-
-@pytest.mark.needs("rope", "attention")  # rank 0's forward
-def test_a_dead_rank_inside_fsdps_collectives_is_one_line(store_env, tmp_path):
-    # before: rank 0, gathering the weights, ended in a raw gloo traceback ("Connection closed by
-    # peer"), naming no collective
-    procs = start_pair("fsdp-dead", 60, store_env, str(tmp_path / "run"))
-    out = first_ranks_output(procs)
-    waiting, dead = procs
-    errors = [line for line in out.splitlines() if line.startswith("error:")]
-    assert waiting.returncode == 2 and dead.returncode == 3 and len(errors) == 1, out[-3000:]
-    assert errors[0].startswith("error: rank 0: a collective (in the model's forward or "
-                                "backward, or torch's own) failed: another rank has probably "
-                                "exited ("), out[-3000:]
-    assert "Traceback" not in out, out[-3000:]
 
 
 def test_only_an_unnamed_timeout_or_a_lost_peer_is_renamed():

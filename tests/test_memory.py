@@ -106,7 +106,6 @@ def test_the_kv_cache_and_the_optimizer_state_are_what_gets_allocated(precision,
                              for p in model.parameters())
 
 
-
 @pytest.mark.parametrize("trainer,sampler", [("fp32", "bf16"), ("bf16", "fp32")])
 def test_the_rollout_is_planned_in_the_samplers_precision(trainer, sampler):
     """--rollout-precision: the KV cache is what the sampler's autocast allocates, and the
@@ -187,37 +186,6 @@ def test_auto_slots_fill_what_is_left_and_no_more_than_a_rank_decodes():
     assert not memory.plan(m, cfg, world=8, capacity=80 * memory.GB, slots=big.slots * 4).fits
 
 
-@pytest.mark.needs("all")
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])  # Qwen3: no biases, q/k norms, head_dim
-def test_two_ranks_load_a_shard_each_and_the_same_weights(tmp_path, family):
-    """A 38M-parameter model (152 MB in fp32, its weights saved in bf16 as a Hugging Face
-    checkpoint is): each of 2 ranks reads its own rows, so its memory grows by half the fp32 model
-    (measured 0.50), not the whole (loaded whole and then sharded: 1.05); and the ranks' weights
-    gather to exactly what one process loads."""
-    m = ModelConfig(vocab_size=8000, hidden_size=512, intermediate_size=2048,
-                    num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-                    tie_word_embeddings=False, torch_dtype="bfloat16", model_type=family,
-                    head_dim=128 if family == "qwen3" else 0)
-    model_dir, out_dir = tmp_path / "model", tmp_path / "out"
-    out_dir.mkdir()
-    torch.manual_seed(0)
-    Qwen2(m).bfloat16().save_pretrained(str(model_dir))
-    fp32_bytes = memory.parameter_count(m) * 4
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node=2", "tests/load_worker.py", str(model_dir),
-                           str(out_dir)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    peaks = [json.loads((out_dir / f"rank{r}.json").read_text())["peak_kb"] * 1024
-             for r in (0, 1)]
-    assert all(peak < 0.7 * fp32_bytes for peak in peaks), [p / fp32_bytes for p in peaks]
-    whole = Qwen2.from_pretrained(str(model_dir), dtype=torch.float32).state_dict()
-    gathered = torch.load(out_dir / "weights.pt", weights_only=True)
-    assert gathered.keys() == whole.keys()
-    assert all(torch.equal(gathered[k], whole[k]) for k in whole)
-
-
 def test_an_eval_only_plan_holds_the_weights_and_nothing_of_training():
     """--eval-only builds no optimizer and takes no update: the weights in fp32 (what the model's
     parameters take), no AdamW moments, no gradients, no update phase. A 7B evaluation then fits
@@ -254,7 +222,7 @@ def test_a_sequence_longer_than_micro_batch_tokens_is_planned_as_its_own_micro_b
     longest = int((batch.prompt_mask.sum(-1) + batch.response_lengths).max())
     widest = max(len(rows) * int(batch.prompt_mask[rows].sum(-1).max()
                                  + batch.response_lengths[rows].max())
-                 for rows in batch.micro_batches(64, max_tokens=4))
+                 for rows in batch.micro_batch_rows(64, max_tokens=4))
     assert widest == longest > 4  # the longest sequence alone, past the 4 tokens asked for
     cfg = Config(precision="fp32", max_prompt_len=batch.prompt_ids.shape[1],
                  max_response_len=batch.response_ids.shape[1], micro_batch_tokens=4)

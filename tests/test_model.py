@@ -1,16 +1,20 @@
-"""model.py against transformers' Qwen2ForCausalLM on the same random weights (no downloads)."""
+"""model.py against transformers' Qwen2ForCausalLM on the same random weights (no downloads), and
+the training forward (response_logprobs) against each sequence alone."""
 import json
 import math
 import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 
 import model as model_module
 from infra.errors import UserError
+from batches import random_batch
 from model import (Attention, KVCache, ModelConfig, Qwen2, apply_rope, attention_mask_4d, preset,
-                   rope_cos_sin)
+                   response_logprobs, rope_cos_sin)
+from tiny_models import flat_grads, tiny_float64_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -640,3 +644,45 @@ def test_rows_sharing_a_prompt_under_bf16_autocast_get_the_plain_forwards_log_pr
         with torch.autocast("cpu", torch.bfloat16):
             logps.append(response_logprobs(m, batch, 1.0)[0][batch.response_mask])
     assert (logps[0] - logps[1]).abs().max() <= 2 * u
+
+
+@pytest.mark.parity
+@pytest.mark.needs("logprobs_forward", "rope", "attention")
+@pytest.mark.parametrize("fused_head", [True, False])
+def test_response_logprobs_and_gradients_equal_each_sequence_alone(fused_head, monkeypatch):
+    """The batch's rows, laid out from column 0 (prompt, response, then padding), against each
+    sequence alone, in float64 (the same sums in another order): log-probs, entropies and every
+    gradient. And attention takes no explicit mask (causal only: what a flash kernel accepts)."""
+    model = tiny_float64_model()
+    batch = random_batch(50, n=5, dtype=torch.float64)
+    assert len(set(batch.prompt_mask.sum(-1).tolist())) > 1  # prompts of several lengths
+    masks, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        masks.append((kwargs.get("attn_mask"), kwargs.get("is_causal")))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    g = torch.Generator().manual_seed(1)
+    w_logp, w_entropy = (torch.randn(batch.response_ids.shape, generator=g, dtype=torch.float64)
+                         * batch.response_mask for _ in range(2))  # (B, R): loss weights
+    logp, entropy = response_logprobs(model, batch, 0.7, fused_head)
+    assert masks and all(mask is None and causal for mask, causal in masks)
+    if fused_head:
+        assert (logp[~batch.response_mask] == 0).all()  # the fused head skips the padding
+    ((logp * w_logp).sum() + (entropy * w_entropy).sum()).backward()
+    grads = flat_grads(model)
+    model.zero_grad(set_to_none=True)
+    loss = 0
+    for i in range(len(batch)):
+        p = batch.prompt_ids[i][batch.prompt_mask[i]].tolist()
+        r = batch.response_ids[i][batch.response_mask[i]].tolist()
+        logits = model(torch.tensor([p + r]))[0, len(p) - 1:-1] / 0.7  # (len(r), V)
+        ref = logits.log_softmax(-1)[torch.arange(len(r)), r]
+        ref_entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+        assert (logp[i, :len(r)] - ref).abs().max() < 1e-12
+        assert (entropy[i, :len(r)] - ref_entropy).abs().max() < 1e-12
+        loss = loss + (ref * w_logp[i, :len(r)]).sum() + (ref_entropy * w_entropy[i, :len(r)]).sum()
+    loss.backward()
+    ref_grads = flat_grads(model)
+    assert (grads - ref_grads).abs().max() < 1e-12 * ref_grads.abs().max()

@@ -71,7 +71,7 @@ def _one_step(tiny_model_dir, tmp_path, **kw) -> dict:
     return json.loads(open(tmp_path / "metrics.jsonl").readline())
 
 
-# one mini-batch (pi_old is the update's own first forward) and two (old_logprobs())
+# one mini-batch (pi_old is the update's own first forward) and two (with_old_logprobs())
 MINI_BATCHES = pytest.mark.parametrize("mini_batch_prompts", [4, 2])
 
 

@@ -19,10 +19,10 @@ import sampler
 from batches import random_batch
 from config import Config, parse_args
 from dapo_kernels.linear import accumulate_weight_grad, has_mixed_addmm
-from infra import checkpoint, cpu, precision
+from infra import cpu, health, precision
 from model import Qwen2, preset, response_logprobs
 from test_dapo import _cfg
-from test_distributed import torchrun
+from two_ranks import torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 U = precision.BF16_UNIT_ROUNDOFF
@@ -50,8 +50,8 @@ def test_an_optimizer_step_inside_autocast_is_refused():
     model(torch.ones(1, 3)).sum().backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     with BF16, pytest.raises(RuntimeError, match="optimizer step inside an autocast region"):
-        checkpoint.gradient_is_finite(grad_norm)
-    assert checkpoint.gradient_is_finite(grad_norm)[1]  # outside: it may step
+        health.gradient_is_finite(grad_norm)
+    assert health.gradient_is_finite(grad_norm)[1]  # outside: it may step
 
 
 def test_precision_resolves_by_device_and_the_help_says_so(capsys):

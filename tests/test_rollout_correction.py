@@ -12,7 +12,7 @@ import torch
 import dapo
 import sampler
 from batches import random_batch
-from config import Config, check_flags
+from config import Config
 from infra import health
 from infra.rollout_correction import MODES, Stats, correct
 from test_dapo import TablePolicy, _cfg, table_logprobs
@@ -89,16 +89,17 @@ def test_the_weights_statistics_mean_what_verl_means():
 @pytest.fixture
 def table_policy(monkeypatch):
     """The update's forward on a context-free table (test_dapo.TablePolicy), in float64; ->
-    the (old_logp, weight) that each policy_loss call got."""
+    the (surrogate, weight, denom) that each call of dapo.beyond_the_paper got, where the
+    correction's weight reaches the loss."""
     calls = []
-    real = dapo.policy_loss
+    real = dapo.beyond_the_paper
     monkeypatch.setattr(dapo, "response_logprobs", table_logprobs)
 
-    def spy(logp, old_logp, adv, mask, eps_low, eps_high, denom, dual_clip, weight):
-        calls.append((old_logp, weight, denom))
-        return real(logp, old_logp, adv, mask, eps_low, eps_high, denom, dual_clip, weight)
+    def spy(surrogate, adv, mask, denom, dual_clip, weight):
+        calls.append((surrogate, weight, denom))
+        return real(surrogate, adv, mask, denom, dual_clip, weight)
 
-    monkeypatch.setattr(dapo, "policy_loss", spy)
+    monkeypatch.setattr(dapo, "beyond_the_paper", spy)
     return calls
 
 
@@ -122,7 +123,7 @@ def sampler_agreeing(batch):
     return replace(batch, rollout_logp=logp)
 
 
-# one optimizer step (pi_old is the update's own forward), and two (old_logprobs() first)
+# one optimizer step (pi_old is the update's own forward), and two (with_old_logprobs() first)
 STEPS = pytest.mark.parametrize("mini_batch_prompts", [2, 1])
 
 
@@ -154,7 +155,7 @@ def test_the_weight_is_the_trainers_pi_old_over_the_samplers(table_policy, mini_
     update(cfg, batch)
     rows = mini_batch_prompts * 4  # one micro-batch per optimizer step, its rows in order
     assert len(table_policy) == len(batch) // rows
-    for step, (old_logp, weight, _) in enumerate(table_policy):
+    for step, (_, weight, _) in enumerate(table_policy):
         part = batch.rows(slice(step * rows, (step + 1) * rows))
         mask = part.response_mask
         want = (pi_old[step * rows:(step + 1) * rows, :mask.shape[1]] - part.rollout_logp).exp()
@@ -217,15 +218,7 @@ def test_the_corrected_step_is_float64_autograds_gradient(table_policy, mode):
     assert torch.allclose(step, -logits.grad, rtol=1e-12, atol=1e-15)
 
 
-# --- flags, alarm, and a real mismatch: a bf16 sampler beside an fp32 trainer ---
-
-def test_bounds_that_would_weigh_an_agreeing_token_are_refused():
-    for bad in (dict(rollout_is_max=0.9), dict(rollout_is_min=1.5), dict(rollout_is_min=-1.0)):
-        with pytest.raises(ValueError, match="--rollout-is-m"):
-            check_flags(Config(**bad))
-    with pytest.raises(ValueError, match="--rollout-precision runs in one process only"):
-        check_flags(Config(rollout_precision="bf16", train_prompts=32), world=2)
-
+# --- alarm, and a real mismatch: a bf16 sampler beside an fp32 trainer ---
 
 def test_the_parity_warning_names_the_correction():
     causes = health.wrong_signal_causes({"training/rollout_logp_diff_mean": 0.2})

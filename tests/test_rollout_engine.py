@@ -1,6 +1,7 @@
-"""--rollout-engine vllm where vLLM is not installed (this venv): its flags, its memory plan, and
-the one-line error that says what to install, and sampler.Engine's vLLM branch with a stand-in.
-The engine itself is tested in tests_vllm/ (`make test-vllm`, in .venv-vllm)."""
+"""--rollout-engine vllm where vLLM is not installed (this venv): its memory plan, the one-line
+error that says what to install, and sampler.Engine's vLLM branch with a stand-in (its flags are
+checked in test_config.py). The engine itself is tested in tests_vllm/ (`make test-vllm`, in
+.venv-vllm)."""
 import importlib.util
 import os
 import subprocess
@@ -8,28 +9,11 @@ import sys
 
 import pytest
 
-from config import Config, check_flags
+from config import Config
 from infra import memory
 from model import preset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def test_the_correction_defaults_to_token_truncate_with_vllm_only():
-    assert Config(rollout_engine="vllm").rollout_correction == "token_truncate"
-    assert Config().rollout_correction == "none"  # the paper's loss, to the last bit
-    assert Config(rollout_engine="vllm", rollout_correction="none").rollout_correction == "none"
-
-
-@pytest.mark.parametrize("flags, says", [
-    (dict(vllm_gpu_memory_utilization=0.0), "--vllm-gpu-memory-utilization must be in (0, 1]"),
-    (dict(temperature=0.7, top_p=0.9), "--rollout-engine vllm takes --temperature 0.7 or"),
-    (dict(temperature=0.7, top_k=20), "--rollout-engine vllm takes --temperature 0.7 or"),
-])
-def test_vllm_flags_it_cannot_honour_are_refused(flags, says):
-    with pytest.raises(ValueError, match=says.replace("(", r"\(").replace("]", r"\]")):
-        check_flags(Config(rollout_engine="vllm", **flags))
-    check_flags(Config(**flags))  # the sampler takes them
 
 
 def test_the_memory_plan_counts_the_engine_in_place_of_the_samplers_parts():

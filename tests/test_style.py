@@ -1,9 +1,12 @@
 """Style: ruff's checks (pyproject.toml) pass on the tracked .py files and notebooks (ruff reads
-a notebook's code cells), and no line of a tracked .py file is over 100 columns.
+a notebook's code cells), no line of a tracked .py file is over 100 columns, and imports go one
+way: infra/ imports nothing of the root's modules.
 
 Not shipped in the student handout (assign.INSTRUCTOR_ONLY): there the blanked exercise bodies leave
 code that uses their names, which ruff flags until the student writes them.
 """
+import ast
+import glob
 import io
 import os
 import re
@@ -90,3 +93,33 @@ def test_the_line_check_honours_noqa_as_ruff_does():
             f'e = """\n{long}\n"""\n'
             f"f = 1  # {long}\n")
     assert [i for i, _ in long_lines(text)] == [1, 8, 10]
+
+
+def root_modules() -> set[str]:
+    """The modules at the repository's root, its .py files: dapo, config, model, ..."""
+    return {name[:-len(".py")] for name in os.listdir(ROOT) if name.endswith(".py")}
+
+
+def imported_modules(source: str) -> set[str]:
+    """The top-level name of each module a file imports, at its top or inside a function
+    (`from a.b import c`: a); a relative import (`from . import x`) names none."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_infra_imports_nothing_of_the_root():
+    # imports go one way: the root (dapo.py, launch.py, ...) uses infra/, and infra/ never the
+    # root, so that a piece of machinery reads, tests and moves on its own
+    root = root_modules()
+    assert {"dapo", "config", "launch", "model", "reward"} <= root  # something to look for
+    found = {}
+    for path in sorted(glob.glob(os.path.join(ROOT, "infra", "**", "*.py"), recursive=True)):
+        with open(path, encoding="utf-8") as f:
+            if names := imported_modules(f.read()) & root:
+                found[os.path.relpath(path, ROOT)] = sorted(names)
+    assert not found, f"infra/ imports the root's modules: {found}"

@@ -155,13 +155,6 @@ def test_a_tracker_not_installed_is_refused_before_anything_loads(monkeypatch, t
     check_flags(Config(report_to=("jsonl", "tensorboard")))  # an installed one passes
 
 
-def test_report_to_takes_several_values():
-    from config import parse_args
-    assert parse_args(["--report-to", "tensorboard", "wandb"]).report_to == ("tensorboard",
-                                                                            "wandb")
-    assert parse_args([]).report_to == ("jsonl",)
-
-
 @pytest.mark.needs("all")
 def test_eval_only_logs_to_runs_of_its_own(run, tiny_model_dir, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -35,9 +35,3 @@ def tiny_dir(tmp_path_factory):
     Qwen2(preset("tiny", vocab_size=tok.vocab_size, num_attention_heads=2,
                  num_key_value_heads=1)).save_pretrained(d)
     return d
-
-
-def pytest_configure(config):
-    # `make test-vllm` runs these again under ATEN_CPU_CAPABILITY=default, as `make test` does
-    config.addinivalue_line("markers", "parity: compares two computations of the same numbers "
-                                       "(a tolerance derived from fp32 epsilon)")
