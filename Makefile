@@ -99,7 +99,7 @@ bench-step: $(BENCH_VENV)/.bench
 # FSDP2, the fused kernels; with 2 GPUs the canary and dapo.py on 2 processes too. One report,
 # runs/gpu_check.md. SMOKE=1: the same on CPU with tiny shapes, bf16 by autocast.
 gpu-check: $(VENV)/.test
-	$(PY) benchmarks/gpu_check.py $(if $(SMOKE),--smoke)
+	$(PY) checks/gpu_check.py $(if $(SMOKE),--smoke)
 
 # Each DAPO technique judged on what it acts on: DAPO against DAPO with one technique off, on the
 # ablation's own toy task (ablate_toy.py), 6 seeds each, two runs at a time on one thread each;

@@ -1,6 +1,6 @@
 """bf16, the precision of every GPU run, on CPU: torch's CPU autocast runs the machinery CUDA's
 does (infra/precision.py). The rollout runs, the weights that a rollout reads after an optimizer
-step are the weights after it (the learning canary, benchmarks/canary.py), and bf16 stays within
+step are the weights after it (the learning canary, checks/canary.py), and bf16 stays within
 bf16's rounding of fp32, in one process and on two FSDP2 ranks with a bf16 MixedPrecisionPolicy.
 
 Tolerances are in bf16's unit round-off u = 2^-8 (8 significant bits: a rounding is off by at
@@ -211,10 +211,10 @@ def test_the_loop_trains_in_bf16_on_two_fsdp_ranks(tiny_model_dir, tmp_path):
 @pytest.mark.needs("all")
 def test_the_learning_canary_sees_the_step_in_bf16_on_two_fsdp_ranks(tmp_path):
     """After one update with a planted advantage, the bf16 sampler's log-probs move as the
-    trainer's do (benchmarks/canary.py: it fails on a rollout that reads weights from before the
+    trainer's do (checks/canary.py: it fails on a rollout that reads weights from before the
     step, as an autocast region around the whole run makes it). In one process: the canary part
     of tests/test_gpu_check.py, the same command."""
-    out = torchrun("benchmarks/canary.py", "--precision", "bf16", "--dir", str(tmp_path)).stdout
+    out = torchrun("checks/canary.py", "--precision", "bf16", "--dir", str(tmp_path)).stdout
     assert out.count(": ok") == 1, out
 
 

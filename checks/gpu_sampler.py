@@ -6,9 +6,9 @@ transformers' generate on one batch of 64; useful tokens/s (response tokens up t
 peak GPU memory. Not part of `make bench` (no GPU there).
 
     # about 2 minutes on one H100/H200, most of it the decode step's compile
-    python benchmarks/gpu_sampler.py
+    python checks/gpu_sampler.py
     # smoke (bf16 on CPU too)
-    python benchmarks/gpu_sampler.py --device cpu --preset tiny --prompts 2 --max-new 16 \
+    python checks/gpu_sampler.py --device cpu --preset tiny --prompts 2 --max-new 16 \
         --slots 4
 
 A random model's next-token distribution is nearly flat, so making a set of vocab * 4 / max_new
@@ -28,8 +28,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import canary  # noqa: E402 (benchmarks/canary.py: its tolerance, 2 bf16 ulps of a log-prob)
-from common import left_padded, lengths_to_eos  # noqa: E402
+import canary  # noqa: E402 (checks/canary.py: its tolerance, 2 bf16 ulps of a log-prob)
+from benchmarks.common import left_padded, lengths_to_eos  # noqa: E402
 from model import Qwen2, num_params, preset  # noqa: E402
 from sampler import compiled_decode_step, decode_one_token, generate, prefill_slots  # noqa: E402
 

@@ -2,11 +2,11 @@
 two parts. Not part of `make bench` (that runs benchmarks/bench_*.py on CPU); run it by hand on a
 GPU machine:
 
-    python benchmarks/gpu_kernels.py [--rows 16384 --vocab 151936 --dtype bf16
+    python checks/gpu_kernels.py [--rows 16384 --vocab 151936 --dtype bf16
                                       --block-v 2048 4096 8192 16384]
-    python benchmarks/gpu_kernels.py --part head [--hidden 896 --chunk-tokens 0 1024 4096]
+    python checks/gpu_kernels.py --part head [--hidden 896 --chunk-tokens 0 1024 4096]
     # on CPU, tiny shapes: checks that the script itself runs
-    python benchmarks/gpu_kernels.py --smoke
+    python checks/gpu_kernels.py --smoke
 
 Part "logits": the Triton log-prob + entropy kernels on (rows, vocab) logits.
 1. Correctness against the chunked fp32 PyTorch reference (dapo_kernels/reference.py) on the same

@@ -5,8 +5,8 @@ count), saved with save_pretrained in bf16 (the dtype Qwen2.5's checkpoints ship
 load it and compute the logits of the same left-padded batch, in bf16 (the weights as stored) and
 in fp32 (the same weights, widened exactly). Not part of `make bench` (no GPU there).
 
-    python benchmarks/gpu_parity.py                         # one GPU, ~30 s
-    python benchmarks/gpu_parity.py --device cpu --preset tiny   # smoke
+    python checks/gpu_parity.py                         # one GPU, ~30 s
+    python checks/gpu_parity.py --device cpu --preset tiny   # smoke
 
 What it checks (exit 1 if one fails), over the real tokens' logits z:
 - our loader takes the checkpoint's dtype (bf16) from its config.json;
@@ -32,7 +32,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import randomise_biases_and_norms  # noqa: E402
+from benchmarks.common import randomise_biases_and_norms  # noqa: E402
 from infra.precision import BF16_UNIT_ROUNDOFF as U  # noqa: E402
 from model import Qwen2, preset  # noqa: E402
 

@@ -18,9 +18,9 @@ It passes when the sampler's log-probs moved up as the trainer's did: the gap be
 moves (token mean) within tolerance() (bf16's rounding of a log-prob), the trainer's move at
 least MIN_MOVE times that (no pass by standing still). Exit 1 otherwise.
 
-    python benchmarks/canary.py --precision bf16                    # one process, CPU autocast
-    torchrun --nproc_per_node=2 benchmarks/canary.py --precision bf16   # FSDP2, gloo on CPU
-    python benchmarks/canary.py --precision bf16 --device cuda      # the GPU check's
+    python checks/canary.py --precision bf16                    # one process, CPU autocast
+    torchrun --nproc_per_node=2 checks/canary.py --precision bf16   # FSDP2, gloo on CPU
+    python checks/canary.py --precision bf16 --device cuda      # the GPU check's
 """
 import argparse
 import math

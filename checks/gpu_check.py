@@ -3,9 +3,9 @@ The GPU check in one call: what a CPU cannot show of the GPU path, each part a s
 subprocess with a timeout, and one markdown report of what each printed, its exit status and its
 time.
 
-    python benchmarks/gpu_check.py [--out runs/gpu_check.md]    # one H100/H200: ~7 min, <= 560 s
-    python benchmarks/gpu_check.py --smoke                      # CPU, tiny shapes, a few minutes
-    python benchmarks/gpu_check.py --smoke --only canary dapo   # some parts (names below)
+    python checks/gpu_check.py [--out runs/gpu_check.md]    # one H100/H200: ~7 min, <= 560 s
+    python checks/gpu_check.py --smoke                      # CPU, tiny shapes, a few minutes
+    python checks/gpu_check.py --smoke --only canary dapo   # some parts (names below)
 
 The parts, in order (exit 1 if one fails):
     canary    the learning canary in bf16: after one update with a planted advantage, the
@@ -49,7 +49,7 @@ TINY = ("--device", "cpu", "--preset", "tiny")
 class Check:
     name: str  # for --only
     title: str
-    script: str  # in benchmarks/
+    script: str  # in checks/
     gpu_args: tuple  # "{tmp}" is the run's scratch directory
     smoke_args: tuple
     estimate_s: int  # on one H100, guessed (see the report's times for measured ones)
@@ -170,7 +170,7 @@ def main():
             script_args = [a.replace("{tmp}", tmp)
                            for a in (check.smoke_args if args.smoke else check.gpu_args)]
             command = [sys.executable, *check.launcher,
-                       os.path.join("benchmarks", check.script), *script_args]
+                       os.path.join("checks", check.script), *script_args]
             timeout_s = check.timeout_s * (SMOKE_SLACK if args.smoke else 1)
             status, wall_s, output = run_check(command, timeout_s)
             result = "ok" if status == 0 else "TIMED OUT" if status == 124 else \

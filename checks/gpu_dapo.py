@@ -3,9 +3,9 @@ GPU check: dapo.py itself, on a random Qwen2.5-0.5B-shaped model in bf16 (--prec
 steps with real advantages, then a resume. Prints generation and training tokens/s and the peak
 GPU memory. Not part of `make bench` (no GPU there).
 
-    python benchmarks/gpu_dapo.py                     # one GPU, ~2 minutes
-    python benchmarks/gpu_dapo.py --nproc 2           # FSDP2 on 2 GPUs, under torchrun
-    python benchmarks/gpu_dapo.py --device cpu --preset tiny --precision bf16 --prompts 4 \
+    python checks/gpu_dapo.py                     # one GPU, ~2 minutes
+    python checks/gpu_dapo.py --nproc 2           # FSDP2 on 2 GPUs, under torchrun
+    python checks/gpu_dapo.py --device cpu --preset tiny --precision bf16 --prompts 4 \
         --group-size 4 --max-response-len 16         # smoke: the same on CPU (autocast)
 
 A random model says nothing that the toy task's verifier rewards, and it never samples the toy

@@ -5,8 +5,8 @@ NCCL) otherwise first runs on an 8-GPU job; here it runs in a process group of o
 GPU, against the one-GPU path (fp32 weights, bf16 compute by autocast) on the same weights and the
 same batch, and against fp32. Not part of `make bench` (no GPU there).
 
-    python benchmarks/gpu_fsdp.py                          # Qwen2.5-0.5B shape, one GPU, ~1 min
-    python benchmarks/gpu_fsdp.py --device cpu --preset tiny   # smoke: gloo, fp32 on both sides
+    python checks/gpu_fsdp.py                          # Qwen2.5-0.5B shape, one GPU, ~1 min
+    python checks/gpu_fsdp.py --device cpu --preset tiny   # smoke: gloo, fp32 on both sides
 
 What it checks, each a line of the table (exit 1 if one fails):
 - full weights: distributed.full_state_dict of the sharded model equals the model's own weights;
