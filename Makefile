@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/pip
 BENCH_VENV := .venv-bench
 VLLM_VENV := .venv-vllm
 
-.PHONY: run real test test-vllm bench bench-step gpu-check ablate notebook handout check grade clean
+.PHONY: run real test test-fast test-vllm bench bench-step gpu-check ablate notebook handout check grade clean
 
 $(VENV)/.runtime: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,13 @@ XDIST := -n auto --dist loadfile --no-loadscope-reorder
 test: $(VENV)/.test
 	$(PY) -m pytest -q $(XDIST) tests
 	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q $(XDIST) -m parity tests
+
+# The root's own unit tests, for the edit-run loop: the techniques and the loop (test_dapo), the
+# batch, the reward, the model against transformers on tiny shapes, the sampler, the flags; under
+# a minute on 2 cores (`make test` is the whole suite, and what CI runs).
+FAST := $(addprefix tests/test_,dapo.py batch.py reward.py model.py sampler.py config.py)
+test-fast: $(VENV)/.test
+	$(PY) -m pytest -q $(XDIST) $(FAST)
 
 # --rollout-engine vllm's tests (tests_vllm/: 4-8 minutes on 2 busy cores, the venv ~8 more the
 # first time), in a venv of their own (requirements-vllm.txt says why); the vision and audio
