@@ -33,7 +33,7 @@ from infra import (checkpoint, cpu, distributed, files, health, hf_io, hub, inte
 from infra.errors import UserError
 from infra.files import need_file
 from infra.reward_fn import reward_fn_file
-from model import ModelConfig, Qwen2, rope_inv_freq
+from model import ModelConfig, Transformer, rope_inv_freq
 from reward import Verifier
 from sampler import Engine
 
@@ -107,7 +107,7 @@ def planned_world(cfg: Config) -> int:
 @dataclass
 class Setup:
     """What the loop starts from."""
-    model: Qwen2  # the policy, fp32 master weights (sharded with FSDP2 on several processes)
+    model: Transformer  # the policy, fp32 master weights (sharded with FSDP2 on several processes)
     tok: Tokenizer
     tok_dir: str  # the tokenizer's directory, copied into every checkpoint
     resume_dir: str | None  # the checkpoint --resume continues from
@@ -256,7 +256,7 @@ def open_run(cfg: Config) -> str | None:
     return resume_dir
 
 
-def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:
+def load_policy(cfg: Config) -> tuple[Transformer, Tokenizer, str, str | None]:
     """The policy in fp32 (the master weights) and its tokenizer, from --model, from the latest
     checkpoint with --resume, or the demo's base model; sharded with FSDP2 on several processes.
     Returns (model, tokenizer, the tokenizer's directory, the checkpoint to resume or None)."""
@@ -269,7 +269,7 @@ def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:
         if sharded:
             model = load_sharded(tok_dir, cfg)
         else:
-            model = Qwen2.from_pretrained(tok_dir, dtype=torch.float32, device=cfg.device)
+            model = Transformer.from_pretrained(tok_dir, dtype=torch.float32, device=cfg.device)
     else:
         tok_dir, model = demo().demo_policy(cfg.out_dir, cfg.device, cfg.seed)
         if sharded:
@@ -282,21 +282,21 @@ def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:
     return model, tok, tok_dir, resume_dir
 
 
-def rollout_engine(cfg: Config, model: Qwen2, tok: Tokenizer) -> Engine:
+def rollout_engine(cfg: Config, model: Transformer, tok: Tokenizer) -> Engine:
     """sampler.py, which reads the policy's own weights, or with --rollout-engine vllm this
     process's vLLM engine, given the policy's weights."""
     vllm = vllm_engine.VLLMEngine(cfg, model) if cfg.rollout_engine == "vllm" else None
     return Engine(cfg, tok.pad_token_id, vllm)
 
 
-def load_sharded(model_dir: str, cfg: Config) -> Qwen2:
+def load_sharded(model_dir: str, cfg: Config) -> Transformer:
     """The policy in fp32, sharded with FSDP2 (bf16 compute with --precision bf16), without any
     rank ever holding the whole model (a 32B's fp32 weights are 131 GB): built on the meta
     device, sharded, then each rank reads its own rows of every weight from the safetensors
     files."""
     model_cfg = ModelConfig.from_json(need_file(model_dir, "config.json"))
     with torch.device("meta"):
-        model = Qwen2(model_cfg)
+        model = Transformer(model_cfg)
     distributed.shard(model, mixed_precision=cfg.precision == "bf16")
     model.to_empty(device=cfg.device)
     with torch.no_grad():  # name -> (rows, the full shape, this rank's tensor)

@@ -285,8 +285,8 @@ def attention_mask_4d(q_index, S, key_mask=None):
     return mask[:, None]
 
 
-class Qwen2(nn.Module):
-    """The decoder of every family (named for the first): embeddings, blocks, final norm, head."""
+class Transformer(nn.Module):
+    """The decoder of every family: embeddings, blocks, final norm, head."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -374,7 +374,7 @@ class Qwen2(nn.Module):
     # Hugging Face checkpoints
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype=None, device="cpu") -> "Qwen2":
+    def from_pretrained(cls, path: str, dtype=None, device="cpu") -> "Transformer":
         """Load a Hugging Face Qwen2, Llama or Qwen3 directory (model.safetensors, or sharded
         files + model.safetensors.index.json), dtype by default the config's torch_dtype. Built on
         the meta device, the model takes the loaded tensors in place: no second copy in memory."""
@@ -405,7 +405,7 @@ class Qwen2(nn.Module):
 # --------------------------------------------------------------------------------------------------
 # The policy's log-probs of sampled responses, for the RL loss
 
-def response_logprobs(model: Qwen2, batch, temperature: float, fused_head: bool = True):
+def response_logprobs(model: Transformer, batch, temperature: float, fused_head: bool = True):
     """log pi(o_t | q, o_<t) and the entropy of that distribution, for every response token of a
     batch.Batch (its prompt_ids/mask, left-padded, and response_ids/mask, right-padded): (B, R)
     each, fp32 (0 on padding with the fused head): the policy loss's pi_theta and pi_old.
@@ -456,7 +456,7 @@ def output_layer(hidden, weight, batch, temperature: float, fused_head: bool):
 SHARE_PROMPTS = True  # a prompt that several rows repeat goes through the model once
 
 
-def shares_prompts(model: Qwen2, batch) -> bool:
+def shares_prompts(model: Transformer, batch) -> bool:
     """Does response_logprobs run each distinct prompt once: when rows repeat a prompt, on a CPU
     (whose SDPA kernel takes the explicit mask this needs; a GPU's flash kernel takes none, and
     the mask of 64 rows of 20k tokens is 28 GB), in one process (under FSDP2 each block would run
@@ -470,7 +470,7 @@ def shares_prompts(model: Qwen2, batch) -> bool:
     return len(torch.unique(prompts, dim=0)) < len(prompts)
 
 
-def shared_prompt_logprobs(model: Qwen2, batch, temperature: float, fused_head: bool):
+def shared_prompt_logprobs(model: Transformer, batch, temperature: float, fused_head: bool):
     """response_logprobs' numbers with each distinct prompt through the model once (a group's G
     responses repeat theirs: with make real's ~40-token prompts, over half the tokens). Two
     forwards: the prompts, from column 0, writing their keys and values into a KV cache; then the

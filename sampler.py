@@ -1,7 +1,7 @@
 """
-The rollout engine: KV-cached sampling from model.Qwen2 with continuous batching, returning what RL
-training needs. DAPO spends most of its wall time here. As in gpt-fast's generate.py, generation is
-a few small functions that compose:
+The rollout engine: KV-cached sampling from model.Transformer with continuous batching, returning
+what RL training needs. DAPO spends most of its wall time here. As in gpt-fast's generate.py,
+generation is a few small functions that compose:
 
     prefill_slots()     one forward over new prompts: writes their keys/values into free cache slots
     decode_one_token()  one forward of one new token per slot against the cache
@@ -432,7 +432,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: 
     responses = Responses.empty(len(prompts), max_new_tokens, pad_token_id, device)
     logits = torch.zeros(B, model.config.vocab_size, device=device)  # (B, V): next-token logits
     was_training = model.training
-    model.eval()  # no dropout in Qwen2, but generation is inference: say so
+    model.eval()  # no dropout in this model, but generation is inference: say so
     bar = tqdm(total=len(prompts), desc="generate", unit="seq", disable=not progress)
     try:
         table.refill(model, logits)  # every rank has a prompt, so every rank runs this forward

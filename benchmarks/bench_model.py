@@ -11,7 +11,7 @@ import time
 import torch
 
 from benchmarks.common import timed_rounds
-from model import Qwen2, preset
+from model import Transformer, preset
 
 
 def main():
@@ -30,7 +30,7 @@ def main():
     cfg = preset("tiny", vocab_size=args.vocab, hidden_size=args.hidden,
                  intermediate_size=3 * args.hidden, num_hidden_layers=args.layers,
                  num_attention_heads=args.hidden // 64, num_key_value_heads=2)
-    ours = Qwen2(cfg)
+    ours = Transformer(cfg)
     with tempfile.TemporaryDirectory() as d:
         ours.save_pretrained(d)
         theirs = transformers.Qwen2ForCausalLM.from_pretrained(d, dtype=torch.float32,

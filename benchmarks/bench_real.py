@@ -35,7 +35,7 @@ from examples import smollm2, sums
 from experiments import real
 from infra import gguf
 from launch import load_verifier
-from model import Qwen2
+from model import Transformer
 from sampler import generate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,7 +69,7 @@ def rollout_part(model_dir: str, rounds: int, precisions: list[str], shapes: lis
                  slots: int, tmp: str):
     import transformers
     transformers.utils.logging.disable_progress_bar()
-    ours = Qwen2.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ours = Transformer.from_pretrained(model_dir, dtype=torch.float32).eval()
     theirs = transformers.AutoModelForCausalLM.from_pretrained(model_dir,
                                                                dtype=torch.float32).eval()
     at_once = slots or "all"
@@ -130,7 +130,7 @@ def step_part(model_dir: str, rounds: int, precisions: list[str], tmp: str):
     verifier = load_verifier(cfg)
     tok = load_tokenizer(model_dir)
     rows = load_rows(train, tok, has_scorer=verifier.has_scorer)[:cfg.train_prompts]
-    base = Qwen2.from_pretrained(model_dir, dtype=torch.float32)
+    base = Transformer.from_pretrained(model_dir, dtype=torch.float32)
     start = {k: v.clone() for k, v in base.state_dict().items()}
     batches = {}  # per precision, its last collected batch: the roofline's update
 

@@ -64,7 +64,7 @@ from benchmarks.common import (
     reset_peak_rss,
     timed_rounds,
 )
-from model import ModelConfig, Qwen2, num_params
+from model import ModelConfig, Transformer, num_params
 from sampler import SPEED_UPS, generate
 
 DEMO = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
@@ -75,10 +75,10 @@ UNIFORM = {"demo": (DEMO, 64), "27M": (M27, 16)}  # name: (model config, batch s
 RL_PROMPTS, RL_G, RL_SLOTS, RL_NEW, RL_EOS = 64, 8, 64, 512, [1, 2, 3, 4]
 
 
-def random_model(cfg_kw) -> Qwen2:
+def random_model(cfg_kw) -> Transformer:
     """A random Qwen2 of this shape (seed 0), its biases and norm weights random too."""
     torch.manual_seed(0)
-    model = Qwen2(ModelConfig(**cfg_kw, max_position_embeddings=1024, torch_dtype="float32"))
+    model = Transformer(ModelConfig(**cfg_kw, max_position_embeddings=1024, torch_dtype="float32"))
     return randomise_biases_and_norms(model.eval())
 
 
@@ -182,7 +182,8 @@ def memory_rise(slots):
     resident."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = Qwen2(ModelConfig(**DEMO, max_position_embeddings=1024, torch_dtype="float32")).eval()
+    config = ModelConfig(**DEMO, max_position_embeddings=1024, torch_dtype="float32")
+    model = Transformer(config).eval()
     seqs = rl_sequences()
     if not reset_peak_rss():  # VmHWM restarts from the current resident size
         raise OSError("/proc/self/clear_refs is not writable: no peak to measure")
@@ -280,10 +281,11 @@ BASELINE = "015f0be"  # the sampler before its prompt sharing (and its since-dro
 ONE_ROLLOUT = """
 import json, sys, time, torch
 import sampler
-from model import ModelConfig, Qwen2
+from model import ModelConfig, Transformer
 torch.set_num_threads(1)
 torch.manual_seed(0)
-model = Qwen2(ModelConfig(**{demo}, max_position_embeddings=1024, torch_dtype="float32")).eval()
+config = ModelConfig(**{demo}, max_position_embeddings=1024, torch_dtype="float32")
+model = Transformer(config).eval()
 for flag in sys.argv[3:]:
     setattr(sampler, flag, False)
 forwards, prefills, prefill = [], [], getattr(sampler, "prefill_slots", None)

@@ -71,7 +71,7 @@ from examples import smollm2, sums
 from experiments import real
 from infra import gguf
 from launch import load_verifier
-from model import Qwen2
+from model import Transformer
 from reward import overlong_penalty, score_response
 from toy import demo_base_model, make_toy_tokenizer, toy_rows
 
@@ -145,7 +145,7 @@ class OurSide:
 
     def __init__(self, work: Workload, phases, **flags):
         self.cfg = replace(work.cfg, **flags)
-        self.model = Qwen2.from_pretrained(work.base, dtype=torch.float32)
+        self.model = Transformer.from_pretrained(work.base, dtype=torch.float32)
         if self.cfg.compile:  # as launch.load_policy does
             self.model.compile_blocks()
         self.tok = load_tokenizer(work.base)

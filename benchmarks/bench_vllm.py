@@ -94,12 +94,12 @@ def smollm2_part(args):
     from benchmarks import bench_real
     from examples import smollm2
     from infra import gguf
-    from model import Qwen2
+    from model import Transformer
     if not gguf.is_converted(smollm2.OUT):
         print(f"bench_vllm: skipped, no converted model in {smollm2.OUT} (make real, or "
               "python -m examples.smollm2, writes it)")
         return
-    model = Qwen2.from_pretrained(smollm2.OUT, dtype=torch.float32).eval()
+    model = Transformer.from_pretrained(smollm2.OUT, dtype=torch.float32).eval()
     print(f"make real's rollouts on SmolLM2-135M-Instruct: up to {bench_real.NEW_TOKENS} new "
           f"tokens at temperature 1, the sampler in {bench_real.SLOTS} slots; CPU time, "
           f"{args.rounds} round(s), min / median")

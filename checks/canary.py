@@ -35,7 +35,7 @@ import launch
 from config import Config
 from infra import distributed
 from infra.precision import BF16_UNIT_ROUNDOFF
-from model import Qwen2, preset, response_logprobs
+from model import Transformer, preset, response_logprobs
 from reward import Verifier
 from toy import make_toy_tokenizer, toy_rows
 
@@ -78,7 +78,7 @@ def write_model(model_dir: str, preset_name: str):
     """A random model of this preset (seed 0: the same on every rank), with the toy tokenizer."""
     tok = make_toy_tokenizer(model_dir)
     torch.manual_seed(0)
-    Qwen2(preset(preset_name, vocab_size=tok.vocab_size)).save_pretrained(model_dir)
+    Transformer(preset(preset_name, vocab_size=tok.vocab_size)).save_pretrained(model_dir)
 
 
 def canary(cfg: Config) -> dict:

@@ -49,7 +49,7 @@ from config import parse_args
 from infra import distributed
 from infra.hf_io import checkpoint_files
 from infra.precision import BF16_UNIT_ROUNDOFF as U  # a rounding: off by <= u
-from model import ModelConfig, Qwen2, num_params, preset
+from model import ModelConfig, Transformer, num_params, preset
 from toy import make_toy_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -123,7 +123,8 @@ def write_model(d, args) -> str:
     model_dir = os.path.join(d, "model")
     torch.manual_seed(0)
     # tiny: a vocabulary of 512, more than half of it the toy tokenizer's (texts that vary)
-    model = Qwen2(preset(args.preset, **({"vocab_size": 512} if args.preset == "tiny" else {})))
+    sizes = {"vocab_size": 512} if args.preset == "tiny" else {}
+    model = Transformer(preset(args.preset, **sizes))
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"{args.preset}: {num_params(model) / 1e6:.1f}M parameters, on {args.nproc} x {where}")
     model.save_pretrained(model_dir)

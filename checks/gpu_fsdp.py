@@ -35,7 +35,7 @@ import torch.distributed as dist
 import dapo
 from data import load_tokenizer
 from infra import distributed, precision
-from model import Qwen2, num_params, preset, response_logprobs
+from model import Transformer, num_params, preset, response_logprobs
 from reward import Verifier
 from toy import make_toy_tokenizer, toy_rows
 
@@ -98,7 +98,7 @@ def run(args, device, d) -> list[str]:
     make_toy_tokenizer(d)
     tok = load_tokenizer(d)
     torch.manual_seed(0)
-    one = Qwen2(preset(args.preset)).to(device)
+    one = Transformer(preset(args.preset)).to(device)
     sharded = distributed.shard(copy.deepcopy(one), mixed_precision=on_gpu)
     where = torch.cuda.get_device_name() if on_gpu else "cpu"
     print(f"{args.preset}: {num_params(one) / 1e6:.0f}M parameters on {where}; one-GPU side "

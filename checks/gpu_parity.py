@@ -32,7 +32,7 @@ import torch
 
 from benchmarks.common import randomise_biases_and_norms
 from infra.precision import BF16_UNIT_ROUNDOFF as U
-from model import Qwen2, preset
+from model import Transformer, preset
 
 EPS = torch.finfo(torch.float32).eps
 
@@ -68,7 +68,7 @@ def logits_of(path, dtype, device, inputs) -> dict:
     "dtype": the one our model loaded in (dtype None: the checkpoint's, from its config.json)."""
     import transformers
     ids, mask, positions = inputs
-    ours = Qwen2.from_pretrained(path, dtype=dtype, device=device).eval()
+    ours = Transformer.from_pretrained(path, dtype=dtype, device=device).eval()
     out = {"ours": ours(ids, positions=positions, attention_mask=mask)[mask].float(),
            "dtype": ours.model.embed_tokens.weight.dtype}
     del ours
@@ -87,7 +87,7 @@ def flash_trains(path, device) -> str:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from model import response_logprobs
-    model = Qwen2.from_pretrained(path, device=device)
+    model = Transformer.from_pretrained(path, device=device)
     g = torch.Generator().manual_seed(1)
     prompt_len, response_len = torch.randint(8, 33, (4,), generator=g), \
         torch.randint(4, 65, (4,), generator=g)

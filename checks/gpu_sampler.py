@@ -28,7 +28,7 @@ import torch
 
 from benchmarks.common import left_padded, lengths_to_eos
 from checks import canary  # its tolerance, 2 bf16 ulps of a log-prob
-from model import Qwen2, num_params, preset
+from model import Transformer, num_params, preset
 from sampler import compiled_decode_step, decode_one_token, generate, prefill_slots
 
 
@@ -56,8 +56,8 @@ def main():
     cfg = preset(args.preset, **({"vocab_size": 512} if args.preset == "tiny" else {}))
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as d:
-        Qwen2(cfg).save_pretrained(d)
-        ours = Qwen2.from_pretrained(d, dtype=dtype, device=device).eval()
+        Transformer(cfg).save_pretrained(d)
+        ours = Transformer.from_pretrained(d, dtype=dtype, device=device).eval()
         hf = transformers.Qwen2ForCausalLM.from_pretrained(d, dtype=dtype,
                                                            attn_implementation="sdpa").to(device)
     where = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"

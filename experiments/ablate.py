@@ -229,10 +229,10 @@ def probe(model_dir, rows_path, k, seed, cfg) -> dict:
     each problem gets (the diversity clip-higher keeps), filler repeats, truncation, and how often
     the working is shown."""
     from data import load_rows, load_tokenizer
-    from model import Qwen2
+    from model import Transformer
     from reward import Verifier
     tok = load_tokenizer(model_dir)
-    model = Qwen2.from_pretrained(model_dir, dtype=torch.float32)
+    model = Transformer.from_pretrained(model_dir, dtype=torch.float32)
     rows = load_rows(rows_path, tok)
     # every sample decoding at once (rollout_slots 0): the draws follow the slots' schedule
     batch = dapo.rollout(model, rows, tok, replace(cfg, rollout_slots=0), Verifier(),

@@ -24,7 +24,7 @@ import json
 import random
 import zlib
 
-from model import Qwen2
+from model import Transformer
 from toy import TOY_DATA_SOURCE, TOY_FILLER, TOY_TEST_BUCKETS, warmed_up_model
 
 # "a+k": 540 problems, 1 in 5 held out (by a hash of the text)
@@ -121,7 +121,7 @@ def filler_repeats(response: str) -> int:
 ABL_WARMUP = dict(steps=800, skill_steps=600, batch_size=64, lr=5e-3, preset="tiny")
 
 
-def ablation_base_model(tok, device="cpu", seed=0, cache_root="runs/ablate-base") -> Qwen2:
+def ablation_base_model(tok, device="cpu", seed=0, cache_root="runs/ablate-base") -> Transformer:
     """A tiny Qwen2 fitted to ablation_warmup_pairs() by next-token prediction; cached, keyed by its
     settings and a sample of its data (measured: ~2 min on one thread of an idle machine, ~6 min on
     a busy one)."""

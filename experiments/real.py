@@ -35,7 +35,7 @@ from data import encode_prompts, load_tokenizer
 from examples import smollm2, sums
 from experiments import plot
 from infra import memory, precision
-from model import ModelConfig, Qwen2
+from model import ModelConfig, Transformer
 from sampler import generate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,7 +87,7 @@ def first_rows(path: str, n: int) -> list[dict]:
 def answers(model_dir: str, rows: list[dict], cfg, seed: int) -> list[str]:
     """One sampled response to each plain row, at the evaluation's temperature and top-p, in the
     run's precision; the same seed draws the same random numbers for any model."""
-    model, tok = Qwen2.from_pretrained(model_dir), load_tokenizer(model_dir)
+    model, tok = Transformer.from_pretrained(model_dir), load_tokenizer(model_dir)
     messages = [{"prompt": [{"role": "user", "content": row["prompt"]}]} for row in rows]
     prompts, _ = encode_prompts(messages, tok, cfg.max_prompt_len)
     with precision.autocast(cfg.sampler_precision, cfg.device):

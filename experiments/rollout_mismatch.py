@@ -24,7 +24,7 @@ import dapo
 from config import Config
 from data import load_tokenizer
 from infra.rollout_correction import Stats
-from model import Qwen2, response_logprobs
+from model import Transformer, response_logprobs
 from reward import Verifier
 from toy import demo_policy, toy_rows
 
@@ -93,7 +93,7 @@ def main():
     torch.manual_seed(args.seed)
     cfg = Config(group_size=args.group_size, seed=args.seed, device="cpu", precision="fp32")
     if args.model:
-        model, tok = Qwen2.from_pretrained(args.model), load_tokenizer(args.model)
+        model, tok = Transformer.from_pretrained(args.model), load_tokenizer(args.model)
     else:
         tok_dir, model = demo_policy(os.path.join(ROOT, "runs", "mismatch"), "cpu", args.seed)
         tok = load_tokenizer(tok_dir)

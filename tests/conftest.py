@@ -33,12 +33,12 @@ def tiny_model_dir(tmp_path_factory):
     """A random tiny Qwen2 saved as a Hugging Face directory with the toy tokenizer: what
     --model points at."""
     from toy import make_toy_tokenizer
-    from model import Qwen2, preset
+    from model import Transformer, preset
     d = str(tmp_path_factory.mktemp("tiny"))
     tok = make_toy_tokenizer(d)
     torch.manual_seed(0)
     # beside the tokenizer files
-    Qwen2(preset("tiny", vocab_size=tok.vocab_size)).save_pretrained(d)
+    Transformer(preset("tiny", vocab_size=tok.vocab_size)).save_pretrained(d)
     return d
 
 

@@ -17,7 +17,7 @@ from infra import checkpoint  # noqa: E402
 from infra import distributed  # noqa: E402
 from dapo import Config, update_policy  # noqa: E402
 from data import PromptIterator, load_tokenizer  # noqa: E402
-from model import Qwen2  # noqa: E402
+from model import Transformer  # noqa: E402
 from batch import Batch  # noqa: E402
 from batches import random_batch  # noqa: E402
 
@@ -34,8 +34,8 @@ def make_batch(vocab, n_groups=4, seed=0) -> Batch:
                         dtype=torch.float64)
 
 
-def load_model(model_dir) -> Qwen2:
-    return Qwen2.from_pretrained(model_dir, dtype=torch.float64)
+def load_model(model_dir) -> Transformer:
+    return Transformer.from_pretrained(model_dir, dtype=torch.float64)
 
 
 def my_share(batch, rank, world, cfg=CFG):

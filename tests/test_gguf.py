@@ -268,9 +268,9 @@ def fp32_logit_tolerance(layers: int, reference: torch.Tensor) -> float:
 @pytest.mark.needs("rope", "attention")
 def test_our_model_logits_equal_transformers_gguf_loader(tiny, tiny_reference):
     """model.py's Llama, the model dapo.py trains, reads the converted directory."""
-    from model import Qwen2
+    from model import Transformer
     _, out_dir = tiny
-    ours = Qwen2.from_pretrained(out_dir, dtype=torch.float32)
+    ours = Transformer.from_pretrained(out_dir, dtype=torch.float32)
     ids = torch.tensor([[1, 40, 270, 7, 99, 260, 2, 5]])
     with torch.no_grad():
         expected = tiny_reference(ids).logits
@@ -417,9 +417,9 @@ def test_real_weights_and_logits_equal_transformers_gguf_loader(real, real_refer
 @pytest.mark.needs("rope", "attention")
 def test_real_our_model_logits_equal_transformers_gguf_loader(real, real_reference_model):
     """model.py's Llama on the converted directory against transformers on the GGUF file."""
-    from model import Qwen2
+    from model import Transformer
     _, out_dir = real
-    ours = Qwen2.from_pretrained(out_dir, dtype=torch.float32)
+    ours = Transformer.from_pretrained(out_dir, dtype=torch.float32)
     expected = real_reference_model
     import data
     tok = data.load_tokenizer(out_dir)
