@@ -79,7 +79,7 @@ def main(model_dir, out_dir, opt_name):
     real = [len(part.micro_batch_rows(cfg.micro_batch_size, cfg.micro_batch_tokens))
             for part in mine.split(cfg.mini_batch_prompts * GROUP // world)]
     with open(os.path.join(out_dir, f"micro_batches_rank{rank}.json"), "w") as f:
-        json.dump(real, f)  # before the stand-ins: how many each rank needed
+        json.dump(real, f)  # before the fillers: how many each rank needed
     metrics = update_policy(model, opt, mine, cfg)
     with torch.no_grad():
         logits = model(PROBE)
