@@ -266,7 +266,8 @@ class KVCache:
         self.k[layer][index[:, None], :, positions] = k.transpose(1, 2).to(self.k[layer].dtype)
         self.v[layer][index[:, None], :, positions] = v.transpose(1, 2).to(self.v[layer].dtype)
         S = self.length or self.k[layer].shape[2]
-        if rows is None:  # the first rows in order (a decode step: all of them): views, no copy
+        # The first n rows, in order (a decode step's are all of them): views of the cache, no copy.
+        if rows is None:
             return self.k[layer][:n, :, :S], self.v[layer][:n, :, :S]
         # a prefill into some rows: a gather
         return self.k[layer][rows, :, :S], self.v[layer][rows, :, :S]
@@ -438,7 +439,8 @@ def response_logprobs(model: Transformer, batch, temperature: float, fused_head:
         hidden = hidden.gather(1, predicting[..., None].expand(B, R, hidden.shape[-1]))  # (B, R, C)
         return output_layer(hidden, weight, batch, temperature, fused_head)
 
-    return model(ids, head=head)  # logp, entropy; positions 0.. and causal attention, no mask
+    # -> logp, entropy (B, R) each; the positions are 0.. and causal attention needs no mask
+    return model(ids, head=head)
 
 
 def output_layer(hidden, weight, batch, temperature: float, fused_head: bool):
@@ -492,7 +494,8 @@ def shared_prompt_logprobs(model: Transformer, batch, temperature: float, fused_
     source = (torch.arange(int(length.max()), device=device) + (P - length)[:, None]).clamp(
         max=P - 1)  # (U, P_u)
     ids = batch.prompt_ids[first].gather(1, source)  # (U, P_u)
-    cache = model.new_kv_cache(U, ids.shape[1] + R)  # room for the responses' keys after
+    # room for each prompt's keys, then for its responses' keys after them
+    cache = model.new_kv_cache(U, ids.shape[1] + R)
     last = model(ids, kv_cache=cache, head=lambda hidden, weight: hidden[
         torch.arange(U, device=device), length - 1])  # (U, C): predicts each response's r0
     rows = KVCache([k[group] for k in cache.k], [v[group] for v in cache.v])  # (B, Hkv, S, D)

@@ -265,10 +265,12 @@ class SlotTable:
     def busy(self) -> list[int]:
         return [s for s, i in enumerate(self.seq) if i < self.N]
 
-    def holders(self) -> dict[int, int]:  # prompt -> a slot whose positions [0, len) hold it
+    def holders(self) -> dict[int, int]:
+        """{prompt: a slot whose positions [0, len(prompt)) hold it}."""
         return {self.prompt_of[self.seq[s]]: s for s in self.busy()}
 
-    def needs_prefill(self) -> bool:  # will the next refill meet a prompt that no slot holds
+    def needs_prefill(self) -> bool:
+        """Will the next refill meet a prompt that no slot holds?"""
         free = min(self.seq.count(self.N), len(self.waiting))
         held = self.holders() if free else {}
         return any(self.prompt_of[self.waiting[i]] not in held for i in range(free))
@@ -291,7 +293,8 @@ class SlotTable:
             self.prompt_logits.update(zip(new, firsts))
             held.update(new)
         wanted = [self.prompt_of[self.seq[s]] for s in free]  # each refilled slot's prompt
-        copies = [(held[p], s) for p, s in zip(wanted, free) if held[p] != s]  # the rest: copied
+        # The other refilled slots copy their prompt's keys from a slot that holds it.
+        copies = [(held[p], s) for p, s in zip(wanted, free) if held[p] != s]
         # keys past a prompt's end come along too, stale: no query sees past its own position
         copy_rows(self.kv_cache, [h for h, _ in copies], [s for _, s in copies],
                   max((self.position[s] for _, s in copies), default=0))
@@ -322,14 +325,16 @@ class SlotTable:
             return token
         busy = self.busy()
         holes = [s for s in range(len(busy)) if self.seq[s] == self.N]
-        movers = busy[len(busy) - len(holes):]  # as many: the busy slots past the first len(busy)
+        # As many movers as holes: the busy slots that lie past the first len(busy) slots.
+        movers = busy[len(busy) - len(holes):]
         copy_rows(self.kv_cache, movers, holes, max((self.position[s] for s in movers), default=0))
         token = token.clone()
         for old, new in zip(movers, holes):
             token[new] = token[old]
             moved = self.seq[old], self.position[old], self.n_new[old]
             self.seq[new], self.position[new], self.n_new[new] = moved
-            self.seq[old], self.position[old], self.n_new[old] = self.N, 0, 0  # free, as retire()
+            # the old slot is free, as retire() leaves a slot
+            self.seq[old], self.position[old], self.n_new[old] = self.N, 0, 0
         return token[:max(len(busy), 1)]
 
     def decode(self, model, decode, token) -> torch.Tensor:
@@ -479,10 +484,11 @@ class Engine:
             sampled = self.vllm.generate(model, prompts, cfg.max_response_len, **settings)
             return Rollout.from_responses(prompts, sampled.token_ids, sampled.logprobs,
                                           sampled.truncated, self.pad_token_id, cfg.device)
+        # --rollout-slots 0 is a slot for every sequence (slots=None)
         with distributed.gathered(model), precision.autocast(cfg.sampler_precision, cfg.device):
             return generate(model, prompts, cfg.max_response_len, **settings,
                             pad_token_id=self.pad_token_id, slots=cfg.rollout_slots or None,
-                            compile=cfg.compile)  # slots 0: all
+                            compile=cfg.compile)
 
     def updating(self, model):
         """Around the policy update: vLLM asleep on a GPU, then given the new weights."""
