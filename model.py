@@ -461,12 +461,14 @@ SHARE_PROMPTS = True  # a prompt that several rows repeat goes through the model
 def shares_prompts(model: Transformer, batch) -> bool:
     """Does response_logprobs run each distinct prompt once: when rows repeat a prompt, on a CPU
     (whose SDPA kernel takes the explicit mask this needs; a GPU's flash kernel takes none, and
-    the mask of 64 rows of 20k tokens is 28 GB), in one process (under FSDP2 each block would run
-    two forwards a micro-batch) and without activation checkpointing (which recomputes a block
-    from its input alone, not its KV cache)."""
+    the mask of 64 rows of 20k tokens is 28 GB), in one process on an unsharded model (under
+    FSDP2, in any number of processes, each block would run two forwards a micro-batch, and its
+    hooks hand the forward views that the KV cache's in-place write refuses) and without
+    activation checkpointing (which recomputes a block from its input alone, not its KV cache)."""
     if not SHARE_PROMPTS or batch.prompt_ids.device.type != "cpu":
         return False
-    if distributed.world_size() > 1 or model.activation_checkpointing:
+    sharded = distributed.world_size() > 1 or distributed.is_sharded(model)
+    if sharded or model.activation_checkpointing:
         return False
     prompts = torch.cat([batch.prompt_ids, batch.prompt_mask.long()], 1)  # (B, 2P)
     return len(torch.unique(prompts, dim=0)) < len(prompts)

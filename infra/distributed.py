@@ -217,6 +217,11 @@ def local_rows(model) -> dict:
     return out
 
 
+def is_sharded(model) -> bool:
+    """Whether shard() has sharded the model (FSDP2), in one process or several."""
+    return bool(_fsdp_modules(model))
+
+
 def _fsdp_modules(model):
     from torch.distributed.fsdp import FSDPModule
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
