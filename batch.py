@@ -118,11 +118,11 @@ class Batch:
     def micro_batches(self, max_rows: int, max_tokens: int = 0) -> list["Batch"]:
         """The micro-batches of micro_batch_rows(), in step with the other ranks: under FSDP
         every forward and backward is a collective, so a rank with fewer micro-batches than
-        another runs as many, the extra ones stand-ins that train nothing (stand_in())."""
+        another runs as many, the extra ones fillers that train nothing (masked_first_row())."""
         parts = [self.rows(index) for index in self.micro_batch_rows(max_rows, max_tokens)]
         return _in_step_with_every_rank(parts)
 
-    def stand_in(self) -> "Batch":
+    def masked_first_row(self) -> "Batch":
         """Its first row with no response token: it goes through the model, and weighs nothing in
         a loss or a metric (both sum over the response mask)."""
         row = self.rows(slice(0, 1))
@@ -133,7 +133,8 @@ class Batch:
         and put back together as (N, R) tensors in this batch's row order, 0 on padding."""
         rows = self.micro_batch_rows(max_rows, max_tokens)
         micro_batches = _in_step_with_every_rank([self.rows(index) for index in rows])
-        results = [fn(micro) for micro in micro_batches]  # the stand-ins' last, then dropped
+        # The fillers come last, and zip() with the rows below stops before their results.
+        results = [fn(micro) for micro in micro_batches]
         joined = [t.new_zeros(self.response_ids.shape) for t in results[0]]  # (N, R) each
         for index, micro, parts in zip(rows, micro_batches, results):
             for whole, part in zip(joined, parts):
@@ -179,10 +180,10 @@ class Batch:
 
 
 def _in_step_with_every_rank(parts: list[Batch]) -> list[Batch]:
-    """parts, then as many stand-ins (the first part's stand_in()) as this rank has fewer parts
-    than the rank with the most."""
+    """parts, then as many fillers (the first part's masked_first_row()) as this rank has fewer
+    parts than the rank with the most."""
     most = int(distributed.all_reduce(len(parts), "max", name="micro-batch count"))
-    return parts + [parts[0].stand_in()] * (most - len(parts))
+    return parts + [parts[0].masked_first_row()] * (most - len(parts))
 
 
 @dataclass

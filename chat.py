@@ -21,14 +21,14 @@ from data import Tokenizer, check_vocab, load_tokenizer
 from infra import distributed, hub, precision
 from infra.errors import UserError
 from infra.precision import PRECISIONS
-from model import Qwen2, num_params
+from model import Transformer, num_params
 from sampler import decode_one_token, prefill_slots, sample
 
 QUIT, CLEAR = ("quit", "exit"), "clear"  # the conversation's commands, as nanochat's
 
 
 @torch.no_grad()
-def stream(model: Qwen2, prompt: list[int], max_new_tokens: int, temperature: float,
+def stream(model: Transformer, prompt: list[int], max_new_tokens: int, temperature: float,
            top_p: float, eos_token_ids: list[int], generator: torch.Generator):
     """Yield the tokens of one response as they are sampled: sampler.generate() for one prompt in
     one cache slot, whose prefill, sample and decode steps these are, so that for the same prompt
@@ -71,7 +71,7 @@ class Chat:
         if name := hub.parse(model_dir, "model"):  # a name on the Hub: its snapshot
             model_dir = hub.fetch(name, "--model")
         self.device = args.device
-        self.model = Qwen2.from_pretrained(model_dir, dtype=torch.float32, device=self.device)
+        self.model = Transformer.from_pretrained(model_dir, dtype=torch.float32, device=self.device)
         self.model.eval()
         self.precision = precision.resolve(args.precision, self.device, num_params(self.model))
         self.tok = load_tokenizer(model_dir)

@@ -202,8 +202,7 @@ def update_policy(model, opt, batch: Batch, cfg) -> dict:
     if len(batch) > mini_rows or in_loss == 0:
         batch = with_old_logprobs(model, batch, cfg, stats)
     for mini_batch in batch.split(mini_rows):
-        # --- DAPO technique 3: the token-level loss's denominator, counted over the mini-batch
-        # on every rank before the micro-batch split ---
+        # --- DAPO technique 3: the token-level loss's denominator, before the micro-batch split
         # exercise: token_count
         mask = tokens_in_loss(mini_batch, cfg)  # (B, R)
         n_tokens, n_seqs = distributed.all_reduce([mask.sum().item(), mask.any(-1).sum().item()])
@@ -214,7 +213,7 @@ def update_policy(model, opt, batch: Batch, cfg) -> dict:
             # Autocast around each forward, never around an optimizer step (infra/precision.py).
             with precision.autocast(cfg.precision, cfg.device):
                 logp, entropy = response_logprobs(model, micro, cfg.temperature, cfg.fused_head)
-            if micro.old_logp is None:  # one optimizer step: this forward is pi_old's
+            if micro.old_logp is None:
                 micro = replace(micro, old_logp=logp.detach())
                 stats.add_old_policy(micro.old_logp, entropy, micro)
             surrogate = micro_batch_loss(logp, micro, n_tokens, n_seqs, cfg, stats)
@@ -236,12 +235,13 @@ def micro_batch_loss(logp, micro: Batch, n_tokens, n_seqs, cfg, stats) -> Policy
     """A micro-batch's share of the mini-batch's loss (its clip fractions and the rest go into
     stats): the clip-higher surrogate over Eq. 12's denominator, then verl's additions."""
     mask = tokens_in_loss(micro, cfg)  # (B, R)
-    denom = n_tokens if cfg.token_level_loss else (  # off: naive GRPO's mean of sequence means
-        mask.sum(-1, keepdim=True).clamp(min=1) * n_seqs)
+    # With technique 3 off, naive GRPO's mean of each sequence's mean over its tokens.
+    denom = n_tokens if cfg.token_level_loss else mask.sum(-1, keepdim=True).clamp(min=1) * n_seqs
     eps_high = cfg.eps_high if cfg.clip_higher else cfg.eps_low  # technique 1 off: PPO's clip
     # --- DAPO technique 1: clip-higher, in the clipped surrogate (Sec. 3.1, Eq. 10) ---
     surrogate = policy_loss(logp, micro.old_logp, micro.adv, mask, cfg.eps_low, eps_high, denom)
-    correction = rollout_correction.correct(  # pi_old / pi_sampler: not in the paper
+    # verl's additions, not in the paper: the rollout correction (pi_old / pi_sampler), dual clip
+    correction = rollout_correction.correct(
         micro.old_logp, micro.rollout_logp, micro.response_mask, cfg.rollout_correction,
         cfg.rollout_is_min, cfg.rollout_is_max)
     surrogate = beyond_the_paper(surrogate, micro.adv, mask, denom, cfg.dual_clip,
@@ -299,7 +299,7 @@ def train(cfg: Config, setup: launch.Setup):
         t_gen, logged = time.time() - t0, collected.metrics
         if collected.to_train is not None:
             # --- Algorithm 1, lines 10-11: optimizer steps on the batch (Eq. 8) ---
-            with engine.updating(model):  # vLLM: asleep on a GPU, then given the new weights
+            with engine.updating(model):
                 logged |= update_policy(model, opt, collected.to_train, cfg)
         done = step + 1  # the steps taken: what metrics.jsonl and the checkpoints count
         log.step(done, logged, opt.param_groups[0]["lr"], t_gen, time.time() - t0 - t_gen)
@@ -308,7 +308,7 @@ def train(cfg: Config, setup: launch.Setup):
         if stuck or stopping or checkpoint.due(done, cfg.save_every, cfg.steps):
             checkpoint.save(cfg.out_dir, done, model, setup.tok_dir, opt, prompt_iter, generator,
                             asdict(cfg), keep_last=cfg.keep_checkpoints)
-        if stuck or stopping:  # a dead run's error, or the command that resumes (status 130, 143)
+        if stuck or stopping:
             raise alarms.error() if stuck else stop.exit(done)
     alarms.finish()  # a run that took no optimizer step trained nothing: a non-zero exit
     # the evaluation at --steps; a resume at --steps makes it if it was never logged (a kill)

@@ -33,7 +33,7 @@ from infra import (checkpoint, cpu, distributed, files, health, hf_io, hub, inte
 from infra.errors import UserError
 from infra.files import need_file
 from infra.reward_fn import reward_fn_file
-from model import ModelConfig, Qwen2, rope_inv_freq
+from model import ModelConfig, Transformer, rope_inv_freq
 from reward import Verifier
 from sampler import Engine
 
@@ -47,10 +47,13 @@ def session(cfg: Config):
     # --plan N: the flags are checked, and the memory planned, for the N processes the plan is for
     check_flags(cfg, world=planned_world(cfg))
     rank, _, device = distributed.init(cfg.device, timeout_s=cfg.dist_timeout)
-    cfg = fetch_hub_names(cfg)  # names on the Hugging Face Hub: paths in its cache
-    if not cfg.plan:  # --plan reads config.json alone
-        check_files(cfg)  # before the weights load (minutes for 32B)
-        check_writable_dirs(cfg)  # not at the first save, after every step of the run
+    # names on the Hugging Face Hub become paths in its cache
+    cfg = fetch_hub_names(cfg)
+    # --plan reads config.json alone; a run checks every file before the weights load (minutes
+    # for 32B) and every directory it writes before the first save, not after a step of the run
+    if not cfg.plan:
+        check_files(cfg)
+        check_writable_dirs(cfg)
     check_ranks_agree(cfg)  # ranks started with their own command lines (one per node)
     cfg = replace(cfg, device=device)
     # data.py reports through logging: rank 0 shows it, the others only warnings
@@ -107,7 +110,7 @@ def planned_world(cfg: Config) -> int:
 @dataclass
 class Setup:
     """What the loop starts from."""
-    model: Qwen2  # the policy, fp32 master weights (sharded with FSDP2 on several processes)
+    model: Transformer  # the policy, fp32 master weights (sharded with FSDP2 on several processes)
     tok: Tokenizer
     tok_dir: str  # the tokenizer's directory, copied into every checkpoint
     resume_dir: str | None  # the checkpoint --resume continues from
@@ -184,8 +187,10 @@ def check_files(cfg: Config):
     if cfg.reward_fn_all_rows and not cfg.reward_fn:
         raise UserError("--reward-fn-all-rows needs --reward-fn FILE.py:NAME")
     if cfg.reward_fn:
-        reward_fn_file(cfg.reward_fn)  # the file is there; load_verifier imports it
-    if cfg.rollout_engine == "vllm":  # not installed: one line now, not after the weights load
+        # the file must exist now; load_verifier imports it once the checks have passed
+        reward_fn_file(cfg.reward_fn)
+    # vLLM not installed is said in one line now, not after the weights load
+    if cfg.rollout_engine == "vllm":
         vllm_engine.import_vllm()
 
 
@@ -256,7 +261,7 @@ def open_run(cfg: Config) -> str | None:
     return resume_dir
 
 
-def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:
+def load_policy(cfg: Config) -> tuple[Transformer, Tokenizer, str, str | None]:
     """The policy in fp32 (the master weights) and its tokenizer, from --model, from the latest
     checkpoint with --resume, or the demo's base model; sharded with FSDP2 on several processes.
     Returns (model, tokenizer, the tokenizer's directory, the checkpoint to resume or None)."""
@@ -269,7 +274,7 @@ def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:
         if sharded:
             model = load_sharded(tok_dir, cfg)
         else:
-            model = Qwen2.from_pretrained(tok_dir, dtype=torch.float32, device=cfg.device)
+            model = Transformer.from_pretrained(tok_dir, dtype=torch.float32, device=cfg.device)
     else:
         tok_dir, model = demo().demo_policy(cfg.out_dir, cfg.device, cfg.seed)
         if sharded:
@@ -282,24 +287,25 @@ def load_policy(cfg: Config) -> tuple[Qwen2, Tokenizer, str, str | None]:
     return model, tok, tok_dir, resume_dir
 
 
-def rollout_engine(cfg: Config, model: Qwen2, tok: Tokenizer) -> Engine:
+def rollout_engine(cfg: Config, model: Transformer, tok: Tokenizer) -> Engine:
     """sampler.py, which reads the policy's own weights, or with --rollout-engine vllm this
     process's vLLM engine, given the policy's weights."""
     vllm = vllm_engine.VLLMEngine(cfg, model) if cfg.rollout_engine == "vllm" else None
     return Engine(cfg, tok.pad_token_id, vllm)
 
 
-def load_sharded(model_dir: str, cfg: Config) -> Qwen2:
+def load_sharded(model_dir: str, cfg: Config) -> Transformer:
     """The policy in fp32, sharded with FSDP2 (bf16 compute with --precision bf16), without any
     rank ever holding the whole model (a 32B's fp32 weights are 131 GB): built on the meta
     device, sharded, then each rank reads its own rows of every weight from the safetensors
     files."""
     model_cfg = ModelConfig.from_json(need_file(model_dir, "config.json"))
     with torch.device("meta"):
-        model = Qwen2(model_cfg)
+        model = Transformer(model_cfg)
     distributed.shard(model, mixed_precision=cfg.precision == "bf16")
     model.to_empty(device=cfg.device)
-    with torch.no_grad():  # name -> (rows, the full shape, this rank's tensor)
+    # each rank reads only the rows of every weight that it holds
+    with torch.no_grad():
         hf_io.load_rows_into(model_dir, distributed.local_rows(model), cfg.device,
                              skip=hf_io.tied_keys(model_cfg))
     model.inv_freq = rope_inv_freq(model.config, cfg.device)
@@ -371,7 +377,8 @@ def user_errors_in_one_line():
     except KeyboardInterrupt:  # a Ctrl-C before the loop, or a second one in it
         print("error: interrupted (Ctrl-C)", file=sys.stderr)
         raise SystemExit(130) from None
-    except SystemExit as e:  # a run stopped by a signal (130, 143) or stuck (1): that status
+    except SystemExit as e:
+        # a run stopped by a signal (130, 143) or stuck (1) exits with that status
         distributed.exit_after_shutdown(e.code if isinstance(e.code, int) else
                                         0 if e.code is None else 1)
         raise

@@ -266,7 +266,8 @@ class KVCache:
         self.k[layer][index[:, None], :, positions] = k.transpose(1, 2).to(self.k[layer].dtype)
         self.v[layer][index[:, None], :, positions] = v.transpose(1, 2).to(self.v[layer].dtype)
         S = self.length or self.k[layer].shape[2]
-        if rows is None:  # the first rows in order (a decode step: all of them): views, no copy
+        # The first n rows, in order (a decode step's are all of them): views of the cache, no copy.
+        if rows is None:
             return self.k[layer][:n, :, :S], self.v[layer][:n, :, :S]
         # a prefill into some rows: a gather
         return self.k[layer][rows, :, :S], self.v[layer][rows, :, :S]
@@ -285,8 +286,8 @@ def attention_mask_4d(q_index, S, key_mask=None):
     return mask[:, None]
 
 
-class Qwen2(nn.Module):
-    """The decoder of every family (named for the first): embeddings, blocks, final norm, head."""
+class Transformer(nn.Module):
+    """The decoder of every family: embeddings, blocks, final norm, head."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -374,7 +375,7 @@ class Qwen2(nn.Module):
     # Hugging Face checkpoints
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype=None, device="cpu") -> "Qwen2":
+    def from_pretrained(cls, path: str, dtype=None, device="cpu") -> "Transformer":
         """Load a Hugging Face Qwen2, Llama or Qwen3 directory (model.safetensors, or sharded
         files + model.safetensors.index.json), dtype by default the config's torch_dtype. Built on
         the meta device, the model takes the loaded tensors in place: no second copy in memory."""
@@ -405,7 +406,7 @@ class Qwen2(nn.Module):
 # --------------------------------------------------------------------------------------------------
 # The policy's log-probs of sampled responses, for the RL loss
 
-def response_logprobs(model: Qwen2, batch, temperature: float, fused_head: bool = True):
+def response_logprobs(model: Transformer, batch, temperature: float, fused_head: bool = True):
     """log pi(o_t | q, o_<t) and the entropy of that distribution, for every response token of a
     batch.Batch (its prompt_ids/mask, left-padded, and response_ids/mask, right-padded): (B, R)
     each, fp32 (0 on padding with the fused head): the policy loss's pi_theta and pi_old.
@@ -438,7 +439,8 @@ def response_logprobs(model: Qwen2, batch, temperature: float, fused_head: bool 
         hidden = hidden.gather(1, predicting[..., None].expand(B, R, hidden.shape[-1]))  # (B, R, C)
         return output_layer(hidden, weight, batch, temperature, fused_head)
 
-    return model(ids, head=head)  # logp, entropy; positions 0.. and causal attention, no mask
+    # -> logp, entropy (B, R) each; the positions are 0.. and causal attention needs no mask
+    return model(ids, head=head)
 
 
 def output_layer(hidden, weight, batch, temperature: float, fused_head: bool):
@@ -456,21 +458,23 @@ def output_layer(hidden, weight, batch, temperature: float, fused_head: bool):
 SHARE_PROMPTS = True  # a prompt that several rows repeat goes through the model once
 
 
-def shares_prompts(model: Qwen2, batch) -> bool:
+def shares_prompts(model: Transformer, batch) -> bool:
     """Does response_logprobs run each distinct prompt once: when rows repeat a prompt, on a CPU
     (whose SDPA kernel takes the explicit mask this needs; a GPU's flash kernel takes none, and
-    the mask of 64 rows of 20k tokens is 28 GB), in one process (under FSDP2 each block would run
-    two forwards a micro-batch) and without activation checkpointing (which recomputes a block
-    from its input alone, not its KV cache)."""
+    the mask of 64 rows of 20k tokens is 28 GB), in one process on an unsharded model (under
+    FSDP2, in any number of processes, each block would run two forwards a micro-batch, and its
+    hooks hand the forward views that the KV cache's in-place write refuses) and without
+    activation checkpointing (which recomputes a block from its input alone, not its KV cache)."""
     if not SHARE_PROMPTS or batch.prompt_ids.device.type != "cpu":
         return False
-    if distributed.world_size() > 1 or model.activation_checkpointing:
+    sharded = distributed.world_size() > 1 or distributed.is_sharded(model)
+    if sharded or model.activation_checkpointing:
         return False
     prompts = torch.cat([batch.prompt_ids, batch.prompt_mask.long()], 1)  # (B, 2P)
     return len(torch.unique(prompts, dim=0)) < len(prompts)
 
 
-def shared_prompt_logprobs(model: Qwen2, batch, temperature: float, fused_head: bool):
+def shared_prompt_logprobs(model: Transformer, batch, temperature: float, fused_head: bool):
     """response_logprobs' numbers with each distinct prompt through the model once (a group's G
     responses repeat theirs: with make real's ~40-token prompts, over half the tokens). Two
     forwards: the prompts, from column 0, writing their keys and values into a KV cache; then the
@@ -492,7 +496,8 @@ def shared_prompt_logprobs(model: Qwen2, batch, temperature: float, fused_head: 
     source = (torch.arange(int(length.max()), device=device) + (P - length)[:, None]).clamp(
         max=P - 1)  # (U, P_u)
     ids = batch.prompt_ids[first].gather(1, source)  # (U, P_u)
-    cache = model.new_kv_cache(U, ids.shape[1] + R)  # room for the responses' keys after
+    # room for each prompt's keys, then for its responses' keys after them
+    cache = model.new_kv_cache(U, ids.shape[1] + R)
     last = model(ids, kv_cache=cache, head=lambda hidden, weight: hidden[
         torch.arange(U, device=device), length - 1])  # (U, C): predicts each response's r0
     rows = KVCache([k[group] for k in cache.k], [v[group] for v in cache.v])  # (B, Hkv, S, D)

@@ -1,7 +1,7 @@
 """
-The rollout engine: KV-cached sampling from model.Qwen2 with continuous batching, returning what RL
-training needs. DAPO spends most of its wall time here. As in gpt-fast's generate.py, generation is
-a few small functions that compose:
+The rollout engine: KV-cached sampling from model.Transformer with continuous batching, returning
+what RL training needs. DAPO spends most of its wall time here. As in gpt-fast's generate.py,
+generation is a few small functions that compose:
 
     prefill_slots()     one forward over new prompts: writes their keys/values into free cache slots
     decode_one_token()  one forward of one new token per slot against the cache
@@ -265,10 +265,12 @@ class SlotTable:
     def busy(self) -> list[int]:
         return [s for s, i in enumerate(self.seq) if i < self.N]
 
-    def holders(self) -> dict[int, int]:  # prompt -> a slot whose positions [0, len) hold it
+    def holders(self) -> dict[int, int]:
+        """{prompt: a slot whose positions [0, len(prompt)) hold it}."""
         return {self.prompt_of[self.seq[s]]: s for s in self.busy()}
 
-    def needs_prefill(self) -> bool:  # will the next refill meet a prompt that no slot holds
+    def needs_prefill(self) -> bool:
+        """Will the next refill meet a prompt that no slot holds?"""
         free = min(self.seq.count(self.N), len(self.waiting))
         held = self.holders() if free else {}
         return any(self.prompt_of[self.waiting[i]] not in held for i in range(free))
@@ -291,7 +293,8 @@ class SlotTable:
             self.prompt_logits.update(zip(new, firsts))
             held.update(new)
         wanted = [self.prompt_of[self.seq[s]] for s in free]  # each refilled slot's prompt
-        copies = [(held[p], s) for p, s in zip(wanted, free) if held[p] != s]  # the rest: copied
+        # The other refilled slots copy their prompt's keys from a slot that holds it.
+        copies = [(held[p], s) for p, s in zip(wanted, free) if held[p] != s]
         # keys past a prompt's end come along too, stale: no query sees past its own position
         copy_rows(self.kv_cache, [h for h, _ in copies], [s for _, s in copies],
                   max((self.position[s] for _, s in copies), default=0))
@@ -322,14 +325,16 @@ class SlotTable:
             return token
         busy = self.busy()
         holes = [s for s in range(len(busy)) if self.seq[s] == self.N]
-        movers = busy[len(busy) - len(holes):]  # as many: the busy slots past the first len(busy)
+        # As many movers as holes: the busy slots that lie past the first len(busy) slots.
+        movers = busy[len(busy) - len(holes):]
         copy_rows(self.kv_cache, movers, holes, max((self.position[s] for s in movers), default=0))
         token = token.clone()
         for old, new in zip(movers, holes):
             token[new] = token[old]
             moved = self.seq[old], self.position[old], self.n_new[old]
             self.seq[new], self.position[new], self.n_new[new] = moved
-            self.seq[old], self.position[old], self.n_new[old] = self.N, 0, 0  # free, as retire()
+            # the old slot is free, as retire() leaves a slot
+            self.seq[old], self.position[old], self.n_new[old] = self.N, 0, 0
         return token[:max(len(busy), 1)]
 
     def decode(self, model, decode, token) -> torch.Tensor:
@@ -432,7 +437,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: 
     responses = Responses.empty(len(prompts), max_new_tokens, pad_token_id, device)
     logits = torch.zeros(B, model.config.vocab_size, device=device)  # (B, V): next-token logits
     was_training = model.training
-    model.eval()  # no dropout in Qwen2, but generation is inference: say so
+    model.eval()  # no dropout in this model, but generation is inference: say so
     bar = tqdm(total=len(prompts), desc="generate", unit="seq", disable=not progress)
     try:
         table.refill(model, logits)  # every rank has a prompt, so every rank runs this forward
@@ -479,10 +484,11 @@ class Engine:
             sampled = self.vllm.generate(model, prompts, cfg.max_response_len, **settings)
             return Rollout.from_responses(prompts, sampled.token_ids, sampled.logprobs,
                                           sampled.truncated, self.pad_token_id, cfg.device)
+        # --rollout-slots 0 is a slot for every sequence (slots=None)
         with distributed.gathered(model), precision.autocast(cfg.sampler_precision, cfg.device):
             return generate(model, prompts, cfg.max_response_len, **settings,
                             pad_token_id=self.pad_token_id, slots=cfg.rollout_slots or None,
-                            compile=cfg.compile)  # slots 0: all
+                            compile=cfg.compile)
 
     def updating(self, model):
         """Around the policy update: vLLM asleep on a GPU, then given the new weights."""

@@ -39,7 +39,7 @@ import reward
 from data import Tokenizer, load_tokenizer
 from infra import distributed
 from infra.errors import UserError
-from model import ModelConfig, Qwen2, preset
+from model import ModelConfig, Transformer, preset
 
 TOY_DATA_SOURCE = reward.TOY_DATA_SOURCE
 TOY_MIN_TERMS, TOY_MAX_TERMS = 2, 3  # terms per problem...
@@ -234,7 +234,7 @@ def toy_warmup_pairs(n: int, seed: int) -> list[tuple[list[dict], str]]:
 WARMUP = dict(steps=400, batch_size=64, micro_batches=4, lr=5e-3, preset="demo")
 
 
-def demo_policy(out_dir: str, device: str, seed: int) -> tuple[str, Qwen2]:
+def demo_policy(out_dir: str, device: str, seed: int) -> tuple[str, Transformer]:
     """The embedded demo's policy: the toy tokenizer (written into out_dir/tokenizer) and the
     base model below -> (the tokenizer's directory, the model). Rank 0 trains the base model once
     and caches it; the other ranks then load the cache."""
@@ -248,7 +248,7 @@ def demo_policy(out_dir: str, device: str, seed: int) -> tuple[str, Qwen2]:
     return tok_dir, model
 
 
-def demo_base_model(tok, device="cpu", seed=0, cache_root="runs/demo-base") -> Qwen2:
+def demo_base_model(tok, device="cpu", seed=0, cache_root="runs/demo-base") -> Transformer:
     # a change to the toy task's data invalidates the cache
     sample = json.dumps(toy_warmup_pairs(64, seed=seed))
     key = dict(WARMUP, seed=seed, vocab=tok.vocab_size, data=zlib.crc32(sample.encode()))
@@ -264,8 +264,8 @@ def kernel_set(device) -> str:
 
 
 def warmed_up_model(tok, key: dict, make_pairs, device="cpu", cache_root="runs/demo-base",
-                    label="warm-up", log_every=50) -> Qwen2:
-    """A Qwen2 of preset key["preset"] fitted by next-token prediction to make_pairs(n), n =
+                    label="warm-up", log_every=50) -> Transformer:
+    """A Transformer of preset key["preset"] fitted by next-token prediction to make_pairs(n), n =
     steps x batch_size (prompt messages, response text) pairs seen once each, with AdamW at
     key["lr"], each batch in key["micro_batches"] (default 1; sft_backward); cached under
     cache_root in a directory named by the key (its settings, seed and a checksum of its data)
@@ -275,13 +275,13 @@ def warmed_up_model(tok, key: dict, make_pairs, device="cpu", cache_root="runs/d
     cache = os.path.join(cache_root, "_".join(f"{k}{v}" for k, v in key.items()))
     if os.path.isfile(os.path.join(cache, "warmup.json")):
         try:
-            return Qwen2.from_pretrained(cache, dtype=torch.float32, device=device)
+            return Transformer.from_pretrained(cache, dtype=torch.float32, device=device)
         except (OSError, ValueError) as e:  # a cut copy, a full disk when it was written
             raise UserError(f"{e}. This is the demo's cached base model, not a download: delete "
                             f"{cache} and the next run warms it up again") from None
     torch.manual_seed(key["seed"])
     config = preset(key["preset"], vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_ids)
-    model = Qwen2(config).to(device)
+    model = Transformer(config).to(device)
     steps, batch = key["steps"], key["batch_size"]
     examples = [(tok.apply_chat_template(messages), tok.encode(response) + [tok.eos_token_ids[0]])
                 for messages, response in make_pairs(steps * batch)]

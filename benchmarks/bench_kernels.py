@@ -9,9 +9,9 @@ reference), in two tables:
    thread (process_time: steady on a shared machine), in rounds that alternate the order of the
    variants.
 
-    .venv/bin/python benchmarks/bench_kernels.py [--rows 2048 --vocab 151936 --tokens 4096
+    .venv/bin/python -m benchmarks.bench_kernels [--rows 2048 --vocab 151936 --tokens 4096
                                                   --hidden 896 --rounds 2]
-    .venv/bin/python benchmarks/bench_kernels.py --part head      # the second table only
+    .venv/bin/python -m benchmarks.bench_kernels --part head      # the second table only
 
 How the memory is measured, and why this way: torch allocates tensors outside Python's allocator, so
 tracemalloc sees none of them; what is real is the process's resident memory. Each cell runs in a
@@ -34,9 +34,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import proc_status_kib, reset_peak_rss  # noqa: E402
-from dapo_kernels import linear_logprobs_and_entropy, logprobs_and_entropy  # noqa: E402
+from benchmarks.common import proc_status_kib, reset_peak_rss
+from dapo_kernels import linear_logprobs_and_entropy, logprobs_and_entropy
 
 MB = 2**20
 VARIANTS = {  # name -> f(logits (N, V), targets (N,)) -> (logp, entropy), both (N,) fp32
@@ -63,8 +62,9 @@ def naive(logits, targets):
 
 
 def subprocess_json(*args):
-    out = subprocess.run([sys.executable, __file__, *map(str, args)], capture_output=True,
-                         text=True)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_kernels", *map(str, args)],
+                         cwd=root, capture_output=True, text=True)
     if out.returncode:
         sys.exit(f"{' '.join(map(str, args))} failed:\n{out.stderr}")
     return json.loads(out.stdout)

@@ -1,20 +1,17 @@
 """Forward+backward tokens/s of model.py's Qwen2 against transformers' Qwen2ForCausalLM, same
 weights, same batch, CPU.
 
-    .venv/bin/python benchmarks/bench_model.py [--hidden 256 --layers 4 --batch 8 --seq 256
+    .venv/bin/python -m benchmarks.bench_model [--hidden 256 --layers 4 --batch 8 --seq 256
                                                 --iters 5]
 """
 import argparse
-import os
-import sys
 import tempfile
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import timed_rounds  # noqa: E402
-from model import Qwen2, preset  # noqa: E402
+from benchmarks.common import timed_rounds
+from model import Transformer, preset
 
 
 def main():
@@ -33,7 +30,7 @@ def main():
     cfg = preset("tiny", vocab_size=args.vocab, hidden_size=args.hidden,
                  intermediate_size=3 * args.hidden, num_hidden_layers=args.layers,
                  num_attention_heads=args.hidden // 64, num_key_value_heads=2)
-    ours = Qwen2(cfg)
+    ours = Transformer(cfg)
     with tempfile.TemporaryDirectory() as d:
         ours.save_pretrained(d)
         theirs = transformers.Qwen2ForCausalLM.from_pretrained(d, dtype=torch.float32,

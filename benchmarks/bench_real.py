@@ -3,8 +3,8 @@ Speed on the real model of `make real` (SmolLM2-135M-Instruct, converted by exam
 its rollout against transformers' generate, and one RL step of dapo.py with the fused output
 layer on and off. CPU, one thread by default, CPU time, the variants alternating round by round.
 
-    .venv/bin/python benchmarks/bench_real.py                 # both parts, ~10 minutes of CPU
-    .venv/bin/python benchmarks/bench_real.py --parts step --rounds 2
+    .venv/bin/python -m benchmarks.bench_real                 # both parts, ~10 minutes of CPU
+    .venv/bin/python -m benchmarks.bench_real --parts step --rounds 2
 
 Skipped, saying so, when the model directory is absent (`make real` or examples/smollm2.py
 writes it).
@@ -22,26 +22,23 @@ writes it).
 import argparse
 import os
 import statistics
-import sys
 from dataclasses import replace
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+import dapo
+from benchmarks.common import FixedRows, clock, left_padded, lengths_to_eos, timed_rounds
+from config import parse_args
+from data import encode_prompts, load_rows, load_tokenizer
+from examples import smollm2, sums
+from experiments import real
+from infra import gguf
+from launch import load_verifier
+from model import Transformer
+from sampler import generate
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "examples"), os.path.join(ROOT, "experiments")]
-import dapo  # noqa: E402
-import real  # noqa: E402
-import smollm2  # noqa: E402
-import sums  # noqa: E402
-from common import (FixedRows, clock, left_padded, lengths_to_eos,  # noqa: E402
-                    timed_rounds)
-from config import parse_args  # noqa: E402
-from data import encode_prompts, load_rows, load_tokenizer  # noqa: E402
-from launch import load_verifier  # noqa: E402
-from infra import gguf  # noqa: E402
-from model import Qwen2  # noqa: E402
-from sampler import generate  # noqa: E402
 
 SETTINGS = real.SETTINGS
 NEW_TOKENS, SLOTS = SETTINGS["max_response_len"], SETTINGS["rollout_slots"]
@@ -72,7 +69,7 @@ def rollout_part(model_dir: str, rounds: int, precisions: list[str], shapes: lis
                  slots: int, tmp: str):
     import transformers
     transformers.utils.logging.disable_progress_bar()
-    ours = Qwen2.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ours = Transformer.from_pretrained(model_dir, dtype=torch.float32).eval()
     theirs = transformers.AutoModelForCausalLM.from_pretrained(model_dir,
                                                                dtype=torch.float32).eval()
     at_once = slots or "all"
@@ -133,7 +130,7 @@ def step_part(model_dir: str, rounds: int, precisions: list[str], tmp: str):
     verifier = load_verifier(cfg)
     tok = load_tokenizer(model_dir)
     rows = load_rows(train, tok, has_scorer=verifier.has_scorer)[:cfg.train_prompts]
-    base = Qwen2.from_pretrained(model_dir, dtype=torch.float32)
+    base = Transformer.from_pretrained(model_dir, dtype=torch.float32)
     start = {k: v.clone() for k, v in base.state_dict().items()}
     batches = {}  # per precision, its last collected batch: the roofline's update
 
@@ -209,7 +206,7 @@ def main():
     args = ap.parse_args()
     if not gguf.is_converted(args.model):
         print(f"bench_real: skipped, no converted model in {args.model} (make real, or "
-              "python examples/smollm2.py, writes it)")
+              "python -m examples.smollm2, writes it)")
         return
     torch.set_num_threads(args.threads)
     precisions = args.precisions.split(",")

@@ -3,15 +3,15 @@ sampler.generate against transformers on the same random weights (CPU, one threa
 of rounds).
 
     # the four parts, about 5 minutes of CPU
-    .venv/bin/python benchmarks/bench_sampler.py
+    .venv/bin/python -m benchmarks.bench_sampler
     # one part (uniform, rl, memory)
-    .venv/bin/python benchmarks/bench_sampler.py --parts rl
+    .venv/bin/python -m benchmarks.bench_sampler --parts rl
     # this sampler against an earlier revision's (default 015f0be; about 2 minutes)
-    .venv/bin/python benchmarks/bench_sampler.py --parts against --rl-rounds 4
+    .venv/bin/python -m benchmarks.bench_sampler --parts against --rl-rounds 4
     # what each of the sampler's speed-ups buys (each switched off, against all on)
-    .venv/bin/python benchmarks/bench_sampler.py --parts switches --rl-rounds 4
+    .venv/bin/python -m benchmarks.bench_sampler --parts switches --rl-rounds 4
     # both cores: only on an otherwise idle machine
-    .venv/bin/python benchmarks/bench_sampler.py --threads 2
+    .venv/bin/python -m benchmarks.bench_sampler --threads 2
 
 1. uniform: greedy, no EOS, every row runs to 128 new tokens; all rows at once (slots = rows) on
    both sides. Two sizes: the embedded demo's (hidden 128, 2 layers, batch 64, vocab 512) and ~27M
@@ -55,11 +55,17 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import (clock, left_padded, lengths_to_eos, proc_status_kib,  # noqa: E402
-                    randomise_biases_and_norms, reset_peak_rss, timed_rounds)
-from model import ModelConfig, Qwen2, num_params  # noqa: E402
-from sampler import SPEED_UPS, generate  # noqa: E402
+from benchmarks.common import (
+    clock,
+    left_padded,
+    lengths_to_eos,
+    proc_status_kib,
+    randomise_biases_and_norms,
+    reset_peak_rss,
+    timed_rounds,
+)
+from model import ModelConfig, Transformer, num_params
+from sampler import SPEED_UPS, generate
 
 DEMO = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512)
@@ -69,10 +75,10 @@ UNIFORM = {"demo": (DEMO, 64), "27M": (M27, 16)}  # name: (model config, batch s
 RL_PROMPTS, RL_G, RL_SLOTS, RL_NEW, RL_EOS = 64, 8, 64, 512, [1, 2, 3, 4]
 
 
-def random_model(cfg_kw) -> Qwen2:
+def random_model(cfg_kw) -> Transformer:
     """A random Qwen2 of this shape (seed 0), its biases and norm weights random too."""
     torch.manual_seed(0)
-    model = Qwen2(ModelConfig(**cfg_kw, max_position_embeddings=1024, torch_dtype="float32"))
+    model = Transformer(ModelConfig(**cfg_kw, max_position_embeddings=1024, torch_dtype="float32"))
     return randomise_biases_and_norms(model.eval())
 
 
@@ -176,7 +182,8 @@ def memory_rise(slots):
     resident."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = Qwen2(ModelConfig(**DEMO, max_position_embeddings=1024, torch_dtype="float32")).eval()
+    config = ModelConfig(**DEMO, max_position_embeddings=1024, torch_dtype="float32")
+    model = Transformer(config).eval()
     seqs = rl_sequences()
     if not reset_peak_rss():  # VmHWM restarts from the current resident size
         raise OSError("/proc/self/clear_refs is not writable: no peak to measure")
@@ -273,12 +280,12 @@ BASELINE = "015f0be"  # the sampler before its prompt sharing (and its since-dro
 # the prompts they prefilled
 ONE_ROLLOUT = """
 import json, sys, time, torch
-sys.path.insert(0, sys.argv[1])
 import sampler
-from model import ModelConfig, Qwen2
+from model import ModelConfig, Transformer
 torch.set_num_threads(1)
 torch.manual_seed(0)
-model = Qwen2(ModelConfig(**{demo}, max_position_embeddings=1024, torch_dtype="float32")).eval()
+config = ModelConfig(**{demo}, max_position_embeddings=1024, torch_dtype="float32")
+model = Transformer(config).eval()
 for flag in sys.argv[3:]:
     setattr(sampler, flag, False)
 forwards, prefills, prefill = [], [], getattr(sampler, "prefill_slots", None)

@@ -3,9 +3,9 @@ The whole RL step, this project against TRL's GRPOTrainer: the same base model, 
 G, lengths and batch, on CPU, one thread by default, timed in CPU time.
 
     make bench-step                                   # creates .venv-bench/ (TRL) once, runs this
-    .venv-bench/bin/python benchmarks/bench_step.py   # 1 warm-up, 5 timed rounds, 1 profiled step
-    .venv-bench/bin/python benchmarks/bench_step.py --slots 128 --micro-batch-tokens 0 --no-profile
-    .venv-bench/bin/python benchmarks/bench_step.py --workload smollm2 --precision bf16 --rounds 3
+    .venv-bench/bin/python -m benchmarks.bench_step   # 1 warm-up, 5 timed rounds, 1 profiled step
+    .venv-bench/bin/python -m benchmarks.bench_step --slots 128 --micro-batch-tokens 0 --no-profile
+    .venv-bench/bin/python -m benchmarks.bench_step --workload smollm2 --precision bf16 --rounds 3
 
 Two workloads (--workload): "demo" (below) and "smollm2", `make real`'s step on
 SmolLM2-135M-Instruct (converted by examples/smollm2.py; skipped, saying so, when absent): 8 sums
@@ -55,7 +55,6 @@ import contextlib
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import warnings
 from dataclasses import dataclass, replace
@@ -63,21 +62,20 @@ from typing import Callable
 
 import torch
 
+import dapo
+import sampler
+from benchmarks.common import FixedRows, clock
+from config import Config, parse_args
+from data import load_rows, load_tokenizer
+from examples import smollm2, sums
+from experiments import real
+from infra import gguf
+from launch import load_verifier
+from model import Transformer
+from reward import overlong_penalty, score_response
+from toy import demo_base_model, make_toy_tokenizer, toy_rows
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "examples"), os.path.join(ROOT, "experiments")]
-import dapo  # noqa: E402
-import real  # noqa: E402
-import sampler  # noqa: E402
-import smollm2  # noqa: E402
-import sums  # noqa: E402
-from common import FixedRows, clock  # noqa: E402
-from config import Config, parse_args  # noqa: E402
-from data import load_rows, load_tokenizer  # noqa: E402
-from infra import gguf  # noqa: E402
-from launch import load_verifier  # noqa: E402
-from model import Qwen2  # noqa: E402
-from reward import overlong_penalty, score_response  # noqa: E402
-from toy import demo_base_model, make_toy_tokenizer, toy_rows  # noqa: E402
 
 TRL = "TRL"
 PHASES = ("generate", "reward", "rollout other", "update")
@@ -147,7 +145,7 @@ class OurSide:
 
     def __init__(self, work: Workload, phases, **flags):
         self.cfg = replace(work.cfg, **flags)
-        self.model = Qwen2.from_pretrained(work.base, dtype=torch.float32)
+        self.model = Transformer.from_pretrained(work.base, dtype=torch.float32)
         if self.cfg.compile:  # as launch.load_policy does
             self.model.compile_blocks()
         self.tok = load_tokenizer(work.base)
@@ -411,7 +409,7 @@ def main():
         work = (demo_workload if args.workload == "demo" else smollm2_workload)(root, args)
         if work is None:
             print(f"bench_step: skipped, no converted model in {smollm2.OUT} (make real, or "
-                  "python examples/smollm2.py, writes it)")
+                  "python -m examples.smollm2, writes it)")
             return
         record = Record(args, work.sides)
         ours = {name: OurSide(work, phases, **flags) for name, flags in work.sides.items()}

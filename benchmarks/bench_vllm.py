@@ -4,8 +4,8 @@ The two rollout engines side by side: sampler.py against --rollout-engine vllm's
 one thread each, CPU time, the engines alternating round by round; useful tokens/s (response
 tokens up to the EOS), min / median over the rounds.
 
-    OMP_NUM_THREADS=1 .venv-vllm/bin/python benchmarks/bench_vllm.py   # make test-vllm makes it
-    OMP_NUM_THREADS=1 .venv-vllm/bin/python benchmarks/bench_vllm.py --workload demo --rounds 3
+    OMP_NUM_THREADS=1 .venv-vllm/bin/python -m benchmarks.bench_vllm   # make test-vllm makes it
+    OMP_NUM_THREADS=1 .venv-vllm/bin/python -m benchmarks.bench_vllm --workload demo --rounds 3
 
 Workloads (--workload):
 - smollm2 (default): `make real`'s two rollouts on SmolLM2-135M-Instruct (converted by
@@ -26,19 +26,25 @@ import argparse
 import importlib.util
 import os
 import statistics
-import sys
 import tempfile
 
 import torch
 
+from benchmarks.bench_sampler import (
+    DEMO,
+    RL_EOS,
+    RL_G,
+    RL_NEW,
+    RL_PROMPTS,
+    RL_SLOTS,
+    random_model,
+    rl_sequences,
+)
+from benchmarks.common import timed_rounds
+from config import Config
+from sampler import generate
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks"), os.path.join(ROOT, "examples"),
-                os.path.join(ROOT, "experiments")]
-from bench_sampler import (DEMO, RL_EOS, RL_G, RL_NEW, RL_PROMPTS, RL_SLOTS,  # noqa: E402
-                           random_model, rl_sequences)
-from common import timed_rounds  # noqa: E402
-from config import Config  # noqa: E402
-from sampler import generate  # noqa: E402
 
 
 class Sides:
@@ -85,15 +91,15 @@ def spread(values: list[float], fmt: str = ".0f") -> str:
 
 
 def smollm2_part(args):
-    import bench_real
-    import smollm2
+    from benchmarks import bench_real
+    from examples import smollm2
     from infra import gguf
-    from model import Qwen2
+    from model import Transformer
     if not gguf.is_converted(smollm2.OUT):
         print(f"bench_vllm: skipped, no converted model in {smollm2.OUT} (make real, or "
-              "python examples/smollm2.py, writes it)")
+              "python -m examples.smollm2, writes it)")
         return
-    model = Qwen2.from_pretrained(smollm2.OUT, dtype=torch.float32).eval()
+    model = Transformer.from_pretrained(smollm2.OUT, dtype=torch.float32).eval()
     print(f"make real's rollouts on SmolLM2-135M-Instruct: up to {bench_real.NEW_TOKENS} new "
           f"tokens at temperature 1, the sampler in {bench_real.SLOTS} slots; CPU time, "
           f"{args.rounds} round(s), min / median")

@@ -1,7 +1,7 @@
 """What several benchmarks do the same way: the clock, rounds that alternate the variants, a random
 model whose biases and norms count, transformers' left-padded batches and the lengths of its
 outputs, the peak of resident memory, and a prompt source that hands out fixed rows. Not a
-benchmark itself (`make bench` runs benchmarks/bench_*.py)."""
+benchmark itself (`make bench` runs benchmarks/bench_*.py; checks/ uses it too)."""
 import time
 
 import torch

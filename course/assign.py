@@ -8,12 +8,12 @@ indentation, in the reference code itself, so the handout never drifts from it:
     ...  (the reference's lines: the handout has a raise here)
     # end exercise
 
-    python course/assign.py list          # the exercises: id, file, points, difficulty
-    python course/assign.py handout OUT   # the student copy, with EXERCISES.md
-    python course/assign.py check [ID]    # exercises' tests, pytest's output (make check EX=ID)
-    python course/assign.py todo          # one line naming the exercises that still raise
-    python course/assign.py grade         # run each exercise's tests, then a short demo run
-    python course/assign.py grade --extra-tests DIR --json FILE   # private tests, an autograder
+    python -m course.assign list          # the exercises: id, file, points, difficulty
+    python -m course.assign handout OUT   # the student copy, with EXERCISES.md
+    python -m course.assign check [ID]    # exercises' tests, pytest's output (make check EX=ID)
+    python -m course.assign todo          # one line naming the exercises that still raise
+    python -m course.assign grade         # run each exercise's tests, then a short demo run
+    python -m course.assign grade --extra-tests DIR --json FILE   # private tests, an autograder
 
 The handout is every file git tracks but the instructor's (INSTRUCTOR_ONLY, and any test file
 that marks a test @pytest.mark.grades: a private test), each marked body replaced by a `raise`
@@ -467,7 +467,7 @@ def student_makefile(makefile: str, root: str, regions) -> str:
                    count=1, flags=re.M) +
             "\n# The student copy: make run runs every exercise, so while some still raise it "
             "says which\n# (one line) instead of a traceback\n"
-            "UNWRITTEN = $(shell $(PYTHON) course/assign.py todo)\n")
+            "UNWRITTEN = $(shell $(PYTHON) -m course.assign todo)\n")
 
 
 # The files a handout rewrites: {path: (text, root, regions) -> the student's text}
@@ -543,7 +543,7 @@ WRITTEN = [
     "**Clip-higher (Eq. 10).** Run `notebooks/dapo_step.ipynb`'s clip cell. For A > 0, up to which "
     "ratio does a token still get a gradient with eps_high 0.2, and with 0.28? Why does that "
     "matter for a token whose old probability is 0.01, and why is eps_low left at 0.2?",
-    "**Dynamic sampling (Eq. 11).** Run `python experiments/ablate.py --rows 1 3 --seeds 0 1` "
+    "**Dynamic sampling (Eq. 11).** Run `python -m experiments.ablate --rows 1 3 --seeds 0 1` "
     "and compare the groups-with-signal curves in `runs/ablate/ablation.png`. Why is DAPO's "
     "curve flat at the batch size by construction, and what would show a benefit instead?",
     "**Token-level loss (Eq. 12).** In the notebook's token weights (its Eq. 12 cell), what "
@@ -637,12 +637,11 @@ def run_tests(args: list[str], only=(), root: str = ROOT, timeout: float = 900,
     """Run pytest on args in a fresh process in root, keeping the tests of `only` (node ids) if
     given; -> one record per test: nodeid, outcome, message, grades, needs. A test that had not
     ended at the timeout is missing."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "course")]),
-               PYTHONDONTWRITEBYTECODE="1")
+    env = dict(os.environ, PYTHONPATH=root, PYTHONDONTWRITEBYTECODE="1")
     env.setdefault("OMP_NUM_THREADS", "1")  # tiny tensors: threads only wait on each other
     with tempfile.TemporaryDirectory() as tmp:
         results = os.path.join(tmp, "results.jsonl")
-        code = ("import json, sys, assign; "
+        code = ("import json, sys; from course import assign; "
                 "sys.exit(assign.pytest_main(sys.argv[1], json.loads(sys.argv[2]), sys.argv[3:]))")
         # native tracebacks: pytest's own take ~0.1 s each to format, and a blank handout has 100s
         cmd = [sys.executable, "-c", code, results, json.dumps(list(only)), "-q", "--tb=native",

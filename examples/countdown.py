@@ -2,7 +2,7 @@
 Countdown, the task of TinyZero and nano-aha-moment: reach a target from given numbers with
 + - * / and parentheses, each number used exactly once. A second task for dapo.py, generated here:
 
-    python examples/countdown.py --rows 2000 --out countdown.jsonl     # plain {"prompt", "answer"}
+    python -m examples.countdown --rows 2000 --out countdown.jsonl     # plain {"prompt", "answer"}
     python dapo.py --train-data countdown.jsonl --val-data countdown.jsonl \\
         --reward-fn examples/countdown.py:score
 

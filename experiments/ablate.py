@@ -21,11 +21,11 @@ technique. Every run starts from the same base model (ablate_toy.py's, trained o
 the same settings (REGIME); a seed fixes the data order and the sampling, the same in every row, so
 rows are compared seed by seed (a paired t-test over the seeds).
 
-    python experiments/ablate.py                 # `make ablate`: every row x seed, the bandit,
+    python -m experiments.ablate                 # `make ablate`: every row x seed, the bandit,
                                                  # the tables, the figures
-    python experiments/ablate.py --report-only   # the table and figure again from the runs
-    python experiments/ablate.py --rows 1 2 --seeds 0   # DAPO against no clip-higher, one seed
-    python experiments/ablate.py --set lr=1e-4   # change a dapo.Config field for every row
+    python -m experiments.ablate --report-only   # the table and figure again from the runs
+    python -m experiments.ablate --rows 1 2 --seeds 0   # DAPO against no clip-higher, one seed
+    python -m experiments.ablate --set lr=1e-4   # change a dapo.Config field for every row
 
 Writes out_dir/base-model/ (the base model, its tokenizer and the task's rows: every run's --model
 and data), out_dir/row{N}/seed{S}/ (metrics.jsonl, the final checkpoint, probe.json, run.json,
@@ -43,18 +43,15 @@ import multiprocessing
 import os
 import shutil
 import statistics
-import sys
 import time
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-import ablate_isolated  # noqa: E402
-import ablate_toy  # noqa: E402
-import dapo  # noqa: E402
-from infra.precision import resolve as resolve_precision  # noqa: E402
-from plot import read_metrics, series  # noqa: E402
+import dapo
+from experiments import ablate_isolated, ablate_toy
+from experiments.plot import read_metrics, series
+from infra.precision import resolve as resolve_precision
 
 TECHNIQUES = ("clip_higher", "dynamic_sampling", "token_level_loss", "overlong_shaping",
               "overlong_filtering")
@@ -232,10 +229,10 @@ def probe(model_dir, rows_path, k, seed, cfg) -> dict:
     each problem gets (the diversity clip-higher keeps), filler repeats, truncation, and how often
     the working is shown."""
     from data import load_rows, load_tokenizer
-    from model import Qwen2
+    from model import Transformer
     from reward import Verifier
     tok = load_tokenizer(model_dir)
-    model = Qwen2.from_pretrained(model_dir, dtype=torch.float32)
+    model = Transformer.from_pretrained(model_dir, dtype=torch.float32)
     rows = load_rows(rows_path, tok)
     # every sample decoding at once (rollout_slots 0): the draws follow the slots' schedule
     batch = dapo.rollout(model, rows, tok, replace(cfg, rollout_slots=0), Verifier(),

@@ -14,20 +14,18 @@ bound lets it fall by -0.22), with 1.28 by +0.25. Measured (docs/ablation.md): t
 over ~2 rollouts sooner and the entropy is higher while they rise; how many of the four stay in use
 at the end does not differ beyond noise.
 
-    python experiments/ablate_isolated.py   # ~1 min: runs/ablate/clip_bandit.png and .json
+    python -m experiments.ablate_isolated   # ~1 min: runs/ablate/clip_bandit.png and .json
 """
 import argparse
 import json
 import math
 import os
 import statistics
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-from dapo import group_advantages, policy_loss  # noqa: E402
-from infra.metrics import clip_stats  # noqa: E402
+from dapo import group_advantages, policy_loss
+from infra.metrics import clip_stats
 
 # chance each answer is right: mediocre, 4 good, 5 poor
 RIGHT = torch.tensor([0.6] + [0.9] * 4 + [0.1] * 5)

@@ -21,14 +21,11 @@ JSONL files that dapo.py loads with --train-data / --val-data; the tokenizer is 
 (toy.make_toy_tokenizer).
 """
 import json
-import os
 import random
-import sys
 import zlib
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-from model import Qwen2  # noqa: E402
-from toy import TOY_DATA_SOURCE, TOY_FILLER, TOY_TEST_BUCKETS, warmed_up_model  # noqa: E402
+from model import Transformer
+from toy import TOY_DATA_SOURCE, TOY_FILLER, TOY_TEST_BUCKETS, warmed_up_model
 
 # "a+k": 540 problems, 1 in 5 held out (by a hash of the text)
 ABL_A, ABL_K = range(0, 60), range(1, 10)
@@ -124,7 +121,7 @@ def filler_repeats(response: str) -> int:
 ABL_WARMUP = dict(steps=800, skill_steps=600, batch_size=64, lr=5e-3, preset="tiny")
 
 
-def ablation_base_model(tok, device="cpu", seed=0, cache_root="runs/ablate-base") -> Qwen2:
+def ablation_base_model(tok, device="cpu", seed=0, cache_root="runs/ablate-base") -> Transformer:
     """A tiny Qwen2 fitted to ablation_warmup_pairs() by next-token prediction; cached, keyed by its
     settings and a sample of its data (measured: ~2 min on one thread of an idle machine, ~6 min on
     a busy one)."""

@@ -1,8 +1,8 @@
 """
 Turn a run's metrics.jsonl into one PNG of the curves a person watches during DAPO training.
 
-    python experiments/plot.py runs/demo/metrics.jsonl   # writes runs/demo/metrics.png
-    python experiments/plot.py a/metrics.jsonl b/metrics.jsonl -o compare.png --labels naive dapo
+    python -m experiments.plot runs/demo/metrics.jsonl   # writes runs/demo/metrics.png
+    python -m experiments.plot a/metrics.jsonl b/metrics.jsonl -o compare.png --labels naive dapo
 
 `make run` ends with the first, into runs/demo/curves.png. Needs matplotlib (requirements.txt).
 """

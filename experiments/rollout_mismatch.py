@@ -8,27 +8,25 @@ rollout_corr/ metrics of each (infra/rollout_correction.py; docs/metrics.md) and
 distribution of log rho = log pi_trainer - log pi_sampler per token and per response, against the
 bound --rollout-correction's modes use by default.
 
-    python experiments/rollout_mismatch.py                      # docs/rollout_correction.png
-    python experiments/rollout_mismatch.py --model runs/demo/checkpoints/step_000040/model
+    python -m experiments.rollout_mismatch                      # docs/rollout_correction.png
+    python -m experiments.rollout_mismatch --model runs/demo/checkpoints/step_000040/model
 
 Needs matplotlib (requirements.txt).
 """
 import argparse
 import math
 import os
-import sys
 from dataclasses import replace
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import dapo  # noqa: E402
-from config import Config  # noqa: E402
-from data import load_tokenizer  # noqa: E402
-from infra.rollout_correction import Stats  # noqa: E402
-from model import Qwen2, response_logprobs  # noqa: E402
-from reward import Verifier  # noqa: E402
-from toy import demo_policy, toy_rows  # noqa: E402
+import dapo
+from config import Config
+from data import load_tokenizer
+from infra.rollout_correction import Stats
+from model import Transformer, response_logprobs
+from reward import Verifier
+from toy import demo_policy, toy_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -95,7 +93,7 @@ def main():
     torch.manual_seed(args.seed)
     cfg = Config(group_size=args.group_size, seed=args.seed, device="cpu", precision="fp32")
     if args.model:
-        model, tok = Qwen2.from_pretrained(args.model), load_tokenizer(args.model)
+        model, tok = Transformer.from_pretrained(args.model), load_tokenizer(args.model)
     else:
         tok_dir, model = demo_policy(os.path.join(ROOT, "runs", "mismatch"), "cpu", args.seed)
         tok = load_tokenizer(tok_dir)

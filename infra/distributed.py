@@ -217,6 +217,11 @@ def local_rows(model) -> dict:
     return out
 
 
+def is_sharded(model) -> bool:
+    """Whether shard() has sharded the model (FSDP2), in one process or several."""
+    return bool(_fsdp_modules(model))
+
+
 def _fsdp_modules(model):
     from torch.distributed.fsdp import FSDPModule
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -326,21 +331,21 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {text}"
 
 
-def share_in_order(kept: dict, n_take: int, per_step: int) -> list:
-    """This rank's share of the first n_take items kept over all ranks, in the order of their
+def share_in_order(kept: dict, n_wanted: int, per_step: int) -> list:
+    """This rank's share of the first n_wanted items kept over all ranks, in the order of their
     numbers (kept: {global number: item with a .to(device)}, on the rank that made it), so that N
     ranks train on exactly the items one process would: the responses of dynamic sampling's
     groups, numbered in the order one process would have generated them. Each run of per_step
     items (a global mini-batch) is split evenly between the ranks, and an item moves to another
     rank only when its own holds more than its share (a response is token ids: cheap to send);
     moved items fill one rank after another, so a group's responses stay together where the share
-    allows. In one process: the first n_take items, in order."""
+    allows. In one process: the first n_wanted items, in order."""
     me, world = rank(), world_size()
     owners = all_gather_object(sorted(kept), name="kept responses")
-    first = sorted((g, r) for r, numbers in enumerate(owners) for g in numbers)[:n_take]
+    first = sorted((g, r) for r, numbers in enumerate(owners) for g in numbers)[:n_wanted]
     share = per_step // world  # items per rank in each run of per_step
     destination = {}
-    for start in range(0, n_take, per_step):
+    for start in range(0, n_wanted, per_step):
         step = first[start:start + per_step]
         count = [0] * world
         for g, owner in step:  # first every rank keeps its own, up to its share...

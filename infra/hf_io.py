@@ -1,8 +1,8 @@
 """
 Hugging Face model directories, read and written: config.json plus model.safetensors, or sharded
 model-0000K-of-0000N.safetensors files with model.safetensors.index.json, the layout transformers
-and vLLM read. model.Qwen2.from_pretrained and save_pretrained use these, and so do the training
-checkpoints (infra/checkpoint.py), whose model/ directory is such a directory.
+and vLLM read. model.Transformer.from_pretrained and save_pretrained use these, and so do the
+training checkpoints (infra/checkpoint.py), whose model/ directory is such a directory.
 
 Reading checks every key, shape and value against the model being built and names the file at
 fault; writing goes to a temporary directory, synced and renamed into place (infra/files.py), so a

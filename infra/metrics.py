@@ -68,8 +68,8 @@ class UpdateStats:
 
     def add_old_policy(self, old_logp, entropy, batch):
         """pi_old's log-probs and entropy (B, R) on a (micro-)batch.Batch's response tokens: its
-        entropy, and its distance to the sampler's log-probs (add_parity). A stand-in micro-batch
-        (Batch.stand_in) has none."""
+        entropy, and its distance to the sampler's log-probs (add_parity). A filler micro-batch
+        (Batch.masked_first_row) has none."""
         self.add_entropy(entropy, batch.response_mask)
         self.add_parity(old_logp, batch.rollout_logp, batch.response_mask)
 
@@ -177,7 +177,7 @@ def rollout_metrics(seen, group_size: int) -> dict:
     return out
 
 
-def generation_cost(generated, trained, n_take: int, extra_s: float) -> dict:
+def generation_cost(generated, trained, n_groups_trained: int, extra_s: float) -> dict:
     """What dynamic sampling cost this step: response tokens generated (batch.Batch `generated`,
     every response) per group trained on, the fraction of them not trained on (filtered out, or
     kept beyond --train-prompts), and the seconds spent on generation batches after the first.
@@ -187,28 +187,32 @@ def generation_cost(generated, trained, n_take: int, extra_s: float) -> dict:
          trained.response_mask.sum().item() if trained is not None else 0])
     out = {"train/gen_tokens_discarded": 1 - n_trained / max(n_generated, 1),
            "timing/gen_extra_s": extra_s}
-    if n_take:
-        out["train/gen_tokens_per_group"] = n_generated / n_take
+    if n_groups_trained:
+        out["train/gen_tokens_per_group"] = n_generated / n_groups_trained
     return out
 
 
-def collection_metrics(generated, to_train, n_kept: int, n_take: int, ends: list[float],
-                       group_size: int, train_prompts: int, prompts_per_gen: int) -> dict:
+def collection_metrics(generated, to_train, n_kept: int, n_groups_trained: int,
+                       gen_end_times: list[float], group_size: int, train_prompts: int,
+                       prompts_per_gen: int) -> dict:
     """A step's rollout metrics (every response generated), dynamic sampling's bookkeeping and
-    its cost, and the training batch's (None when nothing was kept); ends: when each generation
-    batch ended."""
+    its cost, and the training batch's (None when nothing was kept); gen_end_times: when each
+    generation batch ended."""
+    n_gen, cap_hit = len(gen_end_times), n_kept < train_prompts
+    extra_s = gen_end_times[-1] - gen_end_times[0] if gen_end_times else 0.0
     return (rollout_metrics(generated, group_size)
-            | sampling_metrics(len(ends), n_kept, n_take, n_kept < train_prompts, prompts_per_gen)
-            | generation_cost(generated, to_train, n_take, ends[-1] - ends[0] if ends else 0.0)
+            | sampling_metrics(n_gen, n_kept, n_groups_trained, cap_hit, prompts_per_gen)
+            | generation_cost(generated, to_train, n_groups_trained, extra_s)
             | (training_batch_metrics(to_train) if to_train is not None else {}))
 
 
-def sampling_metrics(n_gen: int, n_kept: int, n_take: int, cap_hit: bool,
+def sampling_metrics(n_gen: int, n_kept: int, n_groups_trained: int, cap_hit: bool,
                      prompts_per_gen: int) -> dict:
     """Dynamic sampling's bookkeeping: generation batches drawn, groups kept, trained, left over
     and filtered out (all right or all wrong)."""
     return {"train/num_gen_batches": n_gen, "train/gen_cap_hit": int(cap_hit),
-            "train/groups_kept": n_take, "train/groups_surplus": n_kept - n_take,
+            "train/groups_kept": n_groups_trained,
+            "train/groups_surplus": n_kept - n_groups_trained,
             "train/groups_filtered": n_gen * prompts_per_gen - n_kept}
 
 

@@ -1,7 +1,7 @@
 """Writes notebooks/dapo_step.ipynb from the cells below and executes it (nbclient), so that the
 committed notebook carries its outputs and reads on GitHub:
 
-    .venv/bin/python notebooks/build.py
+    .venv/bin/python -m notebooks.build
 
 The cells import the project's functions; nothing of the algorithm is copied here."""
 import os
@@ -264,12 +264,12 @@ Algorithm 1, lines 9-11, on the groups kept above: the group advantages (Eq. 9),
 `update_policy`, one optimizer step per mini-batch of `--mini-batch-prompts` groups, with
 clip-higher and the token-level loss. The row it returns goes into the run's metrics.jsonl
 (docs/metrics.md says what each one means)."""),
-    ("code", """n_take = groups_to_train(int(kept.sum()), cfg)
-train_batch = gen_batch.groups(kept.nonzero().flatten()[:n_take].tolist())
+    ("code", """n_trained = groups_to_train(int(kept.sum()), cfg)
+train_batch = gen_batch.groups(kept.nonzero().flatten()[:n_trained].tolist())
 train_batch = replace(train_batch, adv=group_advantages(train_batch.reward, G))
 opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
 logged = update_policy(model, opt, train_batch, cfg)
-print(f"trained on {n_take} groups ({len(train_batch)} responses), "
+print(f"trained on {n_trained} groups ({len(train_batch)} responses), "
       f"{cfg.mini_batch_prompts} per optimizer step (--mini-batch-prompts), lr {cfg.lr}")
 for key, value in logged.items():
     print(f"{key:<24} {value:.4g}")"""),

@@ -18,8 +18,8 @@ if os.environ.get("ATEN_CPU_CAPABILITY"):
 # fails at once instead of trying the network. huggingface_hub reads this when first imported.
 os.environ["HF_HUB_OFFLINE"] = "1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# the repository's modules, and the tools a folder down that the tests import by name
-sys.path[:0] = [ROOT, os.path.join(ROOT, "experiments"), os.path.join(ROOT, "course")]
+# the repository's modules, and its tools as packages (from experiments import ablate)
+sys.path[:0] = [ROOT]
 
 
 import pytest  # noqa: E402
@@ -33,12 +33,12 @@ def tiny_model_dir(tmp_path_factory):
     """A random tiny Qwen2 saved as a Hugging Face directory with the toy tokenizer: what
     --model points at."""
     from toy import make_toy_tokenizer
-    from model import Qwen2, preset
+    from model import Transformer, preset
     d = str(tmp_path_factory.mktemp("tiny"))
     tok = make_toy_tokenizer(d)
     torch.manual_seed(0)
     # beside the tokenizer files
-    Qwen2(preset("tiny", vocab_size=tok.vocab_size)).save_pretrained(d)
+    Transformer(preset("tiny", vocab_size=tok.vocab_size)).save_pretrained(d)
     return d
 
 

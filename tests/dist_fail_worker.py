@@ -24,7 +24,7 @@ from infra import checkpoint  # noqa: E402
 from infra import health  # noqa: E402
 from infra import distributed  # noqa: E402
 from infra.errors import UserError  # noqa: E402
-from model import Qwen2, preset  # noqa: E402
+from model import Transformer, preset  # noqa: E402
 
 POISONED = "model.layers.1.mlp.down_proj.weight"
 
@@ -62,7 +62,7 @@ def main(mode, timeout_s, out_dir=None):
             distributed.shutdown()
     elif mode == "nan":
         torch.manual_seed(0)
-        model = distributed.shard(Qwen2(preset("tiny", vocab_size=64)), mixed_precision=False)
+        model = distributed.shard(Transformer(preset("tiny", vocab_size=64)), mixed_precision=False)
         health.check_finite(model, "before")  # all finite: passes on both ranks
         if rank == 1:
             with torch.no_grad():
@@ -84,7 +84,7 @@ def die_on_rank_1(cfg):
 def stop_in_fsdp(cfg, dies=False):
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = distributed.shard(Qwen2(preset("tiny", vocab_size=64)), mixed_precision=False)
+    model = distributed.shard(Transformer(preset("tiny", vocab_size=64)), mixed_precision=False)
     if distributed.rank() == 1:
         if dies:
             os._exit(3)  # as a rank killed -9 or by the OOM killer

@@ -17,7 +17,7 @@ from infra import checkpoint  # noqa: E402
 from infra import distributed  # noqa: E402
 from dapo import Config, update_policy  # noqa: E402
 from data import PromptIterator, load_tokenizer  # noqa: E402
-from model import Qwen2  # noqa: E402
+from model import Transformer  # noqa: E402
 from batch import Batch  # noqa: E402
 from batches import random_batch  # noqa: E402
 
@@ -34,8 +34,8 @@ def make_batch(vocab, n_groups=4, seed=0) -> Batch:
                         dtype=torch.float64)
 
 
-def load_model(model_dir) -> Qwen2:
-    return Qwen2.from_pretrained(model_dir, dtype=torch.float64)
+def load_model(model_dir) -> Transformer:
+    return Transformer.from_pretrained(model_dir, dtype=torch.float64)
 
 
 def my_share(batch, rank, world, cfg=CFG):
@@ -79,7 +79,7 @@ def main(model_dir, out_dir, opt_name):
     real = [len(part.micro_batch_rows(cfg.micro_batch_size, cfg.micro_batch_tokens))
             for part in mine.split(cfg.mini_batch_prompts * GROUP // world)]
     with open(os.path.join(out_dir, f"micro_batches_rank{rank}.json"), "w") as f:
-        json.dump(real, f)  # before the stand-ins: how many each rank needed
+        json.dump(real, f)  # before the fillers: how many each rank needed
     metrics = update_policy(model, opt, mine, cfg)
     with torch.no_grad():
         logits = model(PROBE)

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import launch  # noqa: E402
 from config import Config  # noqa: E402
 from infra import distributed  # noqa: E402
-from model import Qwen2, preset  # noqa: E402
+from model import Transformer, preset  # noqa: E402
 
 
 def resident_kb(field: str) -> int:
@@ -30,7 +30,7 @@ def main(model_dir, out_dir):
     distributed.init("cpu")
     torch.set_num_threads(1)
     with torch.device("meta"):  # torch's first model there sets up ~70 MB of its own, once
-        Qwen2(preset("tiny", vocab_size=8))
+        Transformer(preset("tiny", vocab_size=8))
     before, peak, done = resident_kb("RssAnon"), [0], threading.Event()
 
     def sample():

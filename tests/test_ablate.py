@@ -6,8 +6,8 @@ from dataclasses import asdict
 
 import pytest
 
-import ablate
-from ablate import REGIME, ROWS, TECHNIQUES, AblateConfig, paired, summarize
+from experiments import ablate
+from experiments.ablate import REGIME, ROWS, TECHNIQUES, AblateConfig, paired, summarize
 from dapo import Config
 
 

@@ -3,7 +3,7 @@ import statistics
 
 import pytest
 
-from ablate_isolated import rollouts_to, run_bandit
+from experiments.ablate_isolated import rollouts_to, run_bandit
 
 
 @pytest.mark.needs("group_advantages", "policy_loss")

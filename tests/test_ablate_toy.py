@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 
-import ablate_toy as T
+from experiments import ablate_toy as T
 import reward
 from toy import make_toy_tokenizer
 

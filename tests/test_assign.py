@@ -10,8 +10,8 @@ import subprocess
 
 import pytest
 
-import assign
-from assign import BY_ID, EXERCISES, INSTRUCTOR_ONLY, INTEGRATION_POINTS, NOT_DONE
+from course import assign
+from course.assign import BY_ID, EXERCISES, INSTRUCTOR_ONLY, INTEGRATION_POINTS, NOT_DONE
 from config import Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -198,7 +198,7 @@ def test_make_check_installs_the_test_requirements_then_runs_one_exercise(handou
                          cwd=handout, capture_output=True, text=True, timeout=60)
     assert dry.returncode == 0, dry.stderr
     out = dry.stdout
-    assert out.index("requirements-test.txt") < out.index("course/assign.py check rope")
+    assert out.index("requirements-test.txt") < out.index("-m course.assign check rope")
 
 
 def test_check_runs_an_exercises_tests_which_fail_until_it_is_written(handout, capfd):

@@ -75,16 +75,16 @@ def test_in_one_process_the_micro_batches_are_the_rows_of_micro_batch_rows():
         assert [part.score.tolist() for part in parts] == [r.tolist() for r in rows]
 
 
-def test_a_stand_in_is_the_first_row_without_a_response_token():
+def test_the_masked_first_row_is_the_first_row_without_a_response_token():
     batch = random_batch(50, n=8)
-    first, stand_in = batch.rows(slice(0, 1)), batch.stand_in()
-    assert torch.equal(stand_in.prompt_ids, first.prompt_ids)
-    assert torch.equal(stand_in.response_ids, first.response_ids)  # what the forward reads
-    assert stand_in.response_mask.shape == first.response_mask.shape
-    assert not stand_in.response_mask.any()  # what a loss and a metric sum over
+    first, filler = batch.rows(slice(0, 1)), batch.masked_first_row()
+    assert torch.equal(filler.prompt_ids, first.prompt_ids)
+    assert torch.equal(filler.response_ids, first.response_ids)  # what the forward reads
+    assert filler.response_mask.shape == first.response_mask.shape
+    assert not filler.response_mask.any()  # what a loss and a metric sum over
 
 
-def test_a_rank_with_fewer_micro_batches_runs_stand_ins_after_its_own(monkeypatch):
+def test_a_rank_with_fewer_micro_batches_runs_fillers_after_its_own(monkeypatch):
     # under FSDP each forward is a collective: every rank runs as many as the rank with the most
     other_rank_has_more(monkeypatch, 2)
     batch = numbered(random_batch(50, n=8))
@@ -95,7 +95,7 @@ def test_a_rank_with_fewer_micro_batches_runs_stand_ins_after_its_own(monkeypatc
 
 
 def test_per_token_puts_each_micro_batchs_results_back_in_the_batchs_row_order(monkeypatch):
-    other_rank_has_more(monkeypatch, 1)  # a stand-in runs too; its results are dropped
+    other_rank_has_more(monkeypatch, 1)  # a filler runs too; its results are dropped
     batch = random_batch(50, n=8, dtype=torch.float64)
     packed = [i for rows in batch.micro_batch_rows(64, max_tokens=30) for i in rows.tolist()]
     assert packed != list(range(8))  # longest first: not the batch's order

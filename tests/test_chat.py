@@ -13,7 +13,7 @@ import torch
 import chat
 import dapo
 from data import load_tokenizer
-from model import Qwen2, preset
+from model import Transformer, preset
 from sampler import generate
 from test_dapo import _cfg
 
@@ -27,7 +27,7 @@ def talkative_dir(tmp_path_factory, tiny_model_dir):
     (std 0.2): its greedy reply changes from token to token, where the init's repeats one."""
     d = str(tmp_path_factory.mktemp("talkative"))
     torch.manual_seed(0)
-    model = Qwen2(preset("tiny", vocab_size=load_tokenizer(tiny_model_dir).vocab_size))
+    model = Transformer(preset("tiny", vocab_size=load_tokenizer(tiny_model_dir).vocab_size))
     with torch.no_grad():
         for name, weight in model.named_parameters():
             if "norm" not in name:
@@ -38,7 +38,8 @@ def talkative_dir(tmp_path_factory, tiny_model_dir):
 
 def generated_text(model_dir, messages, max_new_tokens, temperature, top_p, seed) -> str:
     """sampler.generate()'s reply to messages, decoded."""
-    model, tok = Qwen2.from_pretrained(model_dir, dtype=torch.float32), load_tokenizer(model_dir)
+    model = Transformer.from_pretrained(model_dir, dtype=torch.float32)
+    tok = load_tokenizer(model_dir)
     prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
     out = generate(model, [prompt], max_new_tokens, temperature=temperature, top_p=top_p,
                    eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id,

@@ -17,7 +17,7 @@ from config import Config, check_flags
 from data import PromptIterator
 from infra import checkpoint, files, health, hf_io, metrics
 from infra.errors import UserError
-from model import Qwen2, preset
+from model import Transformer, preset
 
 
 def save(out_dir, step, model, tok_dir, keep_last=0):
@@ -33,7 +33,7 @@ def listing(out_dir):
 
 @pytest.fixture
 def model(tiny_model_dir):
-    return Qwen2.from_pretrained(tiny_model_dir)
+    return Transformer.from_pretrained(tiny_model_dir)
 
 
 # --- non-finite weights ---------------------------------------------------------------------------
@@ -86,7 +86,7 @@ def test_a_full_disk_names_the_file_and_keeps_the_previous_checkpoint(
     # no half-written step_000002.tmp left taking space
     assert listing(tmp_path) == ["latest", "step_000001"]
     assert checkpoint.latest(str(tmp_path)).endswith("step_000001")
-    Qwen2.from_pretrained(str(tmp_path / "checkpoints" / "step_000001" / "model"))
+    Transformer.from_pretrained(str(tmp_path / "checkpoints" / "step_000001" / "model"))
 
 
 @pytest.mark.parametrize("resume", [True, False])
@@ -458,7 +458,7 @@ def test_optimizer_state_that_does_not_fit_the_model_is_named_at_load(
     # as a checkpoint whose model/ was replaced by another model's: before, it loaded, ran a whole
     # rollout and died in opt.step() with "The size of tensor a (384) must match ... (512)"
     final = saved_after_one_step(tmp_path, model, tiny_model_dir)
-    other = Qwen2(preset("tiny", vocab_size=model.config.vocab_size, **change))
+    other = Transformer(preset("tiny", vocab_size=model.config.vocab_size, **change))
     opt = torch.optim.AdamW(other.parameters(), lr=1e-3)
     with pytest.raises(ValueError, match=rf"step_000001/trainer_rank0\.pt: {error}"):
         checkpoint.load_trainer_state(final, opt, PromptIterator([{"x": 1}], 1, 0),

@@ -125,8 +125,8 @@ def test_generated_countdown_rows_are_solved_by_their_own_equation():
 
 def countdown_run(tiny_model_dir, tmp_path, reward_fn: str) -> Config:
     """Two tiny steps on 40 Countdown rows, scored by reward_fn."""
-    subprocess.run([sys.executable, COUNTDOWN, "--rows", "40", "--out", str(tmp_path / "cd.jsonl")],
-                   check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "examples.countdown", "--rows", "40", "--out",
+                    str(tmp_path / "cd.jsonl")], cwd=ROOT, check=True, capture_output=True)
     return Config(model=tiny_model_dir, out_dir=str(tmp_path / "run"), steps=2, train_prompts=4,
                   gen_prompts=4, group_size=4, max_response_len=12, overlong_buffer=4,
                   mini_batch_prompts=2, micro_batch_size=8, eval_every=0, eval_prompts=4,
@@ -201,7 +201,7 @@ def test_the_readme_commands_of_your_own_task_run_as_written(tiny_model_dir, tmp
     block = readme_section().split("```bash\n", 1)[1].split("```", 1)[0]
     commands = [c.split("#")[0] for c in block.replace("\\\n", " ").splitlines() if c.strip()]
     assert len(commands) == 2 and "--reward-fn examples/countdown.py:score" in commands[1]
-    tiny = {"countdown.py": ["--rows", "40"],
+    tiny = {"examples.countdown": ["--rows", "40"],
             "dapo.py": ["--model", tiny_model_dir, "--steps", "1", "--train-prompts", "4",
                         "--gen-prompts", "4", "--mini-batch-prompts", "2", "--group-size", "2",
                         "--max-response-len", "8", "--overlong-buffer", "4", "--eval-every", "0",
@@ -211,7 +211,7 @@ def test_the_readme_commands_of_your_own_task_run_as_written(tiny_model_dir, tmp
     for command in commands:
         args = shlex.split(command)
         assert args[0] == "python"
-        extra = next(v for k, v in tiny.items() if args[1].endswith(k))
+        extra = tiny[args[2] if args[1] == "-m" else args[1]]  # the module's or the script's
         out = subprocess.run([sys.executable, *args[1:], *extra], cwd=tmp_path, text=True,
                              capture_output=True, timeout=300,
                              env={**os.environ, "PYTHONPATH": ROOT})

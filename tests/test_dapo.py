@@ -15,7 +15,7 @@ from batches import indexed_rows, random_batch, scripted_rollout
 from data import PromptIterator
 from infra.errors import UserError
 from infra.metrics import clip_stats, training_batch_metrics
-from model import Qwen2, preset, response_logprobs
+from model import Transformer, preset, response_logprobs
 from reward import Verifier
 from tiny_models import flat_params, tiny_float64_model
 from two_ranks import torchrun
@@ -284,7 +284,7 @@ def test_update_is_the_same_with_the_fused_and_the_unfused_head(tied):
                    "attention")
 def test_non_finite_gradient_skips_the_update(monkeypatch):
     torch.manual_seed(0)
-    model = Qwen2(preset("tiny", vocab_size=50))
+    model = Transformer(preset("tiny", vocab_size=50))
     before = [p.detach().clone() for p in model.parameters()]
     real = dapo.policy_loss
     def nan_loss(*args, **kwargs):
@@ -324,7 +324,7 @@ def test_three_steps_write_metrics_and_a_transformers_loadable_checkpoint(tiny_m
     assert [m["step"] for m in lines if "val/acc" in m] == [0, 2, 3]
     ckpt = tmp_path / "checkpoints" / "step_000003" / "model"
     hf = transformers.Qwen2ForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
-    ours = Qwen2.from_pretrained(str(ckpt))
+    ours = Transformer.from_pretrained(str(ckpt))
     x = torch.randint(0, ours.config.vocab_size, (1, 7))
     with torch.no_grad():
         assert (hf(x).logits - ours(x)).abs().max() < 1e-5
@@ -336,8 +336,9 @@ def test_resume_continues_exactly(tiny_model_dir, tmp_path):
     dapo.main(_cfg(tiny_model_dir, tmp_path / "straight", steps=4, eval_every=0))
     dapo.main(_cfg(tiny_model_dir, tmp_path / "resumed", steps=2, eval_every=0))
     dapo.main(_cfg(tiny_model_dir, tmp_path / "resumed", steps=4, eval_every=0, resume=True))
-    a = Qwen2.from_pretrained(str(tmp_path / "straight" / "checkpoints" / "step_000004" / "model"))
-    b = Qwen2.from_pretrained(str(tmp_path / "resumed" / "checkpoints" / "step_000004" / "model"))
+    step_4 = os.path.join("checkpoints", "step_000004", "model")
+    a = Transformer.from_pretrained(str(tmp_path / "straight" / step_4))
+    b = Transformer.from_pretrained(str(tmp_path / "resumed" / step_4))
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(p, q), name
 

@@ -13,7 +13,7 @@ import torch
 from dapo import update_policy
 from data import load_tokenizer
 from dist_worker import PROBE, load_model, make_batch, make_optimizer, run_config
-from model import Qwen2
+from model import Transformer
 from two_ranks import SMALL_RUN, first_ranks_output, start_pair, torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,7 +97,7 @@ def test_two_rank_checkpoint_loads_in_one_process_with_identical_logits(two_rank
     ckpt = out / "checkpoints" / "step_000001"
     assert (sorted(p for p in os.listdir(ckpt) if p.endswith(".pt"))
             == ["trainer_rank0.pt", "trainer_rank1.pt"])
-    model = Qwen2.from_pretrained(str(ckpt / "model"))
+    model = Transformer.from_pretrained(str(ckpt / "model"))
     saved = model.state_dict()  # the checkpoint holds exactly the weights the ranks trained...
     assert all(torch.equal(saved[k], w) for k, w in two["weights"].items())
     with torch.no_grad():  # ...and gives their logits, up to the order of a float64 matmul's sums
@@ -111,8 +111,9 @@ def test_two_rank_run_resumes_exactly(tiny_model_dir, tmp_path):
     torchrun(*args, "--out-dir", str(tmp_path / "straight"), "--steps", "3")
     torchrun(*args, "--out-dir", str(tmp_path / "resumed"), "--steps", "2")
     torchrun(*args, "--out-dir", str(tmp_path / "resumed"), "--steps", "3", "--resume")
-    a = Qwen2.from_pretrained(str(tmp_path / "straight" / "checkpoints" / "step_000003" / "model"))
-    b = Qwen2.from_pretrained(str(tmp_path / "resumed" / "checkpoints" / "step_000003" / "model"))
+    step_3 = os.path.join("checkpoints", "step_000003", "model")
+    a = Transformer.from_pretrained(str(tmp_path / "straight" / step_3))
+    b = Transformer.from_pretrained(str(tmp_path / "resumed" / step_3))
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(p, q), name
     lines = [json.loads(line) for line in open(tmp_path / "resumed" / "metrics.jsonl")]
@@ -148,7 +149,7 @@ def test_a_checkpoint_missing_one_ranks_file_fails_every_rank_at_once(store_env,
                                                                       tmp_path):
     from data import PromptIterator
     from infra import checkpoint, files
-    model = Qwen2.from_pretrained(tiny_model_dir)
+    model = Transformer.from_pretrained(tiny_model_dir)
     ckpt = checkpoint.save(str(tmp_path), 1, model, tiny_model_dir,
                            torch.optim.AdamW(model.parameters()), PromptIterator([{"x": 1}], 1, 0),
                            torch.Generator(), {})

@@ -23,9 +23,9 @@ from transformers.utils.import_utils import is_kernels_available
 # the real package, which transformers accepts (else the test would pass without the clash)
 assert hasattr(kernels, "get_kernel") and is_kernels_available(), kernels.__file__
 assert "site-packages" in kernels.__file__, kernels.__file__
-from model import Qwen2, preset
+from model import Transformer, preset
 torch.manual_seed(0)
-ours = Qwen2(preset("tiny", vocab_size=97)).eval()
+ours = Transformer(preset("tiny", vocab_size=97)).eval()
 d = tempfile.mkdtemp()
 ours.save_pretrained(d)
 theirs = Qwen2ForCausalLM.from_pretrained(d, dtype=torch.float32).eval()

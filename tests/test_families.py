@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from infra import memory
-from model import ModelConfig, Qwen2, num_params, rope_inv_freq
+from model import ModelConfig, Transformer, num_params, rope_inv_freq
 from test_model import cached_decode, ours_from, randomise_biases_and_norms
 
 transformers = pytest.importorskip("transformers")
@@ -109,7 +109,7 @@ def test_our_checkpoint_loads_in_transformers_as_its_class(tmp_path, case):
     cfg = ModelConfig(vocab_size=VOCAB, intermediate_size=136, num_hidden_layers=2,
                       max_position_embeddings=512, torch_dtype="float32",
                       **FAMILY_CONFIGS[case])
-    ours = Qwen2(cfg).eval()
+    ours = Transformer(cfg).eval()
     with torch.no_grad():  # norms start at 1: randomise so that a misplaced one shows
         for name, p in ours.named_parameters():
             if "norm" in name:
@@ -122,7 +122,7 @@ def test_our_checkpoint_loads_in_transformers_as_its_class(tmp_path, case):
     x = torch.randint(0, VOCAB, (2, 100))
     with torch.no_grad():
         assert (hf(x).logits - ours(x)).abs().max() < TOL
-    again = Qwen2.from_pretrained(str(tmp_path / "ours"))
+    again = Transformer.from_pretrained(str(tmp_path / "ours"))
     assert again.config == ours.config
     with torch.no_grad():
         assert torch.equal(again(x), ours(x))  # our round trip is bit-exact
@@ -132,7 +132,7 @@ def test_our_checkpoint_loads_in_transformers_as_its_class(tmp_path, case):
 @pytest.mark.parametrize("tied", [True, False])
 def test_the_memory_plan_counts_each_familys_parameters(case, tied):
     cfg = ModelConfig.from_hf({**hf_config(case).to_dict(), "tie_word_embeddings": tied})
-    assert memory.parameter_count(cfg) == num_params(Qwen2(cfg))
+    assert memory.parameter_count(cfg) == num_params(Transformer(cfg))
 
 
 BASE = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
@@ -161,5 +161,5 @@ BASE = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layer
 def test_what_is_not_computed_is_refused_in_one_line_naming_the_file(tmp_path, edit, field):
     (tmp_path / "config.json").write_text(json.dumps({**BASE, **edit}))
     with pytest.raises(ValueError, match=r"config\.json: " + field) as refused:
-        Qwen2.from_pretrained(str(tmp_path))
+        Transformer.from_pretrained(str(tmp_path))
     assert str(tmp_path) in str(refused.value) and "\n" not in str(refused.value)

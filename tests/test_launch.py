@@ -18,7 +18,7 @@ from config import Config
 from data import PromptIterator, load_tokenizer
 from infra import memory
 from launch import check_files, load_data, load_verifier, user_errors_in_one_line
-from model import ModelConfig, Qwen2
+from model import ModelConfig, Transformer
 from tmpfiles import plain_jsonl, write
 from two_ranks import SMALL_RUN, first_ranks_output, start_pair, torchrun
 
@@ -130,13 +130,13 @@ def test_two_ranks_load_a_shard_each_and_the_same_weights(tmp_path, family):
     model_dir, out_dir = tmp_path / "model", tmp_path / "out"
     out_dir.mkdir()
     torch.manual_seed(0)
-    Qwen2(m).bfloat16().save_pretrained(str(model_dir))
+    Transformer(m).bfloat16().save_pretrained(str(model_dir))
     fp32_bytes = memory.parameter_count(m) * 4
     torchrun("tests/load_worker.py", str(model_dir), str(out_dir))
     peaks = [json.loads((out_dir / f"rank{r}.json").read_text())["peak_kb"] * 1024
              for r in (0, 1)]
     assert all(peak < 0.7 * fp32_bytes for peak in peaks), [p / fp32_bytes for p in peaks]
-    whole = Qwen2.from_pretrained(str(model_dir), dtype=torch.float32).state_dict()
+    whole = Transformer.from_pretrained(str(model_dir), dtype=torch.float32).state_dict()
     gathered = torch.load(out_dir / "weights.pt", weights_only=True)
     assert gathered.keys() == whole.keys()
     assert all(torch.equal(gathered[k], whole[k]) for k in whole)

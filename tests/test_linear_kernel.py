@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dapo_kernels import linear_logprobs_and_entropy, logprobs_and_entropy
 from dapo_kernels.logprobs import TRITON_INTERPRET, triton_logprobs
-from model import Qwen2, preset
+from model import Transformer, preset
 from rendezvous import file_init
 
 N, C, V = 12, 16, 3001  # tokens, hidden size, vocab (not a multiple of the Triton block below)
@@ -269,7 +269,7 @@ def test_saved_state_holds_no_vocab_sized_tensor():
 def test_activation_checkpointing_changes_no_gradient():
     # float64: fused and checkpointed against unfused and not, the same sums in another order
     torch.manual_seed(0)
-    model = Qwen2(preset("tiny", vocab_size=V)).double().train()
+    model = Transformer(preset("tiny", vocab_size=V)).double().train()
     ids = torch.randint(0, V, (2, 9))
     upstream = torch.randn(2, 8)
 
@@ -317,7 +317,8 @@ def _fsdp_worker(rank, world_size, init_method, out_dir):
         for tied in (True, False):
             torch.manual_seed(0)  # the same model and batch on every rank
             # float64: 2 ranks and 1 process sum the same gradient terms in another order
-            model = Qwen2(preset("tiny", vocab_size=V, tie_word_embeddings=tied)).double().train()
+            config = preset("tiny", vocab_size=V, tie_word_embeddings=tied)
+            model = Transformer(config).double().train()
             ids = torch.randint(0, V, (FSDP_BATCH, FSDP_LEN))
             upstream = torch.randn(FSDP_BATCH, FSDP_LEN - 1)
 

@@ -21,7 +21,7 @@ from batches import random_batch
 from config import parse_args
 from infra import interrupt
 from infra.errors import UserError
-from model import Qwen2, preset
+from model import Transformer, preset
 from test_dapo import _cfg, torch_kernel_path  # noqa: F401 (an autouse fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -283,7 +283,7 @@ def test_keep_checkpoints_keeps_the_last_ones(tiny_model_dir, tmp_path):
                    "attention")
 def test_a_nan_weight_after_an_optimizer_step_stops_the_update():
     torch.manual_seed(0)
-    model = Qwen2(preset("tiny", vocab_size=50))
+    model = Transformer(preset("tiny", vocab_size=50))
 
     class Poisoned(torch.optim.SGD):
         def step(self, closure=None):
@@ -440,7 +440,7 @@ def test_a_broken_tokenizer_json_is_named_before_the_weights_load(tiny_model_dir
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model_dir)
     (model_dir / "tokenizer.json").write_text(text)
-    monkeypatch.setattr(launch.Qwen2, "from_pretrained",
+    monkeypatch.setattr(launch.Transformer, "from_pretrained",
                         lambda *a, **k: pytest.fail("loaded the weights"))
     with pytest.raises(UserError, match=rf"^{re.escape(str(model_dir / 'tokenizer.json'))}: not "
                                         r"a tokenizer the tokenizers library reads, truncated or "

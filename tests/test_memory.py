@@ -14,7 +14,7 @@ import torch
 
 from config import Config
 from infra import memory, precision
-from model import ModelConfig, Qwen2, num_params, preset
+from model import ModelConfig, Transformer, num_params, preset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = {  # small shapes with every dimension distinct, so a wrong coefficient shows
@@ -36,7 +36,7 @@ def small(name, **kw) -> ModelConfig:
 def test_parameter_count_is_the_models(name, tied, family):
     m = small(name, tie_word_embeddings=tied, model_type=family.removesuffix("-bias"),
               attention_bias=family.endswith("-bias"))
-    assert memory.parameter_count(m) == num_params(Qwen2(m))
+    assert memory.parameter_count(m) == num_params(Transformer(m))
 
 
 def saved_for_backward(model, ids, context) -> int:
@@ -67,7 +67,7 @@ def test_activations_are_what_autograd_keeps(name, mode, checkpointing, family):
     backward, not held by the forward: the plan counts it, the forward's count does not)."""
     m = small(name, model_type=family)
     torch.manual_seed(0)
-    model = Qwen2(m).train()
+    model = Transformer(m).train()
     model.activation_checkpointing = checkpointing
     if mode == "bf16":  # FSDP2's mixed precision: bf16 weights and compute
         model = model.bfloat16()
@@ -91,7 +91,7 @@ def test_the_kv_cache_and_the_optimizer_state_are_what_gets_allocated(precision,
     cfg = Config(precision=precision, rollout_slots=5, max_prompt_len=20,
                  max_response_len=11)
     plan = memory.plan(m, cfg, world=1)
-    model = Qwen2(m)
+    model = Transformer(m)
     with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
         cache = model.new_kv_cache(5, 31)
     assert plan.kv_cache == sum(t.numel() * t.element_size() for t in cache.k + cache.v)
@@ -116,7 +116,7 @@ def test_the_rollout_is_planned_in_the_samplers_precision(trainer, sampler):
                  max_response_len=11)
     plan = memory.plan(m, cfg, world=1)
     with precision.autocast(cfg.sampler_precision, cfg.device):
-        cache = Qwen2(m).new_kv_cache(5, 31)
+        cache = Transformer(m).new_kv_cache(5, 31)
     assert plan.kv_cache == sum(t.numel() * t.element_size() for t in cache.k + cache.v)
     as_sampler = memory.plan(m, replace(cfg, precision=sampler, rollout_precision="same"), 1)
     assert plan.rollout - plan.shards == as_sampler.rollout - as_sampler.shards
@@ -192,7 +192,7 @@ def test_an_eval_only_plan_holds_the_weights_and_nothing_of_training():
     one 80 GB card (before: planned as a training run, 137.8 GiB, refused)."""
     m = small("a")
     plan = memory.plan(m, Config(eval_only=True, precision="fp32", rollout_slots=5), world=1)
-    assert plan.shards == sum(p.numel() * p.element_size() for p in Qwen2(m).parameters())
+    assert plan.shards == sum(p.numel() * p.element_size() for p in Transformer(m).parameters())
     assert plan.grads == plan.gathered_update == plan.activations == plan.head == 0
     assert plan.peak == plan.rollout + int(memory.OVERHEAD_GB * memory.GB)
     cfg = Config(eval_only=True, precision="bf16", rollout_slots="auto", max_prompt_len=2048,

@@ -12,8 +12,8 @@ from safetensors.torch import save_file
 import model as model_module
 from infra.errors import UserError
 from batches import random_batch
-from model import (Attention, KVCache, ModelConfig, Qwen2, apply_rope, attention_mask_4d, preset,
-                   response_logprobs, rope_cos_sin)
+from model import (Attention, KVCache, ModelConfig, Transformer, apply_rope, attention_mask_4d,
+                   preset, response_logprobs, rope_cos_sin)
 from tiny_models import flat_grads, tiny_float64_model
 
 transformers = pytest.importorskip("transformers")
@@ -45,7 +45,7 @@ def randomise_biases_and_norms(m):
 
 def ours_from(hf, tmp_path):
     hf.save_pretrained(tmp_path / "hf")
-    return Qwen2.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    return Transformer.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
 
 
 # (vocab, kv_heads, heads, hidden, tied): kv-head ratios 1, 2 and 7, odd vocabs, tied and untied
@@ -227,17 +227,17 @@ def test_kv_cache_without_rows_writes_the_first_rows():
 @pytest.mark.parity
 @pytest.mark.needs("rope", "attention", "kv_cache")
 def test_compiled_blocks_train_as_the_eager_ones_and_leave_the_rollout_eager():
-    """--compile's training forward (Qwen2.compile_blocks): the log-probs and every gradient equal
-    the eager blocks' in float64, with and without activation checkpointing (inductor fuses and may
-    sum in another order: round-off only); the weights keep their names; and a forward with a KV
-    cache (the rollout's) runs the plain blocks."""
+    """--compile's training forward (Transformer.compile_blocks): the log-probs and every gradient
+    equal the eager blocks' in float64, with and without activation checkpointing (inductor fuses
+    and may sum in another order: round-off only); the weights keep their names; and a forward
+    with a KV cache (the rollout's) runs the plain blocks."""
     from types import SimpleNamespace
 
     from model import response_logprobs
     from sampler import generate
     torch.manual_seed(0)
-    eager = Qwen2(preset("tiny", vocab_size=300)).double()
-    compiled = Qwen2(preset("tiny", vocab_size=300)).double()
+    eager = Transformer(preset("tiny", vocab_size=300)).double()
+    compiled = Transformer(preset("tiny", vocab_size=300)).double()
     compiled.load_state_dict(eager.state_dict())
     compiled.compile_blocks()
     assert list(compiled.state_dict()) == list(eager.state_dict())
@@ -291,14 +291,14 @@ def test_hidden_and_head_paths_give_the_logits(tmp_path):
 @pytest.mark.parametrize("tied", [True, False])
 def test_our_checkpoint_loads_in_transformers(tmp_path, tied):
     torch.manual_seed(1)
-    ours = Qwen2(preset("tiny", vocab_size=211, tie_word_embeddings=tied)).eval()
+    ours = Transformer(preset("tiny", vocab_size=211, tie_word_embeddings=tied)).eval()
     ours.save_pretrained(str(tmp_path / "ours"))
     hf = transformers.Qwen2ForCausalLM.from_pretrained(str(tmp_path / "ours"),
                                                        dtype=torch.float32).eval()
     x = torch.randint(0, 211, (2, 15))
     with torch.no_grad():
         assert (hf(x).logits - ours(x)).abs().max() < TOL
-    again = Qwen2.from_pretrained(str(tmp_path / "ours"))
+    again = Transformer.from_pretrained(str(tmp_path / "ours"))
     assert again.config == ours.config
     with torch.no_grad():
         assert torch.equal(again(x), ours(x))  # our round trip is bit-exact
@@ -309,13 +309,13 @@ def test_our_checkpoint_loads_in_transformers(tmp_path, tied):
 @pytest.mark.needs("rope", "attention")
 def test_sharded_checkpoint_loads(tmp_path):
     torch.manual_seed(2)
-    ours = Qwen2(preset("tiny", vocab_size=211, tie_word_embeddings=False))
+    ours = Transformer(preset("tiny", vocab_size=211, tie_word_embeddings=False))
     ours.save_pretrained(str(tmp_path / "sharded"), max_shard_bytes=60_000)
     files = sorted(os.listdir(tmp_path / "sharded"))
     assert "model.safetensors.index.json" in files and "model-00001-of-" in files[1]
     hf = transformers.Qwen2ForCausalLM.from_pretrained(str(tmp_path / "sharded"),
                                                        dtype=torch.float32)
-    again = Qwen2.from_pretrained(str(tmp_path / "sharded"))
+    again = Transformer.from_pretrained(str(tmp_path / "sharded"))
     x = torch.randint(0, 211, (1, 9))
     with torch.no_grad():
         assert torch.equal(again(x), ours(x))
@@ -337,7 +337,7 @@ def test_config_reads_old_top_level_rope_theta_and_new_rope_parameters():
 @pytest.fixture
 def saved(tmp_path):
     torch.manual_seed(3)
-    m = Qwen2(preset("tiny", vocab_size=50, tie_word_embeddings=False))
+    m = Transformer(preset("tiny", vocab_size=50, tie_word_embeddings=False))
     m.save_pretrained(str(tmp_path / "ckpt"))
     return tmp_path / "ckpt"
 
@@ -345,9 +345,9 @@ def saved(tmp_path):
 def test_missing_file_names_the_file(tmp_path, saved):
     os.remove(saved / "model.safetensors")
     with pytest.raises(UserError, match="model.safetensors"):
-        Qwen2.from_pretrained(str(saved))
+        Transformer.from_pretrained(str(saved))
     with pytest.raises(UserError, match="config.json"):
-        Qwen2.from_pretrained(str(tmp_path / "nowhere"))
+        Transformer.from_pretrained(str(tmp_path / "nowhere"))
 
 
 def _rewrite(saved, edit):
@@ -360,38 +360,38 @@ def _rewrite(saved, edit):
 def test_missing_key_is_named(saved):
     _rewrite(saved, lambda sd: sd.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
-        Qwen2.from_pretrained(str(saved))
+        Transformer.from_pretrained(str(saved))
 
 
 def test_unexpected_key_is_named_with_its_file(saved):
     _rewrite(saved, lambda sd: sd.update({"model.layers.9.extra.weight": torch.zeros(2)}))
     with pytest.raises(ValueError, match=r"model\.safetensors: unexpected key "
                                          r"'model\.layers\.9\.extra\.weight'"):
-        Qwen2.from_pretrained(str(saved))
+        Transformer.from_pretrained(str(saved))
 
 
 def test_shape_mismatch_is_named(saved):
     _rewrite(saved, lambda sd: sd.update({"model.norm.weight": torch.ones(3)}))
     with pytest.raises(ValueError, match=r"'model\.norm\.weight' has shape \(3,\)"):
-        Qwen2.from_pretrained(str(saved))
+        Transformer.from_pretrained(str(saved))
 
 
 def test_bad_config_json_is_named(saved):
     (saved / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="config.json: not valid JSON"):
-        Qwen2.from_pretrained(str(saved))
+        Transformer.from_pretrained(str(saved))
 
 
 @pytest.mark.needs("rope", "attention")
 def test_save_replaces_an_existing_checkpoint_whole(saved):
     torch.manual_seed(4)
-    m = Qwen2(preset("tiny", vocab_size=50, tie_word_embeddings=True))
+    m = Transformer(preset("tiny", vocab_size=50, tie_word_embeddings=True))
     m.save_pretrained(str(saved))
     assert json.loads((saved / "config.json").read_text())["tie_word_embeddings"] is True
     assert not [p for p in os.listdir(saved.parent) if p.startswith((".tmp-ckpt-", "ckpt.old"))]
     with torch.no_grad():
         x = torch.randint(0, 50, (1, 5))
-        assert torch.equal(Qwen2.from_pretrained(str(saved))(x), m(x))
+        assert torch.equal(Transformer.from_pretrained(str(saved))(x), m(x))
 
 
 def test_a_nan_weight_is_refused_naming_the_file_and_tensor(saved):
@@ -400,11 +400,11 @@ def test_a_nan_weight_is_refused_naming_the_file_and_tensor(saved):
     with pytest.raises(ValueError, match=r"model\.safetensors: "
                                          r"'model\.layers\.1\.mlp\.up_proj\.weight' holds 1 NaN "
                                          r"and 0 inf value\(s\) among its \d+: refusing to load"):
-        Qwen2.from_pretrained(str(saved))
+        Transformer.from_pretrained(str(saved))
 
 
 def test_weights_with_an_inf_are_never_saved(tmp_path):
-    m = Qwen2(preset("tiny", vocab_size=50))
+    m = Transformer(preset("tiny", vocab_size=50))
     with torch.no_grad():
         m.model.norm.weight[3] = float("inf")
     with pytest.raises(ValueError, match=r"not saving .*'model\.norm\.weight' holds 0 NaN and "
@@ -426,7 +426,7 @@ def test_a_config_field_of_the_wrong_type_is_named_with_its_file(saved, field, v
     config = json.loads((saved / "config.json").read_text())
     (saved / "config.json").write_text(json.dumps({**config, field: value}))
     with pytest.raises(ValueError, match=r"config\.json: " + expected):
-        Qwen2.from_pretrained(str(saved))
+        Transformer.from_pretrained(str(saved))
 
 
 @pytest.mark.parametrize("keep", [5, 1000, -100], ids=["header", "metadata", "data"])
@@ -435,7 +435,7 @@ def test_a_truncated_safetensors_file_is_named(saved, keep):
     (saved / "model.safetensors").write_bytes(data[:keep])
     with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file, "
                                          r"truncated"):
-        Qwen2.from_pretrained(str(saved))
+        Transformer.from_pretrained(str(saved))
 
 
 def test_a_saved_model_is_a_whole_hugging_face_directory(tiny_model_dir, tmp_path, monkeypatch):
@@ -444,8 +444,10 @@ def test_a_saved_model_is_a_whole_hugging_face_directory(tiny_model_dir, tmp_pat
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     from data import load_tokenizer
     loaded, built = tmp_path / "loaded", tmp_path / "built"
-    Qwen2.from_pretrained(tiny_model_dir).save_pretrained(str(loaded))  # its source's tokenizer
-    Qwen2(preset("tiny", vocab_size=50)).save_pretrained(str(built), tokenizer_dir=tiny_model_dir)
+    # the first keeps its source's tokenizer, the second is given one
+    Transformer.from_pretrained(tiny_model_dir).save_pretrained(str(loaded))
+    Transformer(preset("tiny", vocab_size=50)).save_pretrained(str(built),
+                                                               tokenizer_dir=tiny_model_dir)
     ours = load_tokenizer(tiny_model_dir)
     for d in (loaded, built):
         assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= set(
@@ -461,23 +463,23 @@ def test_a_saved_model_is_a_whole_hugging_face_directory(tiny_model_dir, tmp_pat
 @pytest.mark.needs("rope", "attention")
 def test_saving_into_a_model_directory_keeps_the_files_it_does_not_own(tmp_path):
     d = tmp_path / "m"
-    sharded = Qwen2(preset("tiny", vocab_size=50, tie_word_embeddings=False))
+    sharded = Transformer(preset("tiny", vocab_size=50, tie_word_embeddings=False))
     sharded.save_pretrained(str(d), max_shard_bytes=60_000)
     (d / "tokenizer.json").write_text("{}")
     (d / "extra").mkdir()
     (d / "extra" / "notes.txt").write_text("kept")
-    m = Qwen2(preset("tiny", vocab_size=50))
+    m = Transformer(preset("tiny", vocab_size=50))
     m.save_pretrained(str(d))  # one file now: the shards and their index go, the rest stays
     assert sorted(os.listdir(d)) == ["config.json", "extra", "model.safetensors", "tokenizer.json"]
     assert ((d / "tokenizer.json").read_text() == "{}"
             and (d / "extra" / "notes.txt").read_text() == "kept")
     x = torch.randint(0, 50, (1, 5))
     with torch.no_grad():
-        assert torch.equal(Qwen2.from_pretrained(str(d))(x), m(x))
+        assert torch.equal(Transformer.from_pretrained(str(d))(x), m(x))
 
 
 def test_saved_files_are_readable_by_everyone(tmp_path):
-    Qwen2(preset("tiny", vocab_size=50)).save_pretrained(str(tmp_path / "m"))
+    Transformer(preset("tiny", vocab_size=50)).save_pretrained(str(tmp_path / "m"))
     modes = {name: oct(os.stat(tmp_path / "m" / name).st_mode & 0o777)
              for name in os.listdir(tmp_path / "m")}
     assert modes == {"config.json": oct(0o644 & ~_umask()), "model.safetensors": "0o644"}
@@ -499,7 +501,7 @@ def test_a_full_disk_names_the_file_and_leaves_the_directory_as_it_was(saved, mo
     monkeypatch.setattr(hf_io, "save_file", no_space)
     with pytest.raises(UserError, match=r"could not write .*/\.tmp-ckpt-\w+/model\.safetensors: "
                                         r"the disk is full"):
-        Qwen2(preset("tiny", vocab_size=50)).save_pretrained(str(saved))
+        Transformer(preset("tiny", vocab_size=50)).save_pretrained(str(saved))
     assert {name: (saved / name).read_bytes() for name in os.listdir(saved)} == before
     assert os.listdir(saved.parent) == ["ckpt"]  # no temporary directory left behind
 
@@ -512,14 +514,14 @@ def test_files_and_directory_are_synced_before_the_rename(tmp_path, monkeypatch)
                         lambda p: (events.append(("fsync", os.path.basename(p))), fsync(p)))
     monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("rename", os.path.basename(a))),
                                                      replace(a, b)))
-    Qwen2(preset("tiny", vocab_size=50)).save_pretrained(str(tmp_path / "m"))
+    Transformer(preset("tiny", vocab_size=50)).save_pretrained(str(tmp_path / "m"))
     tmp = next(name for kind, name in events if kind == "rename")
     assert events.index(("fsync", "model.safetensors")) < events.index(("fsync", tmp)) < \
         events.index(("rename", tmp)) < events.index(("fsync", tmp_path.name))
 
 
 def test_from_pretrained_does_not_copy_weights(saved):
-    m = Qwen2.from_pretrained(str(saved), dtype=torch.float32)
+    m = Transformer.from_pretrained(str(saved), dtype=torch.float32)
     assert all(p.device.type == "cpu" for p in m.parameters())  # nothing left on the meta device
     assert m.inv_freq.device.type == "cpu"
 
@@ -528,7 +530,7 @@ def test_from_pretrained_does_not_copy_weights(saved):
 @pytest.mark.needs("rope", "attention")
 def test_activation_checkpointing_gives_the_same_gradients():
     torch.manual_seed(5)
-    m = Qwen2(preset("tiny", vocab_size=97)).double()  # recomputed: at most float64 round-off
+    m = Transformer(preset("tiny", vocab_size=97)).double()  # recomputed: at most float64 round-off
     x = torch.randint(0, 97, (2, 11))
     grads = []
     for ckpt in (False, True):
@@ -546,14 +548,15 @@ def test_a_tied_model_whose_file_holds_another_head_says_it_is_dropped(tmp_path,
     # the embedding (a model trained untied, with tie_word_embeddings set by mistake)
     from safetensors.torch import load_file
     torch.manual_seed(3)
-    Qwen2(preset("tiny", vocab_size=211, tie_word_embeddings=True)).save_pretrained(str(tmp_path))
+    tied = Transformer(preset("tiny", vocab_size=211, tie_word_embeddings=True))
+    tied.save_pretrained(str(tmp_path))
     file = str(tmp_path / "model.safetensors")
     weights = load_file(file)
     embedding = weights["model.embed_tokens.weight"]
     weights["lm_head.weight"] = embedding.clone() if head == "the embedding" else \
         torch.randn_like(embedding)
     save_file(weights, file)
-    Qwen2.from_pretrained(str(tmp_path))
+    Transformer.from_pretrained(str(tmp_path))
     out = capsys.readouterr().out
     if head == "the embedding":
         assert out == ""
@@ -592,7 +595,7 @@ def test_rows_sharing_a_prompt_get_the_plain_forwards_log_probs_and_gradients(mo
     gradients of every weight, in float64 up to round-off."""
     from model import response_logprobs
     torch.manual_seed(0)
-    m = Qwen2(preset("tiny", vocab_size=97)).double()
+    m = Transformer(preset("tiny", vocab_size=97)).double()
     batch = batch_of_groups(97)
     weights = torch.linspace(-1, 1, batch.response_ids.shape[1], dtype=torch.float64)
     got = []
@@ -617,7 +620,7 @@ def test_each_distinct_prompt_goes_through_the_model_once(monkeypatch, setting):
     input alone), every row from column 0."""
     from model import response_logprobs
     monkeypatch.setattr(model_module, "SHARE_PROMPTS", setting != "off")
-    m = Qwen2(preset("tiny", vocab_size=97))
+    m = Transformer(preset("tiny", vocab_size=97))
     m.activation_checkpointing = setting == "activation checkpointing"
     shapes = []
     m.register_forward_pre_hook(lambda module, args: shapes.append(tuple(args[0].shape)))
@@ -636,7 +639,7 @@ def test_rows_sharing_a_prompt_under_bf16_autocast_get_the_plain_forwards_log_pr
     from infra.precision import BF16_UNIT_ROUNDOFF as u
     from model import response_logprobs
     torch.manual_seed(0)
-    m = Qwen2(preset("tiny", vocab_size=97))
+    m = Transformer(preset("tiny", vocab_size=97))
     batch = batch_of_groups(97)
     logps = []
     for share in (True, False):

@@ -5,16 +5,14 @@ import ast
 import os
 import re
 import subprocess
-import sys
 
 import nbformat
 import pytest
 
 from config import Config
+from notebooks import build
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "notebooks"))
-import build  # noqa: E402  (notebooks/build.py)
 
 
 def is_setup(source: str) -> bool:

@@ -11,7 +11,7 @@ import sampler
 from batch import Batch
 from infra import health
 from infra.metrics import UpdateStats
-from model import Qwen2, preset, response_logprobs
+from model import Transformer, preset, response_logprobs
 from reward import Scores
 from test_dapo import _cfg
 
@@ -47,7 +47,7 @@ def test_sampler_and_trainer_log_probs_agree_in_float64(temperature, top_k, top_
     # any order of the 64 terms' sum (measured: 1.9 eps |logp| at most); an error of the
     # algorithm (a position off by one, a temperature on one side) is 1e-3 or more.
     torch.manual_seed(0)
-    model = Qwen2(preset("tiny", vocab_size=64)).double().eval()
+    model = Transformer(preset("tiny", vocab_size=64)).double().eval()
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
     out = sampler.generate(model, prompts, 12, temperature=temperature, top_k=top_k,
                            top_p=top_p, eos_token_ids=[],

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-import plot
+from experiments import plot
 from infra.metrics import RunLog
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,9 +58,9 @@ def test_make_run_draws_the_curves_after_training_and_says_where(tmp_path):
     recipe = re.search(r"^run:.*\n((?:\t.*\n)+)", makefile, re.M).group(1).splitlines()
     assert recipe[-3].endswith("dapo.py --out-dir runs/demo --overwrite")
     assert recipe[-2].endswith(
-        "experiments/plot.py runs/demo/metrics.jsonl -o runs/demo/curves.png")
+        "-m experiments.plot runs/demo/metrics.jsonl -o runs/demo/curves.png")
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows()))
-    out = subprocess.run([sys.executable, "experiments/plot.py", str(tmp_path / "metrics.jsonl"),
+    out = subprocess.run([sys.executable, "-m", "experiments.plot", str(tmp_path / "metrics.jsonl"),
                           "-o", str(tmp_path / "curves.png")], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -1,6 +1,6 @@
 """bf16, the precision of every GPU run, on CPU: torch's CPU autocast runs the machinery CUDA's
 does (infra/precision.py). The rollout runs, the weights that a rollout reads after an optimizer
-step are the weights after it (the learning canary, benchmarks/canary.py), and bf16 stays within
+step are the weights after it (the learning canary, checks/canary.py), and bf16 stays within
 bf16's rounding of fp32, in one process and on two FSDP2 ranks with a bf16 MixedPrecisionPolicy.
 
 Tolerances are in bf16's unit round-off u = 2^-8 (8 significant bits: a rounding is off by at
@@ -20,7 +20,7 @@ from batches import random_batch
 from config import Config, parse_args
 from dapo_kernels.linear import accumulate_weight_grad, has_mixed_addmm
 from infra import cpu, health, precision
-from model import Qwen2, preset, response_logprobs
+from model import Transformer, preset, response_logprobs
 from test_dapo import _cfg
 from two_ranks import torchrun
 
@@ -32,7 +32,7 @@ BF16 = torch.autocast("cpu", torch.bfloat16)
 @pytest.mark.needs("rope", "attention", "kv_cache", "sample", "filter_logits")
 def test_a_bf16_rollout_runs_and_caches_keys_in_bf16():
     torch.manual_seed(0)
-    model = Qwen2(preset("tiny", vocab_size=97))
+    model = Transformer(preset("tiny", vocab_size=97))
     caches = []
     new_kv_cache = model.new_kv_cache
     model.new_kv_cache = lambda *a: caches.append(new_kv_cache(*a)) or caches[-1]
@@ -102,7 +102,7 @@ def test_bf16_log_probs_are_fp32_ones_within_bf16_rounding(fused_head):
     measured 0.39-0.46 u at 3 seeds. A log-prob itself rounded to bf16 (near -6, spacing 2^-5)
     would be off by up to 4 u."""
     torch.manual_seed(0)
-    model = Qwen2(preset("tiny", vocab_size=300))
+    model = Transformer(preset("tiny", vocab_size=300))
     batch = random_batch(300, n=8)
     fp32, _ = response_logprobs(model, batch, 1.0, fused_head)
     with BF16:
@@ -118,11 +118,11 @@ def test_a_bf16_update_is_the_fp32_one_within_bf16_rounding():
     forward's and the backward's roundings of each layer, most of which average out over the
     weights), measured 1.4-1.55 u at 3 seeds."""
     torch.manual_seed(0)
-    base = Qwen2(preset("tiny", vocab_size=300))
+    base = Transformer(preset("tiny", vocab_size=300))
     batch = random_batch(300, n=8)
     moves = {}
     for name in ("fp32", "bf16"):
-        model = Qwen2(preset("tiny", vocab_size=300))
+        model = Transformer(preset("tiny", vocab_size=300))
         model.load_state_dict(base.state_dict())
         cfg = Config(group_size=4, mini_batch_prompts=2, micro_batch_tokens=0, grad_clip=1e9,
                      precision=name)
@@ -175,13 +175,13 @@ def _trained(out_dir) -> list[dict]:
 
 def _spy_on_autocast(monkeypatch) -> list[bool]:
     """Whether CPU autocast was on, for each forward of the model from now on."""
-    seen, forward = [], Qwen2.forward
+    seen, forward = [], Transformer.forward
 
     def spy(self, *args, **kwargs):
         seen.append(torch.is_autocast_enabled("cpu"))
         return forward(self, *args, **kwargs)
 
-    monkeypatch.setattr(Qwen2, "forward", spy)
+    monkeypatch.setattr(Transformer, "forward", spy)
     return seen
 
 
@@ -189,13 +189,13 @@ def _spy_on_autocast(monkeypatch) -> list[bool]:
 def test_the_loop_trains_in_bf16_in_one_process(tiny_model_dir, tmp_path, monkeypatch):
     reward_file = tmp_path / "parity.py"
     reward_file.write_text(REWARD)
-    before = Qwen2.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict()
+    before = Transformer.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict()
     in_autocast = _spy_on_autocast(monkeypatch)
     dapo.main(parse_args(_bf16_flags(tiny_model_dir, tmp_path / "run", reward_file)))
     assert in_autocast and all(in_autocast)  # every forward; the steps outside (the guard)
     _trained(tmp_path / "run")
-    after = Qwen2.from_pretrained(str(tmp_path / "run" / "checkpoints" / "step_000002" / "model"),
-                                  dtype=torch.float32).state_dict()
+    saved = tmp_path / "run" / "checkpoints" / "step_000002" / "model"
+    after = Transformer.from_pretrained(str(saved), dtype=torch.float32).state_dict()
     assert all(after[k].dtype == torch.float32 for k in after)  # fp32 master weights
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
@@ -211,10 +211,10 @@ def test_the_loop_trains_in_bf16_on_two_fsdp_ranks(tiny_model_dir, tmp_path):
 @pytest.mark.needs("all")
 def test_the_learning_canary_sees_the_step_in_bf16_on_two_fsdp_ranks(tmp_path):
     """After one update with a planted advantage, the bf16 sampler's log-probs move as the
-    trainer's do (benchmarks/canary.py: it fails on a rollout that reads weights from before the
+    trainer's do (checks/canary.py: it fails on a rollout that reads weights from before the
     step, as an autocast region around the whole run makes it). In one process: the canary part
     of tests/test_gpu_check.py, the same command."""
-    out = torchrun("benchmarks/canary.py", "--precision", "bf16", "--dir", str(tmp_path)).stdout
+    out = torchrun("-m", "checks.canary", "--precision", "bf16", "--dir", str(tmp_path)).stdout
     assert out.count(": ok") == 1, out
 
 

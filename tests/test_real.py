@@ -8,22 +8,20 @@ from dataclasses import asdict
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "examples"))
-import real  # noqa: E402
-import sums  # noqa: E402
-from config import Config, parse_args  # noqa: E402
+from config import Config, parse_args
+from examples import sums
+from experiments import real
 
 
 @pytest.fixture(scope="module")
 def tiny_llama_dir(tmp_path_factory):
     """A random tiny Llama (SmolLM2's family: no biases) with the toy tokenizer."""
-    from model import Qwen2, preset
+    from model import Transformer, preset
     from toy import make_toy_tokenizer
     d = str(tmp_path_factory.mktemp("llama"))
     tok = make_toy_tokenizer(d)
     torch.manual_seed(0)
-    Qwen2(preset("tiny", model_type="llama", vocab_size=tok.vocab_size)).save_pretrained(d)
+    Transformer(preset("tiny", model_type="llama", vocab_size=tok.vocab_size)).save_pretrained(d)
     return d
 
 

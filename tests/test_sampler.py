@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import sampler
-from model import KVCache, Qwen2, preset
+from model import KVCache, Transformer, preset
 from rendezvous import file_init
 from sampler import SPEED_UPS, filter_logits, generate, sample
 
@@ -26,7 +26,7 @@ def tiny_model(vocab=VOCAB, seed=0, head_scale=20.0):
     """head_scale > 1 sharpens the next-token distributions (greedy argmaxes far from ties); 1 keeps
     them flat."""
     torch.manual_seed(seed)
-    model = Qwen2(preset("tiny", vocab_size=vocab, tie_word_embeddings=False))
+    model = Transformer(preset("tiny", vocab_size=vocab, tie_word_embeddings=False))
     # random biases and norm weights, so that a mis-placed pad or position changes the output
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -397,7 +397,7 @@ def hf_and_ours(tmp_path_factory):
         hf.lm_head.weight.mul_(20.0)
     d = tmp_path_factory.mktemp("hf")
     hf.save_pretrained(d)
-    ours = Qwen2.from_pretrained(str(d), dtype=torch.float32).eval()
+    ours = Transformer.from_pretrained(str(d), dtype=torch.float32).eval()
     first = generate(ours, RAGGED[:1], max_new_tokens=3, temperature=0, eos_token_ids=[])
     eos = first.response_ids[0, 2].item()
     alone = []

@@ -164,9 +164,9 @@ def test_a_truncated_cached_base_model_says_to_delete_the_cache(toy_tok, tmp_pat
 def test_the_warmup_micro_batches_give_the_whole_batchs_gradient(toy_tok):
     """sft_backward cuts a batch into micro-batches of similar lengths (less padding): the
     gradient is the whole batch's mean loss's, equal in float64 up to summation order."""
-    from model import Qwen2, preset
+    from model import Transformer, preset
     torch.manual_seed(0)
-    model = Qwen2(preset("tiny", vocab_size=toy_tok.vocab_size)).double()
+    model = Transformer(preset("tiny", vocab_size=toy_tok.vocab_size)).double()
     examples = [(toy_tok.apply_chat_template(messages), toy_tok.encode(response) + [1])
                 for messages, response in toy_warmup_pairs(16, seed=0)]
     assert len({len(p) + len(r) for p, r in examples}) > 4  # lengths differ: padding to cut

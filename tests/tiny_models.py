@@ -3,12 +3,12 @@ computations of the same sums in another order differ by ~1e-16 of the result. A
 or its gradients, as one vector."""
 import torch
 
-from model import Qwen2, preset
+from model import Transformer, preset
 
 
-def tiny_float64_model(tied=True) -> Qwen2:
+def tiny_float64_model(tied=True) -> Transformer:
     torch.manual_seed(0)
-    return Qwen2(preset("tiny", vocab_size=50, tie_word_embeddings=tied)).double()
+    return Transformer(preset("tiny", vocab_size=50, tie_word_embeddings=tied)).double()
 
 
 def flat_params(model) -> torch.Tensor:

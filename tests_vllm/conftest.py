@@ -27,11 +27,11 @@ MEMORY = 0.06
 def tiny_dir(tmp_path_factory):
     """A random tiny Qwen2 with head_dim 32 (vLLM's CPU attention refuses the tests' usual 16)
     and the toy tokenizer, as a Hugging Face directory."""
-    from model import Qwen2, preset
+    from model import Transformer, preset
     from toy import make_toy_tokenizer
     d = str(tmp_path_factory.mktemp("tiny32"))
     tok = make_toy_tokenizer(d)
     torch.manual_seed(0)
-    Qwen2(preset("tiny", vocab_size=tok.vocab_size, num_attention_heads=2,
-                 num_key_value_heads=1)).save_pretrained(d)
+    Transformer(preset("tiny", vocab_size=tok.vocab_size, num_attention_heads=2,
+                       num_key_value_heads=1)).save_pretrained(d)
     return d

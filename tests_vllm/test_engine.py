@@ -9,7 +9,7 @@ from config import Config
 from conftest import MEMORY
 from data import load_tokenizer
 from infra.vllm_engine import VLLMEngine
-from model import Qwen2, response_logprobs
+from model import Transformer, response_logprobs
 from sampler import Rollout, generate
 
 EPS = torch.finfo(torch.float32).eps
@@ -28,7 +28,7 @@ def bound(logp):
 
 @pytest.fixture(scope="module")
 def setup(tiny_dir):
-    model = Qwen2.from_pretrained(tiny_dir, dtype=torch.float32)
+    model = Transformer.from_pretrained(tiny_dir, dtype=torch.float32)
     tok = load_tokenizer(tiny_dir)
     cfg = Config(rollout_engine="vllm", vllm_gpu_memory_utilization=MEMORY, max_prompt_len=16,
                  max_response_len=MAX_NEW, seed=0)

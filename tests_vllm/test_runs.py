@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import MEMORY, ROOT
-from model import Qwen2
+from model import Transformer
 
 ARGS = ["--rollout-engine", "vllm", "--train-prompts", "4", "--gen-prompts", "4",
         "--group-size", "4", "--max-response-len", "10", "--overlong-buffer", "4",
@@ -29,7 +29,8 @@ def run(*args, ranks=1, timeout=400):
 
 
 def weights(out_dir, step):
-    return Qwen2.from_pretrained(os.path.join(out_dir, "checkpoints", f"step_{step:06d}", "model"))
+    return Transformer.from_pretrained(
+        os.path.join(out_dir, "checkpoints", f"step_{step:06d}", "model"))
 
 
 def test_two_ranks_train_with_vllm_and_resume(tiny_dir, tmp_path):
@@ -48,7 +49,7 @@ def test_two_ranks_train_with_vllm_and_resume(tiny_dir, tmp_path):
     # the engine's seeds come from the checkpointed generator: the resumed run draws the same
     # tokens, so it ends on the same weights
     a, b = weights(straight, 2), weights(resumed, 2)
-    start = Qwen2.from_pretrained(tiny_dir)
+    start = Transformer.from_pretrained(tiny_dir)
     for (name, p), q, p0 in zip(a.named_parameters(), b.parameters(), start.parameters()):
         assert not torch.equal(p, p0), name
         assert torch.equal(p, q), name

@@ -18,9 +18,9 @@ It passes when the sampler's log-probs moved up as the trainer's did: the gap be
 moves (token mean) within tolerance() (bf16's rounding of a log-prob), the trainer's move at
 least MIN_MOVE times that (no pass by standing still). Exit 1 otherwise.
 
-    python benchmarks/canary.py --precision bf16                    # one process, CPU autocast
-    torchrun --nproc_per_node=2 benchmarks/canary.py --precision bf16   # FSDP2, gloo on CPU
-    python benchmarks/canary.py --precision bf16 --device cuda      # the GPU check's
+    python -m checks.canary --precision bf16                    # one process, CPU autocast
+    torchrun --nproc_per_node=2 -m checks.canary --precision bf16   # FSDP2, gloo on CPU
+    python -m checks.canary --precision bf16 --device cuda      # the GPU check's
 """
 import argparse
 import math
@@ -30,15 +30,14 @@ from dataclasses import replace
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import dapo  # noqa: E402
-import launch  # noqa: E402
-from config import Config  # noqa: E402
-from infra import distributed  # noqa: E402
-from infra.precision import BF16_UNIT_ROUNDOFF  # noqa: E402
-from model import Qwen2, preset, response_logprobs  # noqa: E402
-from reward import Verifier  # noqa: E402
-from toy import make_toy_tokenizer, toy_rows  # noqa: E402
+import dapo
+import launch
+from config import Config
+from infra import distributed
+from infra.precision import BF16_UNIT_ROUNDOFF
+from model import Transformer, preset, response_logprobs
+from reward import Verifier
+from toy import make_toy_tokenizer, toy_rows
 
 
 # bf16 keeps 8 significant bits: a rounding is off by at most u = 2^-8 of the value. A log-prob of
@@ -79,7 +78,7 @@ def write_model(model_dir: str, preset_name: str):
     """A random model of this preset (seed 0: the same on every rank), with the toy tokenizer."""
     tok = make_toy_tokenizer(model_dir)
     torch.manual_seed(0)
-    Qwen2(preset(preset_name, vocab_size=tok.vocab_size)).save_pretrained(model_dir)
+    Transformer(preset(preset_name, vocab_size=tok.vocab_size)).save_pretrained(model_dir)
 
 
 def canary(cfg: Config) -> dict:

@@ -3,9 +3,9 @@ GPU check: dapo.py itself, on a random Qwen2.5-0.5B-shaped model in bf16 (--prec
 steps with real advantages, then a resume. Prints generation and training tokens/s and the peak
 GPU memory. Not part of `make bench` (no GPU there).
 
-    python benchmarks/gpu_dapo.py                     # one GPU, ~2 minutes
-    python benchmarks/gpu_dapo.py --nproc 2           # FSDP2 on 2 GPUs, under torchrun
-    python benchmarks/gpu_dapo.py --device cpu --preset tiny --precision bf16 --prompts 4 \
+    python -m checks.gpu_dapo                     # one GPU, ~2 minutes
+    python -m checks.gpu_dapo --nproc 2           # FSDP2 on 2 GPUs, under torchrun
+    python -m checks.gpu_dapo --device cpu --preset tiny --precision bf16 --prompts 4 \
         --group-size 4 --max-response-len 16         # smoke: the same on CPU (autocast)
 
 A random model says nothing that the toy task's verifier rewards, and it never samples the toy
@@ -44,15 +44,15 @@ import time
 import torch
 from safetensors import safe_open
 
+import dapo
+from config import parse_args
+from infra import distributed
+from infra.hf_io import checkpoint_files
+from infra.precision import BF16_UNIT_ROUNDOFF as U  # a rounding: off by <= u
+from model import ModelConfig, Transformer, num_params, preset
+from toy import make_toy_tokenizer
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import dapo  # noqa: E402
-from config import parse_args  # noqa: E402
-from infra import distributed  # noqa: E402
-from infra.hf_io import checkpoint_files  # noqa: E402
-from infra.precision import BF16_UNIT_ROUNDOFF as U  # noqa: E402 (a rounding: off by <= u)
-from model import ModelConfig, Qwen2, num_params, preset  # noqa: E402
-from toy import make_toy_tokenizer  # noqa: E402
 
 REWARD_FN = '''def score(response, ground_truth):
     """+1 when the text has an odd number of characters: a random model's rewards vary."""
@@ -123,7 +123,8 @@ def write_model(d, args) -> str:
     model_dir = os.path.join(d, "model")
     torch.manual_seed(0)
     # tiny: a vocabulary of 512, more than half of it the toy tokenizer's (texts that vary)
-    model = Qwen2(preset(args.preset, **({"vocab_size": 512} if args.preset == "tiny" else {})))
+    sizes = {"vocab_size": 512} if args.preset == "tiny" else {}
+    model = Transformer(preset(args.preset, **sizes))
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"{args.preset}: {num_params(model) / 1e6:.1f}M parameters, on {args.nproc} x {where}")
     model.save_pretrained(model_dir)
@@ -165,8 +166,8 @@ def run_dapo(args, flags, what) -> float:
                                            f"--nproc_per_node={args.nproc}"]
     print(f"\n{what}", flush=True)
     t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, *launcher, os.path.abspath(__file__), "--dapo",
-                           *flags], cwd=ROOT)
+    done = subprocess.run([sys.executable, *launcher, "-m", "checks.gpu_dapo", "--dapo", *flags],
+                          cwd=ROOT)
     if done.returncode:
         raise SystemExit(f"{what}: exit {done.returncode}")
     return time.perf_counter() - t0

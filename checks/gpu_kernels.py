@@ -2,11 +2,11 @@
 two parts. Not part of `make bench` (that runs benchmarks/bench_*.py on CPU); run it by hand on a
 GPU machine:
 
-    python benchmarks/gpu_kernels.py [--rows 16384 --vocab 151936 --dtype bf16
+    python -m checks.gpu_kernels [--rows 16384 --vocab 151936 --dtype bf16
                                       --block-v 2048 4096 8192 16384]
-    python benchmarks/gpu_kernels.py --part head [--hidden 896 --chunk-tokens 0 1024 4096]
+    python -m checks.gpu_kernels --part head [--hidden 896 --chunk-tokens 0 1024 4096]
     # on CPU, tiny shapes: checks that the script itself runs
-    python benchmarks/gpu_kernels.py --smoke
+    python -m checks.gpu_kernels --smoke
 
 Part "logits": the Triton log-prob + entropy kernels on (rows, vocab) logits.
 1. Correctness against the chunked fp32 PyTorch reference (dapo_kernels/reference.py) on the same
@@ -32,17 +32,14 @@ Exits 1 when a correctness check fails.
 import argparse
 import functools
 import math
-import os
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dapo_kernels import linear_logprobs_and_entropy, logprobs_and_entropy, reference  # noqa: E402
-from dapo_kernels.linear import default_chunk_tokens, has_mixed_addmm  # noqa: E402
-from dapo_kernels.logprobs import (DEFAULT_BLOCK_V, TRITON_INTERPRET, as_rows,  # noqa: E402
-                              triton_logprobs)
+from dapo_kernels import linear_logprobs_and_entropy, logprobs_and_entropy, reference
+from dapo_kernels.linear import default_chunk_tokens, has_mixed_addmm
+from dapo_kernels.logprobs import DEFAULT_BLOCK_V, TRITON_INTERPRET, as_rows, triton_logprobs
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 GB = 1e9

@@ -5,8 +5,8 @@ count), saved with save_pretrained in bf16 (the dtype Qwen2.5's checkpoints ship
 load it and compute the logits of the same left-padded batch, in bf16 (the weights as stored) and
 in fp32 (the same weights, widened exactly). Not part of `make bench` (no GPU there).
 
-    python benchmarks/gpu_parity.py                         # one GPU, ~30 s
-    python benchmarks/gpu_parity.py --device cpu --preset tiny   # smoke
+    python -m checks.gpu_parity                         # one GPU, ~30 s
+    python -m checks.gpu_parity --device cpu --preset tiny   # smoke
 
 What it checks (exit 1 if one fails), over the real tokens' logits z:
 - our loader takes the checkpoint's dtype (bf16) from its config.json;
@@ -25,16 +25,14 @@ What it checks (exit 1 if one fails), over the real tokens' logits z:
   kernel takes masks too: the smoke run cannot tell.)
 """
 import argparse
-import os
 import sys
 import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import randomise_biases_and_norms  # noqa: E402
-from infra.precision import BF16_UNIT_ROUNDOFF as U  # noqa: E402
-from model import Qwen2, preset  # noqa: E402
+from benchmarks.common import randomise_biases_and_norms
+from infra.precision import BF16_UNIT_ROUNDOFF as U
+from model import Transformer, preset
 
 EPS = torch.finfo(torch.float32).eps
 
@@ -70,7 +68,7 @@ def logits_of(path, dtype, device, inputs) -> dict:
     "dtype": the one our model loaded in (dtype None: the checkpoint's, from its config.json)."""
     import transformers
     ids, mask, positions = inputs
-    ours = Qwen2.from_pretrained(path, dtype=dtype, device=device).eval()
+    ours = Transformer.from_pretrained(path, dtype=dtype, device=device).eval()
     out = {"ours": ours(ids, positions=positions, attention_mask=mask)[mask].float(),
            "dtype": ours.model.embed_tokens.weight.dtype}
     del ours
@@ -85,9 +83,11 @@ def flash_trains(path, device) -> str:
     """'' if a training forward and backward of our bf16 model run on FlashAttention alone, else
     the error SDPA raised."""
     from types import SimpleNamespace
+
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
     from model import response_logprobs
-    model = Qwen2.from_pretrained(path, device=device)
+    model = Transformer.from_pretrained(path, device=device)
     g = torch.Generator().manual_seed(1)
     prompt_len, response_len = torch.randint(8, 33, (4,), generator=g), \
         torch.randint(4, 65, (4,), generator=g)

@@ -6,9 +6,9 @@ transformers' generate on one batch of 64; useful tokens/s (response tokens up t
 peak GPU memory. Not part of `make bench` (no GPU there).
 
     # about 2 minutes on one H100/H200, most of it the decode step's compile
-    python benchmarks/gpu_sampler.py
+    python -m checks.gpu_sampler
     # smoke (bf16 on CPU too)
-    python benchmarks/gpu_sampler.py --device cpu --preset tiny --prompts 2 --max-new 16 \
+    python -m checks.gpu_sampler --device cpu --preset tiny --prompts 2 --max-new 16 \
         --slots 4
 
 A random model's next-token distribution is nearly flat, so making a set of vocab * 4 / max_new
@@ -20,18 +20,16 @@ this first use of the compiled step compiles it, so the timed compiled run is co
 CUDA graphs are recorded per call, as every rollout records them).
 """
 import argparse
-import os
 import sys
 import tempfile
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import canary  # noqa: E402 (benchmarks/canary.py: its tolerance, 2 bf16 ulps of a log-prob)
-from common import left_padded, lengths_to_eos  # noqa: E402
-from model import Qwen2, num_params, preset  # noqa: E402
-from sampler import compiled_decode_step, decode_one_token, generate, prefill_slots  # noqa: E402
+from benchmarks.common import left_padded, lengths_to_eos
+from checks import canary  # its tolerance, 2 bf16 ulps of a log-prob
+from model import Transformer, num_params, preset
+from sampler import compiled_decode_step, decode_one_token, generate, prefill_slots
 
 
 def main():
@@ -58,8 +56,8 @@ def main():
     cfg = preset(args.preset, **({"vocab_size": 512} if args.preset == "tiny" else {}))
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as d:
-        Qwen2(cfg).save_pretrained(d)
-        ours = Qwen2.from_pretrained(d, dtype=dtype, device=device).eval()
+        Transformer(cfg).save_pretrained(d)
+        ours = Transformer.from_pretrained(d, dtype=dtype, device=device).eval()
         hf = transformers.Qwen2ForCausalLM.from_pretrained(d, dtype=dtype,
                                                            attn_implementation="sdpa").to(device)
     where = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"

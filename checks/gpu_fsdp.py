@@ -5,8 +5,8 @@ NCCL) otherwise first runs on an 8-GPU job; here it runs in a process group of o
 GPU, against the one-GPU path (fp32 weights, bf16 compute by autocast) on the same weights and the
 same batch, and against fp32. Not part of `make bench` (no GPU there).
 
-    python benchmarks/gpu_fsdp.py                          # Qwen2.5-0.5B shape, one GPU, ~1 min
-    python benchmarks/gpu_fsdp.py --device cpu --preset tiny   # smoke: gloo, fp32 on both sides
+    python -m checks.gpu_fsdp                          # Qwen2.5-0.5B shape, one GPU, ~1 min
+    python -m checks.gpu_fsdp --device cpu --preset tiny   # smoke: gloo, fp32 on both sides
 
 What it checks, each a line of the table (exit 1 if one fails):
 - full weights: distributed.full_state_dict of the sharded model equals the model's own weights;
@@ -25,7 +25,6 @@ dtype, or a sampler reading other weights than the trainer, not rounding.
 """
 import argparse
 import copy
-import os
 import sys
 import tempfile
 from dataclasses import replace
@@ -33,13 +32,12 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import dapo  # noqa: E402
-from data import load_tokenizer  # noqa: E402
-from infra import distributed, precision  # noqa: E402
-from model import Qwen2, num_params, preset, response_logprobs  # noqa: E402
-from reward import Verifier  # noqa: E402
-from toy import make_toy_tokenizer, toy_rows  # noqa: E402
+import dapo
+from data import load_tokenizer
+from infra import distributed, precision
+from model import Transformer, num_params, preset, response_logprobs
+from reward import Verifier
+from toy import make_toy_tokenizer, toy_rows
 
 
 class KeepGradient(torch.optim.Optimizer):
@@ -100,7 +98,7 @@ def run(args, device, d) -> list[str]:
     make_toy_tokenizer(d)
     tok = load_tokenizer(d)
     torch.manual_seed(0)
-    one = Qwen2(preset(args.preset)).to(device)
+    one = Transformer(preset(args.preset)).to(device)
     sharded = distributed.shard(copy.deepcopy(one), mixed_precision=on_gpu)
     where = torch.cuda.get_device_name() if on_gpu else "cpu"
     print(f"{args.preset}: {num_params(one) / 1e6:.0f}M parameters on {where}; one-GPU side "

@@ -3,9 +3,9 @@ The GPU check in one call: what a CPU cannot show of the GPU path, each part a s
 subprocess with a timeout, and one markdown report of what each printed, its exit status and its
 time.
 
-    python benchmarks/gpu_check.py [--out runs/gpu_check.md]    # one H100/H200: ~7 min, <= 560 s
-    python benchmarks/gpu_check.py --smoke                      # CPU, tiny shapes, a few minutes
-    python benchmarks/gpu_check.py --smoke --only canary dapo   # some parts (names below)
+    python -m checks.gpu_check [--out runs/gpu_check.md]    # one H100/H200: ~7 min, <= 560 s
+    python -m checks.gpu_check --smoke                      # CPU, tiny shapes, a few minutes
+    python -m checks.gpu_check --smoke --only canary dapo   # some parts (names below)
 
 The parts, in order (exit 1 if one fails):
     canary    the learning canary in bf16: after one update with a planted advantage, the
@@ -49,13 +49,13 @@ TINY = ("--device", "cpu", "--preset", "tiny")
 class Check:
     name: str  # for --only
     title: str
-    script: str  # in benchmarks/
+    module: str  # of checks/: run as python -m checks.<module>
     gpu_args: tuple  # "{tmp}" is the run's scratch directory
     smoke_args: tuple
     estimate_s: int  # on one H100, guessed (see the report's times for measured ones)
     timeout_s: int  # on the GPU; the smoke run allows SMOKE_SLACK x this
     gpus: int = 1
-    launcher: tuple = ()  # python's arguments before the script: torchrun's
+    launcher: tuple = ()  # python's arguments before -m: torchrun's
 
 
 DAPO_SMOKE = (*TINY, "--precision", "bf16", "--prompts", "4", "--group-size", "4",
@@ -73,26 +73,26 @@ CANARY_SMOKE = ("--device", "cpu", "--precision", "bf16", "--preset", "tiny")
 # decode steps, 512 lockstep ones and 512 of transformers' generate; fsdp: its own ~1 minute;
 # kernels: Triton JIT, 2 torch.compile and do_bench over 5 GB of logits
 CHECKS = [
-    Check("canary", "learning canary, bf16, one process", "canary.py",
+    Check("canary", "learning canary, bf16, one process", "canary",
           (*CANARY_GPU, "--dir", "{tmp}/canary"), (*CANARY_SMOKE, "--dir", "{tmp}/canary"),
           20, 35),
     Check("dapo", "dapo.py in bf16, 2 steps with real advantages, then a resume of the second",
-          "gpu_dapo.py", (), DAPO_SMOKE, 100, 140),
+          "gpu_dapo", (), DAPO_SMOKE, 100, 140),
     Check("parity", "a transformers-made bf16 checkpoint: logits against transformers'",
-          "gpu_parity.py", (), TINY, 30, 45),
+          "gpu_parity", (), TINY, 30, 45),
     Check("sampler", "rollout engine: eager vs compiled (teacher-forced), tokens/s vs transformers",
-          "gpu_sampler.py", ("--prompts", "32", "--max-new", "512", "--hf-batches", "1"),
+          "gpu_sampler", ("--prompts", "32", "--max-new", "512", "--hf-batches", "1"),
           (*TINY, "--prompts", "2", "--max-new", "16", "--slots", "4", "--hf-batches", "1"),
           120, 160),
-    Check("fsdp", "FSDP2 on one process against the one-GPU path", "gpu_fsdp.py", (),
+    Check("fsdp", "FSDP2 on one process against the one-GPU path", "gpu_fsdp", (),
           (*TINY, "--prompts", "2", "--group-size", "2", "--max-response-len", "8"), 45, 70),
     Check("kernels", "fused kernels and head: correctness, speed, memory (16k tokens)",
-          "gpu_kernels.py", ("--rows", "16384", "--block-v", "4096", "8192"), ("--smoke",),
+          "gpu_kernels", ("--rows", "16384", "--block-v", "4096", "8192"), ("--smoke",),
           80, 110),
-    Check("canary-2", "learning canary, bf16, 2 processes (FSDP2)", "canary.py",
+    Check("canary-2", "learning canary, bf16, 2 processes (FSDP2)", "canary",
           (*CANARY_GPU, "--dir", "{tmp}/canary-2"), (*CANARY_SMOKE, "--dir", "{tmp}/canary-2"),
           45, 70, gpus=2, launcher=TORCHRUN_2),
-    Check("dapo-2", "dapo.py in bf16 on 2 processes (FSDP2), then a resume", "gpu_dapo.py",
+    Check("dapo-2", "dapo.py in bf16 on 2 processes (FSDP2), then a resume", "gpu_dapo",
           ("--nproc", "2"), (*DAPO_SMOKE, "--nproc", "2"), 120, 160, gpus=2),
 ]
 SMOKE_SLACK = 3  # a CPU compile (the sampler) takes minutes on a loaded machine
@@ -170,7 +170,7 @@ def main():
             script_args = [a.replace("{tmp}", tmp)
                            for a in (check.smoke_args if args.smoke else check.gpu_args)]
             command = [sys.executable, *check.launcher,
-                       os.path.join("benchmarks", check.script), *script_args]
+                       "-m", f"checks.{check.module}", *script_args]
             timeout_s = check.timeout_s * (SMOKE_SLACK if args.smoke else 1)
             status, wall_s, output = run_check(command, timeout_s)
             result = "ok" if status == 0 else "TIMED OUT" if status == 124 else \
