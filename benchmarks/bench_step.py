@@ -209,7 +209,7 @@ def smollm2_workload(root, args) -> Workload | None:
     cfg = replace(cfg, device="cpu", dynamic_sampling=False, precision=args.precision,
                   gen_prompts=cfg.train_prompts, mini_batch_prompts=cfg.train_prompts)
     verifier = load_verifier(cfg)
-    rows = load_rows(train, load_tokenizer(smollm2.OUT), verifier=verifier)
+    rows = load_rows(train, load_tokenizer(smollm2.OUT), has_scorer=verifier.has_scorer)
     n_steps = args.warmup + args.rounds + args.profile
     if len(rows) < cfg.train_prompts * n_steps:
         raise SystemExit(f"bench_step: {len(rows)} training sums hold fewer than {n_steps} steps")
