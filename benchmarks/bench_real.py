@@ -1,7 +1,8 @@
 """
 Speed on the real model of `make real` (SmolLM2-135M-Instruct, converted by examples/smollm2.py):
-its rollout against transformers' generate, and one RL step of dapo.py with the fused output
-layer on and off. CPU, one thread by default, CPU time, the variants alternating round by round.
+its rollout against transformers' generate, and one RL step of dapo.py with the update's share
+of the CPU's matmul peak. CPU, one thread by default, CPU time, the variants alternating round by
+round.
 
     .venv/bin/python -m benchmarks.bench_real                 # both parts, ~10 minutes of CPU
     .venv/bin/python -m benchmarks.bench_real --parts step --rounds 2
@@ -9,15 +10,17 @@ layer on and off. CPU, one thread by default, CPU time, the variants alternating
 Skipped, saying so, when the model directory is absent (`make real` or examples/smollm2.py
 writes it).
 
-1. rollout: experiments/real.py's rollout, 8 held-out sums x G = 8 at temperature 1, up to 32 new
-   tokens, <|im_end|> ends a response; fp32 on both sides (transformers' model in fp32 too).
-   Ours: sampler.generate in 64 slots. Theirs: transformers' generate on the same 64 left-padded
-   prompts at once. Useful tokens/s: response tokens up to and including the EOS. Each side draws
-   its own samples, so lengths differ by chance: tokens/s, not seconds, is what compares.
+1. rollout: experiments/real.py's rollout (RL: 8 held-out sums x G = 8; eval: 64 x 4) at
+   temperature 1, up to 32 new tokens, <|im_end|> ends a response; fp32 or bf16 autocast, the
+   same on both sides. Ours: sampler.generate in 64 slots. Theirs: transformers' generate on the
+   same prompts, 64 left-padded rows at once. Useful tokens/s: response tokens up to and
+   including the EOS. Each side draws its own samples, so lengths differ by chance: tokens/s, not
+   seconds, is what compares.
 2. step: dapo.collect_batch + dapo.update_policy with real.py's settings (8 prompts x 8, one
-   optimizer step; dynamic sampling off, so a step is one rollout) three ways: bf16 autocast with
-   --fused-head on (real.py's) and off, and fp32. Each round starts from the same weights, a fresh
-   optimizer and the same sampling seed: in bf16 both heads train on the same responses.
+   optimizer step; dynamic sampling off, so a step is one rollout) in each precision. Each round
+   starts from the same weights, a fresh optimizer and the same sampling seed. The update is run
+   again under torch's FlopCounterMode: its FLOPs over its CPU time, against the one-thread matmul
+   throughput measured at the model's own shapes (matmul_peak), is the roofline line.
 """
 import argparse
 import os
