@@ -46,7 +46,7 @@ MODEL_FILES = ("config.json", "model.safetensors", "model-*-of-*.safetensors",
                "model.safetensors.index.json", *TOKENIZER_FILES)
 DATA_SUFFIXES = (".parquet", ".jsonl")  # what data.load_rows reads
 # ORG/NAME, then @REV, then :SPLIT or /FILE (a dataset's)
-SPEC = re.compile(r"(?P<repo>[^/@:]+/[^/@:]+)(?:@(?P<revision>[^/:@]+))?"
+HUB_NAME = re.compile(r"(?P<repo>[^/@:]+/[^/@:]+)(?:@(?P<revision>[^/:@]+))?"
                   r"(?::(?P<split>[^/:@]+)|/(?P<file>.+))?")
 COMMIT = re.compile(r"[0-9a-f]{40}")
 
@@ -74,7 +74,7 @@ def is_local(spec: str) -> bool:
 
 def parse(spec: str, repo_type: str) -> HubName | None:
     """The Hub name a flag's value spells (a model's: ORG/NAME[@REV]), or None: a local path."""
-    match = SPEC.fullmatch(spec) if spec and not is_local(spec) else None
+    match = HUB_NAME.fullmatch(spec) if spec and not is_local(spec) else None
     if not match or (repo_type == "model" and (match["split"] or match["file"])):
         return None
     try:
