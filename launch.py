@@ -35,7 +35,7 @@ from infra.files import need_file
 from infra.reward_fn import reward_fn_file
 from model import ModelConfig, Transformer, rope_inv_freq
 from reward import Verifier
-from sampler import Engine
+from sampler import Engine, Rollout
 
 
 @contextlib.contextmanager
@@ -117,7 +117,7 @@ class Setup:
     train_rows: list[dict]
     val_rows: list[dict]
     verifier: Verifier  # the built-in scorers and --reward-fn's function
-    engine: Engine  # sampler.py's, or --rollout-engine vllm's
+    engine: "Engine | VLLMRollout"  # sampler.py's, or --rollout-engine vllm's
 
 
 def setup(cfg: Config) -> Setup:
@@ -287,11 +287,29 @@ def load_policy(cfg: Config) -> tuple[Transformer, Tokenizer, str, str | None]:
     return model, tok, tok_dir, resume_dir
 
 
-def rollout_engine(cfg: Config, model: Transformer, tok: Tokenizer) -> Engine:
-    """sampler.py, which reads the policy's own weights, or with --rollout-engine vllm this
-    process's vLLM engine, given the policy's weights."""
-    vllm = vllm_engine.VLLMEngine(cfg, model) if cfg.rollout_engine == "vllm" else None
-    return Engine(cfg, tok.pad_token_id, vllm)
+def rollout_engine(cfg: Config, model: Transformer, tok: Tokenizer) -> "Engine | VLLMRollout":
+    """sampler.py's engine, which reads the policy's own weights, or with --rollout-engine vllm
+    this process's vLLM engine, given the policy's weights."""
+    if cfg.rollout_engine == "vllm":
+        return VLLMRollout(cfg, vllm_engine.VLLMEngine(cfg, model), tok.pad_token_id)
+    return Engine(cfg, tok.pad_token_id)
+
+
+class VLLMRollout:
+    """--rollout-engine vllm behind sampler.Engine's two methods: the token lists of `vllm` (an
+    infra/vllm_engine.VLLMEngine) become the sampler's Rollout, and around each policy update the
+    engine sleeps (on a GPU), then takes the new weights."""
+
+    def __init__(self, cfg: Config, vllm, pad_token_id: int):
+        self.cfg, self.vllm, self.pad_token_id = cfg, vllm, pad_token_id
+
+    def generate(self, model, prompts: list[list[int]], **settings) -> Rollout:
+        sampled = self.vllm.generate(model, prompts, self.cfg.max_response_len, **settings)
+        return Rollout.from_responses(prompts, sampled.token_ids, sampled.logprobs,
+                                      sampled.truncated, self.pad_token_id, self.cfg.device)
+
+    def updating(self, model):
+        return vllm_engine.updating(self.vllm, model)
 
 
 def load_sharded(model_dir: str, cfg: Config) -> Transformer:

@@ -41,9 +41,9 @@ parameters a row costs a decode step its share of the matmuls, so ended rows are
     slot 0:     c  c  c  c  C  C          the next steps feed slots 0 and 1 only
     slot 1:     d  d  d  d  D  D
 
-Shared prompts (SHARE_PROMPTS): the G samples of a group have one prompt. A slot that takes a prompt
-another slot holds copies its positions [0, len(prompt)) and its next-token logits instead of
-prefilling it; the prompts no slot holds are prefilled once each, in one forward:
+Copied prompts (COPY_HELD_PROMPTS): the G samples of a group have one prompt. A slot that takes a
+prompt another slot holds copies its positions [0, len(prompt)) and its next-token logits instead
+of prefilling it; the prompts no slot holds are prefilled once each, in one forward:
 
     slot 0:     e  e  e  E  E  E  E
     slot 1:     e  e  e                  the next sample of e: slot 0's positions 0-2 copied
@@ -51,6 +51,7 @@ prefilling it; the prompts no slot holds are prefilled once each, in one forward
 With both switches False and slots=None, generate is plain batched decoding; docs/performance.md
 measures what each part buys.
 """
+import contextlib
 import math
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -59,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from infra import distributed, precision, vllm_engine
+from infra import distributed, precision
 from infra.cuda_graphs import CUDAGraphDecode
 
 
@@ -79,8 +80,9 @@ class Rollout:
     def from_responses(cls, prompts: list[list[int]], responses: list[list[int]],
                        logprobs: list[list[float]], truncated: list[bool], pad_token_id: int,
                        device) -> "Rollout":
-        """The same record from responses another engine sampled (--rollout-engine vllm): each
-        response's tokens and their log-probs as lists, row i answering prompts[i]."""
+        """The same record from responses another engine sampled (launch.py's for
+        --rollout-engine vllm): each response's tokens and their log-probs as lists, row i
+        answering prompts[i]."""
         prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, device)  # (N, P)
         lengths = torch.tensor([len(r) for r in responses], device=device)  # (N,)
         T = max(1, int(lengths.max()))
@@ -139,9 +141,9 @@ def decode_one_token(model, tokens, positions, kv_cache):
 
 
 # The speed-ups, switchable: False gives the plain loop, for reading or as a reference
-SHARE_PROMPTS = True  # a prompt a slot holds is copied, not prefilled
+COPY_HELD_PROMPTS = True  # a prompt a slot holds is copied, not prefilled
 COMPACT_SLOTS = True  # once nothing waits, only the busy slots decode
-SPEED_UPS = ("SHARE_PROMPTS", "COMPACT_SLOTS")
+SPEED_UPS = ("COPY_HELD_PROMPTS", "COMPACT_SLOTS")
 
 
 def filter_logits(logits, top_k: int = 0, top_p: float = 1.0):
@@ -249,7 +251,7 @@ class SlotTable:
     methods are the moves of the diagrams above. Sequences are numbered 0..N-1; N means none: a
     free slot feeds a dummy token at position 0, and its draw lands in a scratch row."""
 
-    def __init__(self, prompts: list[list[int]], kv_cache, share_prompts: bool):
+    def __init__(self, prompts: list[list[int]], kv_cache, copy_held_prompts: bool):
         B, N = kv_cache.k[0].shape[0], len(prompts)
         self.prompts, self.kv_cache, self.N = prompts, kv_cache, N
         self.seq = [N] * B  # (B,) the sequence each slot holds
@@ -257,7 +259,7 @@ class SlotTable:
         self.n_new = [0] * B  # (B,) the response tokens the slot's sequence has so far
         self.waiting = deque(range(N))
         first = {}  # per sequence, its prompt: the first sequence that has it (or itself)
-        self.prompt_of = [first.setdefault(tuple(p), i) if share_prompts else i
+        self.prompt_of = [first.setdefault(tuple(p), i) if copy_held_prompts else i
                           for i, p in enumerate(prompts)]
         self.left = Counter(self.prompt_of)  # per prompt, its sequences not yet given a slot
         self.prompt_logits = {}  # per prompt with sequences left: its next-token logits (V,)
@@ -406,7 +408,7 @@ def new_slot_table(model, prompts: list[list[int]], max_new_tokens: int,
     longest prompt + max_new_tokens positions, however many prompts; and the table of its rows."""
     B = min(slots or len(prompts), len(prompts))
     kv_cache = model.new_kv_cache(B, max(len(p) for p in prompts) + max_new_tokens)
-    return SlotTable(prompts, kv_cache, SHARE_PROMPTS)
+    return SlotTable(prompts, kv_cache, COPY_HELD_PROMPTS)
 
 
 @torch.no_grad()
@@ -471,19 +473,15 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: 
 
 
 class Engine:
-    """What dapo.rollout() samples with: generate() under FSDP's gather (once for all the tokens)
-    and the sampler's autocast, or --rollout-engine vllm's engine (infra/vllm_engine.py), whose
-    token lists become the same Rollout."""
+    """What dapo.rollout() samples with: generate() with the run's settings, under FSDP's gather
+    (once for all the tokens) and the sampler's autocast. Another engine (launch.py's for
+    --rollout-engine vllm) has the same two methods and returns the same Rollout."""
 
-    def __init__(self, cfg, pad_token_id: int, vllm: vllm_engine.VLLMEngine | None = None):
-        self.cfg, self.pad_token_id, self.vllm = cfg, pad_token_id, vllm
+    def __init__(self, cfg, pad_token_id: int):
+        self.cfg, self.pad_token_id = cfg, pad_token_id
 
     def generate(self, model, prompts: list[list[int]], **settings) -> Rollout:
         cfg = self.cfg
-        if self.vllm is not None:
-            sampled = self.vllm.generate(model, prompts, cfg.max_response_len, **settings)
-            return Rollout.from_responses(prompts, sampled.token_ids, sampled.logprobs,
-                                          sampled.truncated, self.pad_token_id, cfg.device)
         # --rollout-slots 0 is a slot for every sequence (slots=None)
         with distributed.gathered(model), precision.autocast(cfg.sampler_precision, cfg.device):
             return generate(model, prompts, cfg.max_response_len, **settings,
@@ -491,5 +489,6 @@ class Engine:
                             compile=cfg.compile)
 
     def updating(self, model):
-        """Around the policy update: vLLM asleep on a GPU, then given the new weights."""
-        return vllm_engine.updating(self.vllm, model)
+        """Around the policy update: this engine reads the policy's own weights, so nothing to
+        do (an engine with weights of its own takes the new ones after it)."""
+        return contextlib.nullcontext()

@@ -177,12 +177,8 @@ def close_all():
 
 
 @contextlib.contextmanager
-def updating(engine: VLLMEngine | None, model):
-    """Around the policy update: the engine asleep on a GPU, then synced to the new weights.
-    Nothing without an engine (sampler.py reads the policy's own weights)."""
-    if engine is None:
-        yield
-        return
+def updating(engine: VLLMEngine, model):
+    """Around the policy update: the engine asleep on a GPU, then synced to the new weights."""
     engine.sleep()
     yield
     engine.sync(model)

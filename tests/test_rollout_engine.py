@@ -1,5 +1,5 @@
 """--rollout-engine vllm where vLLM is not installed (this venv): its memory plan, the one-line
-error that says what to install, and sampler.Engine's vLLM branch with a stand-in (its flags are
+error that says what to install, and launch.VLLMRollout with a stand-in for vLLM (its flags are
 checked in test_config.py). The engine itself is tested in tests_vllm/ (`make test-vllm`, in
 .venv-vllm)."""
 import importlib.util
@@ -55,9 +55,9 @@ def test_without_vllm_the_run_stops_in_one_line_saying_what_to_install(tmp_path)
 
 
 def test_the_engine_turns_vllms_token_lists_into_the_samplers_rollout_and_syncs_after_an_update():
-    # sampler.Engine's vLLM branch, without vLLM: what dapo.rollout() and the loop call
+    # launch.VLLMRollout, without vLLM: what dapo.rollout() and the loop call
     from infra.vllm_engine import Responses
-    from sampler import Engine
+    from launch import VLLMRollout
     calls = []
 
     class StandIn:  # what infra/vllm_engine.VLLMEngine answers
@@ -72,7 +72,7 @@ def test_the_engine_turns_vllms_token_lists_into_the_samplers_rollout_and_syncs_
         def sync(self, model):
             calls.append("sync")
 
-    engine = Engine(Config(max_response_len=3, device="cpu"), pad_token_id=0, vllm=StandIn())
+    engine = VLLMRollout(Config(max_response_len=3, device="cpu"), StandIn(), pad_token_id=0)
     got = engine.generate("policy", [[1, 2], [3]], temperature=0.7, top_p=1.0, top_k=0,
                           eos_token_ids=[2], generator=None)
     assert got.prompt_ids.tolist() == [[1, 2], [0, 3]]  # left-padded

@@ -453,7 +453,7 @@ def test_greedy_rows_equal_transformers_with_speed_ups_switched_off(hf_and_ours,
                  eos_token_ids=[eos], slots=4)
     for row, i in enumerate(which):
         assert r.response_ids[row, :r.lengths[row]].tolist() == alone[i]
-    assert (sum(prefilled) == len(which)) == ("SHARE_PROMPTS" in off)
+    assert (sum(prefilled) == len(which)) == ("COPY_HELD_PROMPTS" in off)
 
 
 @pytest.mark.needs("filter_logits", "sample", "rope", "attention", "kv_cache")
@@ -537,7 +537,7 @@ def test_a_prompt_held_by_a_slot_is_copied_not_prefilled_and_samples_the_same(mo
         # a refill places 4 sequences at most, so there were at least 18 / 4 of them: had each one
         # prefilled a prompt, none would have copied all its keys from slots already decoding
         assert sum(map(len, prefilled)) < 18 / 4
-    monkeypatch.setattr(sampler, "SHARE_PROMPTS", False)
+    monkeypatch.setattr(sampler, "COPY_HELD_PROMPTS", False)
     prefilled.clear()
     alone = run()
     assert sum(map(len, prefilled)) == len(prompts)
