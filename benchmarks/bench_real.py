@@ -36,7 +36,7 @@ from config import parse_args
 from data import encode_prompts, load_rows, load_tokenizer
 from examples import smollm2, sums
 from experiments import real
-from infra import gguf
+from examples import from_gguf
 from launch import load_verifier
 from model import Transformer
 from sampler import generate
@@ -207,7 +207,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=1, help="(default: %(default)s)")
     ap.add_argument("--threads", type=int, default=1, help="(default: %(default)s)")
     args = ap.parse_args()
-    if not gguf.is_converted(args.model):
+    if not from_gguf.is_converted(args.model):
         print(f"bench_real: skipped, no converted model in {args.model} (make real, or "
               "python -m examples.smollm2, writes it)")
         return

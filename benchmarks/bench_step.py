@@ -69,7 +69,7 @@ from config import Config, parse_args
 from data import load_rows, load_tokenizer
 from examples import smollm2, sums
 from experiments import real
-from infra import gguf
+from examples import from_gguf
 from launch import load_verifier
 from model import Transformer
 from reward import overlong_penalty, score_response
@@ -201,7 +201,7 @@ def demo_workload(root, args) -> Workload:
 
 def smollm2_workload(root, args) -> Workload | None:
     """make real's step on SmolLM2-135M-Instruct (None when the converted model is absent)."""
-    if not gguf.is_converted(smollm2.OUT):
+    if not from_gguf.is_converted(smollm2.OUT):
         return None
     train, val = sums.write_task(root)
     cfg = parse_args(real.dapo_argv(smollm2.OUT, real.Task(train, val), root, seed=0))
@@ -220,7 +220,7 @@ def smollm2_workload(root, args) -> Workload | None:
         score=sums_score,
         trl_micro_batch=args.trl_micro_batch or 16,
         # the second side's micro-batch is the whole mini-batch: its groups stay whole, so each
-        # prompt goes through the update's forward once (model.shared_prompt_logprobs)
+        # prompt goes through the update's forward once (logprobs.shared_prompt_logprobs)
         sides={"ours": {}, "ours, 64 rows": dict(micro_batch_tokens=0)},
         micro=(f"ours: make real's flags ({cfg.rollout_slots} slots, micro-batches of {micro}, "
                f"length-sorted); ours, 64 rows: micro-batches of {cfg.micro_batch_size} rows"))

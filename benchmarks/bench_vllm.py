@@ -93,9 +93,9 @@ def spread(values: list[float], fmt: str = ".0f") -> str:
 def smollm2_part(args):
     from benchmarks import bench_real
     from examples import smollm2
-    from infra import gguf
+    from examples import from_gguf
     from model import Transformer
-    if not gguf.is_converted(smollm2.OUT):
+    if not from_gguf.is_converted(smollm2.OUT):
         print(f"bench_vllm: skipped, no converted model in {smollm2.OUT} (make real, or "
               "python -m examples.smollm2, writes it)")
         return

@@ -8,7 +8,8 @@ dapo.py's --model reads.
     python -m examples.smollm2 --gguf FILE      # the .gguf itself
 
 The only network access is pip's own download of that one wheel (served from pip's cache when it
-is there). An existing complete directory is reused. infra/gguf.py says what the conversion does.
+is there). An existing complete directory is reused. examples/from_gguf.py says what the
+conversion does.
 """
 import argparse
 import os
@@ -19,7 +20,8 @@ import zipfile
 
 from tqdm import tqdm
 
-from infra import files, gguf
+from examples import from_gguf
+from infra import files
 from infra.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,7 +35,7 @@ DOWNLOADS = os.path.join(ROOT, "runs", "downloads")  # the repository's, from an
 def ensure_model(out_dir: str = OUT, wheel: str | None = None, gguf_file: str | None = None) -> str:
     """The converted model directory: out_dir as it is when a conversion finished there, else
     converted now from gguf_file, or from the wheel (downloaded when not given)."""
-    if gguf.is_converted(out_dir):
+    if from_gguf.is_converted(out_dir):
         return out_dir
     if gguf_file:
         return convert(gguf_file, out_dir)
@@ -48,7 +50,7 @@ def ensure_model(out_dir: str = OUT, wheel: str | None = None, gguf_file: str | 
 def convert(gguf_file: str, out_dir: str) -> str:
     def progress(items):
         return tqdm(items, desc="dequantizing", unit=" tensors", total=len(items))
-    return gguf.convert(gguf_file, out_dir, progress)
+    return from_gguf.convert(gguf_file, out_dir, progress)
 
 
 def download_wheel(dest: str) -> str:
@@ -91,10 +93,10 @@ def main(argv=None):
     source.add_argument("--gguf", help="a Llama GGUF file to convert instead of the wheel's")
     parser.add_argument("--out", default=OUT, help="the model directory (default: %(default)s)")
     args = parser.parse_args(argv)
-    reused = gguf.is_converted(args.out)
+    reused = from_gguf.is_converted(args.out)
     out_dir = ensure_model(args.out, wheel=args.wheel, gguf_file=args.gguf)
     print(f"{out_dir}: {'already converted, reused' if reused else 'written'} "
-          f"({', '.join(gguf.OUT_FILES)})")
+          f"({', '.join(from_gguf.OUT_FILES)})")
 
 
 if __name__ == "__main__":

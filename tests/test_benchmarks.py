@@ -16,7 +16,7 @@ def test_bench_steps_smollm2_workload_is_make_reals_step_with_one_optimizer_step
     Transformer(preset("tiny", model_type="llama", vocab_size=tok.vocab_size)).save_pretrained(
         model_dir)
     monkeypatch.setattr(smollm2, "OUT", model_dir)
-    monkeypatch.setattr(bench_step.gguf, "is_converted", lambda d: d == model_dir)
+    monkeypatch.setattr(bench_step.from_gguf, "is_converted", lambda d: d == model_dir)
     args = argparse.Namespace(precision="fp32", warmup=1, rounds=2, profile=False,
                               trl_micro_batch=0)
     work = bench_step.smollm2_workload(str(tmp_path), args)

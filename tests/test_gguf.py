@@ -1,6 +1,6 @@
 """
-infra/gguf.py (a GGUF file -> a Hugging Face directory) against references nobody here wrote:
-PyPI gguf's own dequantization, and transformers' GGUF loader (`from_pretrained(dir,
+examples/from_gguf.py (a GGUF file -> a Hugging Face directory) against references nobody here
+wrote: PyPI gguf's own dequantization, and transformers' GGUF loader (`from_pretrained(dir,
 gguf_file=...)`, which has its own reader and dequantizer and undoes llama.cpp's q/k layout).
 
 Most tests use a tiny Llama GGUF written here with gguf's GGUFWriter (Q4_1 weights, F32 norms, a
@@ -21,7 +21,7 @@ import torch
 from tokenizers import pre_tokenizers
 
 from examples import smollm2
-from infra import gguf as convert_gguf
+from examples import from_gguf as convert_gguf
 
 
 transformers = pytest.importorskip("transformers")

@@ -17,7 +17,7 @@ What the conversion undoes:
   model's tokenizer.json has it.
 
 Only Llamas (general.architecture "llama") with a byte-level BPE tokenizer are converted; anything
-else is an error naming the file. Nothing here imports the root's modules.
+else is an error naming the file. Beside its one user, examples/smollm2.py (`make real`'s model).
 """
 import os
 import tempfile
