@@ -55,7 +55,7 @@ test: $(VENV)/.test
 # The root's own unit tests, for the edit-run loop: the techniques and the loop (test_dapo), the
 # batch, the reward, the model against transformers on tiny shapes, the sampler, the flags; under
 # a minute on 2 cores (`make test` is the whole suite, and what CI runs).
-FAST := $(addprefix tests/test_,dapo.py batch.py reward.py model.py sampler.py config.py)
+FAST := $(addprefix tests/test_,dapo.py batch.py reward.py model.py logprobs.py sampler.py config.py)
 test-fast: $(VENV)/.test
 	$(PY) -m pytest -q $(XDIST) $(FAST)
 

@@ -35,7 +35,8 @@ import launch
 from config import Config
 from infra import distributed
 from infra.precision import BF16_UNIT_ROUNDOFF
-from model import Transformer, preset, response_logprobs
+from model import Transformer, preset
+from logprobs import response_logprobs
 from reward import Verifier
 from toy import make_toy_tokenizer, toy_rows
 

@@ -35,7 +35,8 @@ import torch.distributed as dist
 import dapo
 from data import load_tokenizer
 from infra import distributed, precision
-from model import Transformer, num_params, preset, response_logprobs
+from model import Transformer, num_params, preset
+from logprobs import response_logprobs
 from reward import Verifier
 from toy import make_toy_tokenizer, toy_rows
 

@@ -86,7 +86,7 @@ def flash_trains(path, device) -> str:
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from model import response_logprobs
+    from logprobs import response_logprobs
     model = Transformer.from_pretrained(path, device=device)
     g = torch.Generator().manual_seed(1)
     prompt_len, response_len = torch.randint(8, 33, (4,), generator=g), \

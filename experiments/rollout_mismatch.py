@@ -24,7 +24,8 @@ import dapo
 from config import Config
 from data import load_tokenizer
 from infra.rollout_correction import Stats
-from model import Transformer, response_logprobs
+from model import Transformer
+from logprobs import response_logprobs
 from reward import Verifier
 from toy import demo_policy, toy_rows
 

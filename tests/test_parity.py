@@ -11,7 +11,8 @@ import sampler
 from batch import Batch
 from infra import health
 from infra.metrics import UpdateStats
-from model import Transformer, preset, response_logprobs
+from model import Transformer, preset
+from logprobs import response_logprobs
 from reward import Scores
 from test_dapo import _cfg
 

@@ -9,7 +9,8 @@ from config import Config
 from conftest import MEMORY
 from data import load_tokenizer
 from infra.vllm_engine import VLLMEngine
-from model import Transformer, response_logprobs
+from model import Transformer
+from logprobs import response_logprobs
 from sampler import Rollout, generate
 
 EPS = torch.finfo(torch.float32).eps
