@@ -192,6 +192,7 @@ class Collected:
     to_train: Batch | None  # this rank's share of the training batch; None when nothing was kept
     generated: Batch  # every response this rank generated, kept or not: what the alarms quote
     metrics: dict  # the rollout's and dynamic sampling's, over all ranks
+    gen_s: float  # seconds spent sampling, scoring and filtering (timing/gen_s)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -209,6 +210,7 @@ class GroupBuffer:
         self.n_kept = 0  # the groups kept over all ranks, as of the last done()
         self.generated: list[Batch] = []  # this rank's generation batches, every group of them
         self.end_times: list[float] = []  # when each was added
+        self.started = time.time()
 
     def done(self) -> bool:
         """Whether dynamic sampling stops: the buffer holds its capacity over all ranks, or

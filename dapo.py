@@ -17,19 +17,20 @@ No KL term and no reference model. Entropy is measured and logged, never added t
         --max-prompt-len 2048 --max-response-len 20480 --eval-samples 32 --eval-top-p 0.7 \\
         --eval-prompts 0
 """
-import os
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 
 import torch
 
 import launch
+import losses
 from batch import Batch, Collected, GroupBuffer, groups_to_train
 from config import Config, parse_args
 from data import PromptIterator, Tokenizer, encode_prompts
-from infra import (checkpoint, distributed, health, interrupt, metrics, precision,
-                   rollout_correction, trackers)
-from model import response_logprobs
+from infra import distributed, metrics, precision
+from infra.run import Run, report_eval
+from losses import PolicyLoss
+from logprobs import response_logprobs
 from reward import Verifier, overlong_penalty
 from sampler import Engine
 
@@ -60,13 +61,6 @@ def keep_groups(acc, group_size):
     a = acc.float().view(-1, group_size)  # (N/G, G)
     return (a.std(1, unbiased=False) > 0) | (group_size == 1)
     # end exercise
-
-
-@dataclass
-class PolicyLoss:
-    loss: torch.Tensor  # (): sum_it l_it mask_it / denom, what to back-propagate
-    loss_tok: torch.Tensor  # (B, R): l_it, before the mask and the denominator
-    ratio: torch.Tensor  # (B, R): r_it, of the clamped log-ratio
 
 
 def policy_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom) -> PolicyLoss:
@@ -108,24 +102,6 @@ def tokens_in_loss(batch: Batch, cfg):
 
 
 # ------------------------------------------------------------------------------------------------
-# Beyond the paper: what verl adds to the surrogate, each off by default
-
-def beyond_the_paper(surrogate: PolicyLoss, adv, loss_mask, denom, dual_clip: float,
-                     weight) -> PolicyLoss:
-    """The surrogate with verl's two additions, summed as policy_loss sums it: the dual clip (Ye et
-    al. 2020; c = dual_clip > 1), l_it = min(l_it, -A_i c) where A_i < 0, and the rollout
-    correction's weights (infra/rollout_correction.py), l_it w_it. Neither set: the surrogate."""
-    if dual_clip <= 1 and isinstance(weight, float) and weight == 1.0:
-        return surrogate
-    loss_tok, adv = surrogate.loss_tok, adv[:, None]  # (B, R), (B, 1)
-    if dual_clip > 1:
-        dual = (adv < 0) & (loss_tok > -adv * dual_clip)  # (B, R)
-        loss_tok = torch.where(dual, -adv * dual_clip, loss_tok)
-    loss = (loss_tok * weight * loss_mask.float() / denom).sum()
-    return replace(surrogate, loss=loss, loss_tok=loss_tok)
-
-
-# ------------------------------------------------------------------------------------------------
 # Rollout and evaluation
 
 @torch.no_grad()
@@ -153,9 +129,7 @@ def evaluate(model, rows, tok, cfg, verifier, engine=None) -> dict:
     batch = rollout(model, mine or rows[:1], tok, cfg, verifier, group_size=k, top_k=0,
                     temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, generator=generator,
                     engine=engine)
-    result = metrics.eval_metrics(batch, len(mine), len(rows), k)
-    health.warn_evaluation(result, verifier.spec, verifier.take_errors(), batch)
-    return result
+    return metrics.eval_metrics(batch, len(mine), len(rows), k, verifier)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -166,9 +140,9 @@ def collect_batch(model, prompt_iter, tok, cfg, verifier, generator, engine=None
     holds --train-prompts groups with signal (or --max-gen-batches were drawn)."""
     rank, world = distributed.rank(), distributed.world_size()
     buffer = GroupBuffer(cfg.train_prompts, cfg.max_gen_batches)
-    while not buffer.done():  # Algorithm 1, line 8: until the buffer holds N
+    while not buffer.done():  # Algorithm 1, lines 7-8: until the buffer holds N
         # --- Rollout (Algorithm 1, lines 3-5): pi_old samples G responses per prompt ---
-        prompts = prompt_iter.next_batch()
+        prompts = prompt_iter.next_batch()  # Algorithm 1, line 2
         batch = rollout(model, prompts[rank::world], tok, cfg, verifier, group_size=cfg.group_size,
                         temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                         generator=generator, engine=engine)  # this rank's share of the prompts
@@ -178,13 +152,13 @@ def collect_batch(model, prompt_iter, tok, cfg, verifier, generator, engine=None
         batch = replace(batch, adv=group_advantages(batch.reward, cfg.group_size))
         # --- DAPO technique 2: dynamic sampling (paper Sec. 3.2): keep the groups with signal ---
         keep = keep_groups(batch.acc, cfg.group_size) | (not cfg.dynamic_sampling)  # (groups,)
-        buffer.add(batch, keep, len(prompts))  # Algorithm 1, line 7
+        buffer.add(batch, keep, len(prompts))  # Algorithm 1, line 6
     n_trained = groups_to_train(buffer.n_kept, cfg)
     to_train = buffer.take(n_trained, cfg.mini_batch_prompts, cfg.group_size)
     generated = Batch.cat(buffer.generated)
     return Collected(to_train, generated, metrics.collection_metrics(
         generated, to_train, buffer.n_kept, n_trained, buffer.end_times, cfg.group_size,
-        cfg.train_prompts, cfg.gen_batch_prompts))
+        cfg.train_prompts, cfg.gen_batch_prompts), time.time() - buffer.started)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -196,10 +170,12 @@ def update_policy(model, opt, batch: Batch, cfg) -> dict:
     model.train()
     world, stats = distributed.world_size(), metrics.UpdateStats()
     mini_rows = cfg.mini_batch_prompts * cfg.group_size // world  # this rank's rows per step
-    # pi_old <- pi_theta (Algorithm 1, line 3), computed now, before the policy moves, unless one
-    # optimizer step's first forward is pi_old's (a batch with no loss token takes no forward)
+    # pi_old <- pi_theta (Algorithm 1, line 3). When the batch is one optimizer step, its forward
+    # runs before the policy moves: its log-probs, detached, are pi_old's, and cost nothing. Else
+    # (several steps, or no token in the loss and so no forward to read) one no-grad pass first.
     in_loss = distributed.all_reduce(tokens_in_loss(batch, cfg).sum().item(), name="loss tokens")
-    if len(batch) > mini_rows or in_loss == 0:
+    one_step = len(batch) <= mini_rows and in_loss > 0
+    if not one_step:
         batch = with_old_logprobs(model, batch, cfg, stats)
     for mini_batch in batch.split(mini_rows):
         # --- DAPO technique 3: the token-level loss's denominator, before the micro-batch split
@@ -222,12 +198,10 @@ def update_policy(model, opt, batch: Batch, cfg) -> dict:
             (surrogate.loss * world).backward()
         # Algorithm 1, line 11: one AdamW step on the mini-batch's gradient, its norm clipped
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        grad_norm, finite = health.gradient_is_finite(grad_norm)
-        if finite:
-            opt.step()
-            health.check_finite(model, "after an optimizer step")
+        # skipped (and said) when the gradient holds a NaN or an inf, as AMP's GradScaler does
+        grad_norm, stepped = precision.optimizer_step(opt, model, grad_norm)
         opt.zero_grad(set_to_none=True)
-        stats.add_step(grad_norm, finite)
+        stats.add_step(grad_norm, stepped)
     return stats.result(batch)
 
 
@@ -240,12 +214,11 @@ def micro_batch_loss(logp, micro: Batch, n_tokens, n_seqs, cfg, stats) -> Policy
     eps_high = cfg.eps_high if cfg.clip_higher else cfg.eps_low  # technique 1 off: PPO's clip
     # --- DAPO technique 1: clip-higher, in the clipped surrogate (Sec. 3.1, Eq. 10) ---
     surrogate = policy_loss(logp, micro.old_logp, micro.adv, mask, cfg.eps_low, eps_high, denom)
-    # verl's additions, not in the paper: the rollout correction (pi_old / pi_sampler), dual clip
-    correction = rollout_correction.correct(
-        micro.old_logp, micro.rollout_logp, micro.response_mask, cfg.rollout_correction,
-        cfg.rollout_is_min, cfg.rollout_is_max)
-    surrogate = beyond_the_paper(surrogate, micro.adv, mask, denom, cfg.dual_clip,
-                                 correction.weight)
+    # verl's additions, not in the paper (losses.py): the rollout correction's weights (pi_old /
+    # pi_sampler) and the dual clip, each off by default
+    correction = losses.rollout_correction_weights(micro, cfg)
+    surrogate = losses.dual_clip_and_weights(surrogate, micro.adv, mask, denom, cfg.dual_clip,
+                                             correction.weight)
     stats.add_loss(surrogate, logp, micro.old_logp, micro.adv, mask, correction)
     return surrogate
 
@@ -273,55 +246,45 @@ def set_lr(opt, cfg, step):
 
 
 def train(cfg: Config, setup: launch.Setup):
-    model, tok, val_rows = setup.model, setup.tok, setup.val_rows
-    verifier, engine = setup.verifier, setup.engine
-    if cfg.eval_only:
-        result = evaluate(model, val_rows, tok, cfg, verifier, engine)
-        metrics.report_eval(result, cfg.out_dir, asdict(cfg), trackers.open_all(cfg))
-        return result
+    """Algorithm 1 on setup's policy and data -> the last evaluation's metrics. What is not the
+    algorithm (resume, the log, the alarms, Ctrl-C, the checkpoints) is Run's (infra/run.py)."""
+    model, tok, val_rows, verifier, engine = (setup.model, setup.tok, setup.val_rows,
+                                              setup.verifier, setup.engine)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     prompt_iter = PromptIterator(setup.train_rows, cfg.gen_batch_prompts, cfg.seed)
     generator = torch.Generator(cfg.device).manual_seed(cfg.seed + distributed.rank())
-    metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
-    start = checkpoint.resume(setup.resume_dir, model, opt, prompt_iter, generator, metrics_path,
-                              cfg.steps, cfg.eval_every) if setup.resume_dir else 0
-    log = metrics.RunLog(metrics_path, start, cfg.steps,
-                         trackers.open_all(cfg, start, metrics_path))
-    alarms = health.Alarms(cfg.stop_when_stuck, verifier.spec)
-    stop = interrupt.Stop()  # Ctrl-C, SIGTERM: the step finishes, is saved, then the run exits
-    for step in range(start, cfg.steps):  # Algorithm 1, line 1
-        if cfg.eval_every and step % cfg.eval_every == 0:
-            log.evaluated(step, evaluate(model, val_rows, tok, cfg, verifier, engine))
-        t0 = time.time()
+    run = Run(cfg, setup, opt, prompt_iter, generator)  # from --resume's checkpoint, if given
+    for step in run.steps():  # Algorithm 1, line 1
+        if run.evaluation_due(step):
+            run.evaluated(step, evaluate(model, val_rows, tok, cfg, verifier, engine))
         set_lr(opt, cfg, step)
         # --- Algorithm 1, lines 2-8: sample, reward, filter, until the batch is full ---
         collected = collect_batch(model, prompt_iter, tok, cfg, verifier, generator, engine)
-        t_gen, logged = time.time() - t0, collected.metrics
+        trained = {}
         if collected.to_train is not None:
             # --- Algorithm 1, lines 10-11: optimizer steps on the batch (Eq. 8) ---
             with engine.updating(model):
-                logged |= update_policy(model, opt, collected.to_train, cfg)
-        done = step + 1  # the steps taken: what metrics.jsonl and the checkpoints count
-        log.step(done, logged, opt.param_groups[0]["lr"], t_gen, time.time() - t0 - t_gen)
-        stuck = alarms.check(done, logged, collected.generated, tok, verifier.take_errors())
-        stopping = stop.requested()  # Ctrl-C or SIGTERM, on any rank (infra/interrupt.py)
-        if stuck or stopping or checkpoint.due(done, cfg.save_every, cfg.steps):
-            checkpoint.save(cfg.out_dir, done, model, setup.tok_dir, opt, prompt_iter, generator,
-                            asdict(cfg), keep_last=cfg.keep_checkpoints)
-        if stuck or stopping:
-            raise alarms.error() if stuck else stop.exit(done)
-    alarms.finish()  # a run that took no optimizer step trained nothing: a non-zero exit
-    # the evaluation at --steps; a resume at --steps makes it if it was never logged (a kill)
-    if checkpoint.final_evaluation_due(metrics_path, start, cfg.steps, cfg.eval_every):
-        log.evaluated(cfg.steps, evaluate(model, val_rows, tok, cfg, verifier, engine))
-        log.say_eval_change(cfg.eval_samples)
-    return log.last_val
+                trained = update_policy(model, opt, collected.to_train, cfg)
+        run.end_step(step + 1, collected, trained)  # logged, checked, saved; stops if asked
+    run.check_trained()  # a run that took no optimizer step trained nothing: a non-zero exit
+    if run.final_evaluation_due():
+        run.evaluated(cfg.steps, evaluate(model, val_rows, tok, cfg, verifier, engine), final=True)
+    return run.last_val
+
+
+def evaluate_only(cfg: Config, setup: launch.Setup) -> dict:
+    """--eval-only: the policy's avg@k and pass@k on --val-data, written to out_dir/eval.json."""
+    result = evaluate(setup.model, setup.val_rows, setup.tok, cfg, setup.verifier, setup.engine)
+    report_eval(result, cfg)
+    return result
 
 
 def main(cfg: Config):
     with launch.session(cfg) as cfg:  # the checks, the processes; cfg with the device resolved
         cfg = launch.plan(cfg)  # the precision and the memory plan, printed (--plan: no more)
-        return None if cfg.plan else train(cfg, launch.setup(cfg))
+        if cfg.plan:
+            return None
+        return (evaluate_only if cfg.eval_only else train)(cfg, launch.setup(cfg))
 
 
 if __name__ == "__main__":

@@ -102,7 +102,7 @@ EXERCISES = [
         ("r = exp(logp - old_logp); clamp the log-ratio to [-20, 20] first (exp(90) is inf).",
          "Take the max of the two per-token losses (the pessimistic one).",
          "Return PolicyLoss(sum(l * mask) / denom, l, r): the loop reads its clip statistics "
-         "from your l and r (and verl's additions, beyond_the_paper, reweigh your l)."),
+         "from your l and r (and verl's additions, losses.dual_clip_and_weights, reweigh your l)."),
         _tests("test_dapo.py", "test_clip_higher_surrogate_on_hand_cases",
                "test_clipped_tokens_get_no_gradient",
                "test_token_level_loss_weighs_every_token_equally",

@@ -5,12 +5,11 @@ to take) never exits 0. Three more warnings, for a run that trains on something 
 without an answer the verifier can read, sampler log-probs that disagree with the trainer's, and
 a --reward-fn that raised. And a bound on dynamic sampling that finds no signal at all.
 
-The guard of every optimizer step is here too: gradient_is_finite() before it (a NaN or inf
-gradient skips the step, and says so), check_finite() after it (weights that went bad stop the run
-before they reach a checkpoint)."""
-import math
+check_finite() guards the weights after every optimizer step (infra/precision.py's
+optimizer_step) and before every checkpoint: weights that went bad stop the run before they reach
+a checkpoint."""
 
-from infra import distributed, precision
+from infra import distributed
 from infra.errors import UserError
 from infra.hf_io import first_nonfinite
 
@@ -168,10 +167,11 @@ class Alarms:
                            "warnings above name the cause; the checkpoint saved holds the "
                            "weights it started from")
 
-    def error(self) -> RunStuck:
-        return RunStuck(f"stopping: {self.dead_run} consecutive steps trained on nothing or on a "
-                        f"dead policy (--stop-when-stuck {self.stop_when_stuck}; 0 = never "
-                        "stop); the warnings above name the cause; a checkpoint was saved")
+    def raise_stuck(self):
+        """Stop the run: --stop-when-stuck consecutive dead steps (check() said True)."""
+        raise RunStuck(f"stopping: {self.dead_run} consecutive steps trained on nothing or on a "
+                       f"dead policy (--stop-when-stuck {self.stop_when_stuck}; 0 = never "
+                       "stop); the warnings above name the cause; a checkpoint was saved")
 
 
 def check_sampling(n_gen: int, n_kept: int, train_prompts: int):
@@ -212,14 +212,3 @@ def check_finite(model, where: str):
                                  "reach a checkpoint: the last one saved is finite (resume from "
                                  "it, with a lower --lr?)")
 
-
-def gradient_is_finite(grad_norm) -> tuple[float, bool]:
-    """The guard of every optimizer step, given clip_grad_norm_'s norm: refuses a step inside an
-    autocast region (infra/precision.py says why), and says so when the gradient holds a NaN or an
-    inf anywhere (then the caller skips the step and the weights stay finite).
-    -> (the norm before clipping, whether to step)."""
-    precision.check_no_autocast()
-    grad_norm = distributed.as_local(grad_norm).item()
-    if not math.isfinite(grad_norm):
-        distributed.say(f"non-finite gradient norm ({grad_norm}): update skipped")
-    return grad_norm, math.isfinite(grad_norm)

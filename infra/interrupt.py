@@ -7,7 +7,7 @@ number. A second Ctrl-C stops at once, losing the step in progress.
     stop = Stop()           the handlers, from the start of the training loop to the end of the
                             run (launch.session calls restore())
     stop.requested()        at the end of each step, on every rank: a signal reached some rank
-    raise stop.exit(step)   after that step's checkpoint: says how to resume
+    stop.exit(step)         after that step's checkpoint: says how to resume, and exits
 
 Why at the end of a step, not at once: a step is what a checkpoint holds (the weights after its
 update, the data position and the random states after its draws), and under FSDP one rank cannot
@@ -52,11 +52,12 @@ class Stop:
         self.signum = int(distributed.all_reduce(self.signum, "max", name="stop requested"))
         return bool(self.signum)
 
-    def exit(self, step: int) -> SystemExit:
-        """After checkpoint `step` is saved: the line that says how to resume, and the exit."""
+    def exit(self, step: int):
+        """After checkpoint `step` is saved: the line that says how to resume, then SystemExit
+        with 128 + the signal's number, the shells' status of a process the signal stopped."""
         distributed.say(f"{NAMES[self.signum]}: stopped after step {step}, its checkpoint "
                         f"saved. To resume: {resume_command(sys.argv)}")
-        return SystemExit(128 + self.signum)
+        raise SystemExit(128 + self.signum)
 
 
 def resume_command(argv: list[str]) -> str:

@@ -11,7 +11,7 @@ import os
 import torch
 from tqdm import tqdm
 
-from infra import distributed, files, rollout_correction
+from infra import distributed, files, health, rollout_correction
 
 # sums over the loss's tokens (clip_stats), then pi_old's entropy and the tokens in the loss
 STAT_NAMES = ("pg_loss", "clip_high", "clip_low", "dual_clip", "kl", "up_clipped_prob",
@@ -22,14 +22,15 @@ PARITY_NAMES = ("probs_diff", "logp_diff", "ratio_diff")
 
 
 @torch.no_grad()
-def clip_stats(out, logp, old_logp, adv, loss_mask, weight=1.0) -> dict:
+def clip_stats(out, logp, old_logp, adv, loss_mask, weight=None) -> dict:
     """Sums over the tokens in the loss of what the clipped surrogate did, read from its own
-    per-token loss and ratio (`out`, a dapo.PolicyLoss), so that an edited loss logs its own clip:
+    per-token loss and ratio (`out`, a losses.PolicyLoss), so that an edited loss logs its own clip:
     a clip bound binds where it raised the token's loss above the unclipped -A r (verl's
     pg_clipfrac: the clipped loss > the unclipped one), and the dual clip where it lowered the
     loss below -A r (nothing else can). Also the first-order KL, and the paper's Fig. 3a (pi_old
     of the up-clipped tokens) and Fig. 7d (mean token probability). logp, old_logp, loss_mask
-    (B, R); adv (B,); weight the rollout correction's, as in the loss. Tensors of one element."""
+    (B, R); adv (B,); weight the rollout correction's (B, R), as in the loss, or None. Tensors of
+    one element."""
     mask = loss_mask.float()
     adv = adv[:, None]  # (B, 1)
     unclipped = -adv * out.ratio  # (B, R)
@@ -37,7 +38,7 @@ def clip_stats(out, logp, old_logp, adv, loss_mask, weight=1.0) -> dict:
     up_clipped = clipped & (adv > 0)  # (B, R)
     old_prob = old_logp.exp() * mask
     return {
-        "pg_loss": (out.loss_tok * weight * mask).sum(),
+        "pg_loss": ((out.loss_tok if weight is None else out.loss_tok * weight) * mask).sum(),
         "clip_high": (up_clipped * mask).sum(),
         "clip_low": ((clipped & (adv < 0)) * mask).sum(),
         "dual_clip": (dual * mask).sum(),
@@ -59,7 +60,7 @@ class UpdateStats:
         self.correction = rollout_correction.Stats()  # the rollout_corr/ metrics
 
     def add_loss(self, out, logp, old_logp, adv, loss_mask, correction):
-        """A micro-batch's loss: `out` (dapo.PolicyLoss) from logp, old_logp (B, R) and adv (B,)
+        """A micro-batch's loss: `out` (losses.PolicyLoss) from logp, old_logp (B, R) and adv (B,)
         over loss_mask (B, R), with the rollout correction's weights (rollout_correction.py)."""
         for k, v in clip_stats(out, logp, old_logp, adv, loss_mask, correction.weight).items():
             self.sums[k] += v.item()
@@ -296,10 +297,11 @@ def cap_note(row: dict) -> str:
             "(train/gen_cap_hit in metrics.jsonl)")
 
 
-def eval_metrics(batch, n_mine: int, n_rows: int, k: int) -> dict:
+def eval_metrics(batch, n_mine: int, n_rows: int, k: int, verifier=None) -> dict:
     """val/acc (avg@k) and val/pass@k over every rank's problems, n_rows in all: this rank's are
     the first n_mine groups of k responses of batch (a rank without a problem sampled one to
-    ignore). With --reward-fn, val/reward_fn_error: the share of responses it raised on."""
+    ignore). With --reward-fn, val/reward_fn_error: the share of responses it raised on, and a
+    warning that quotes the first error of `verifier` (reward.Verifier), as a step's does."""
     acc = batch.acc.float().view(-1, k)[:n_mine]  # (problems, k)
     raised = 0 if batch.reward_error is None else \
         batch.reward_error.view(-1, k)[:n_mine].sum().item()
@@ -308,6 +310,8 @@ def eval_metrics(batch, n_mine: int, n_rows: int, k: int) -> dict:
     out = {"val/acc": right / (n_rows * k), f"val/pass@{k}": any_right / n_rows}
     if batch.reward_error is not None:
         out["val/reward_fn_error"] = raised / (n_rows * k)
+    if verifier is not None:
+        health.warn_evaluation(out, verifier.spec, verifier.take_errors(), batch)
     return out
 
 

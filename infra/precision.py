@@ -14,14 +14,16 @@ Autocast keeps those bf16 copies for the life of the outermost autocast region, 
 never hold an optimizer step: forwards after the step, inside the same region, would still read
 the copies of the weights from before it (every linear layer; only the embeddings and norms, which
 autocast leaves in fp32, would move). Hence autocast() per phase, and check_no_autocast() before
-each step.
+each step: optimizer_step() is dapo.py's guarded step (a NaN or inf gradient skips it, as AMP's
+GradScaler skips one).
 """
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
 
-from infra import cpu, distributed
+from infra import cpu, distributed, health
 
 PRECISIONS = ("auto", "fp32", "bf16")
 # bf16 keeps 8 significant bits: a rounding to bf16 is off by at most u = 2^-8 of the value, half
@@ -77,6 +79,30 @@ def autocast(precision: str, device: str):
     if precision != "bf16" or distributed.world_size() > 1:
         return contextlib.nullcontext()
     return torch.autocast(torch.device(device).type, torch.bfloat16)
+
+
+def optimizer_step(opt, model, grad_norm) -> tuple[float, bool]:
+    """opt.step(), guarded as mixed precision's steps are (AMP's GradScaler skips a step whose
+    gradient is not finite): refused inside an autocast region; skipped, and said, when the
+    gradient norm (clip_grad_norm_'s) is NaN or inf, so that the weights stay finite; the weights
+    checked finite after it. -> (the norm, whether the step was taken)."""
+    grad_norm, finite = gradient_is_finite(grad_norm)
+    if finite:
+        opt.step()
+        health.check_finite(model, "after an optimizer step")
+    return grad_norm, finite
+
+
+def gradient_is_finite(grad_norm) -> tuple[float, bool]:
+    """The guard before every optimizer step, given clip_grad_norm_'s norm: refuses a step inside
+    an autocast region (check_no_autocast), and says so when the gradient holds a NaN or an inf
+    anywhere (then the caller skips the step and the weights stay finite).
+    -> (the norm before clipping, whether to step)."""
+    check_no_autocast()
+    grad_norm = distributed.as_local(grad_norm).item()
+    if not math.isfinite(grad_norm):
+        distributed.say(f"non-finite gradient norm ({grad_norm}): update skipped")
+    return grad_norm, math.isfinite(grad_norm)
 
 
 def check_no_autocast():

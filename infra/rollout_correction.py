@@ -8,8 +8,9 @@ pi_theta / pi_old, but the tokens were drawn from pi_rollout. An importance weig
 
     rho_t = pi_old(y_t) / pi_rollout(y_t)          detached: it changes the measure, not the loss
 
-multiplies each token's loss (dapo.policy_loss's `weight`) in one of four ways. The names are
-TRL's (`vllm_importance_sampling_mode`); verl has the same under `algorithm.rollout_correction`:
+multiplies each token's loss (losses.dual_clip_and_weights's `weight`) in one of four ways. The
+names are TRL's (`vllm_importance_sampling_mode`); verl has the same under
+`algorithm.rollout_correction`:
 
     token_truncate     clamp(rho_t, C_min, C_max)         truncated IS (Yao et al. 2025, "Your
                                                           efficient RL framework secretly brings
@@ -43,7 +44,7 @@ SAFETY_BOUND = 20.0  # |log rho| at most: exp(20) = 4.9e8, as verl's
 @dataclass
 class Correction:
     """The importance weight of each token of a micro-batch, and the ratio it came from."""
-    weight: torch.Tensor | float  # (B, R): what multiplies the token's loss, detached; 1.0: none
+    weight: torch.Tensor | None  # (B, R): what multiplies the token's loss, detached; None: none
     rho: torch.Tensor | None = None  # (B, R): pi_old / pi_rollout of the token, or its sequence
     c_min: float = 0.0  # the bounds rho was truncated to, or masked outside of
     c_max: float = math.inf
@@ -53,9 +54,10 @@ def correct(old_logp, rollout_logp, response_mask, mode: str, c_min: float,
             c_max: float) -> Correction:
     """The weights of --rollout-correction `mode` (the module docstring) for a micro-batch, from
     the trainer's pi_old (B, R) and the sampler's log-probs of the same tokens (B, R) or None,
-    response_mask (B, R). Mode none: weight 1.0, so that the loss is the paper's to the last bit."""
+    response_mask (B, R). Mode none: no weight (None), so that the loss is the paper's to the last
+    bit."""
     if mode == "none":
-        return Correction(1.0)
+        return Correction(None)
     if rollout_logp is None:
         raise UserError(f"--rollout-correction {mode} needs the sampler's log-probs of its "
                         "tokens, and this batch has none (Batch.rollout_logp)")

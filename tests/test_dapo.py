@@ -9,13 +9,15 @@ import pytest
 import torch
 
 import dapo
+import losses
 import toy
 from dapo import Config, group_advantages, keep_groups, policy_loss, update_policy
 from batches import indexed_rows, random_batch, scripted_rollout
 from data import PromptIterator
 from infra.errors import UserError
 from infra.metrics import clip_stats, training_batch_metrics
-from model import Transformer, preset, response_logprobs
+from model import Transformer, preset
+from logprobs import response_logprobs
 from reward import Verifier
 from tiny_models import flat_params, tiny_float64_model
 from two_ranks import torchrun
@@ -72,7 +74,7 @@ def _loss(ratio, adv, eps_high=0.28, dual_clip=0.0):
     logp = torch.log(torch.tensor([[ratio]]))
     mask, adv = torch.ones(1, 1, dtype=torch.bool), torch.tensor([adv])
     surrogate = policy_loss(logp, torch.zeros(1, 1), adv, mask, 0.2, eps_high, 1.0)
-    return dapo.beyond_the_paper(surrogate, adv, mask, 1.0, dual_clip, 1.0).loss.item()
+    return losses.dual_clip_and_weights(surrogate, adv, mask, 1.0, dual_clip, None).loss.item()
 
 
 @pytest.mark.parametrize("ratio,adv,eps_high,expected", [
@@ -120,7 +122,7 @@ def test_a_token_weight_scales_its_loss_but_not_the_token_count():
     logp, adv = torch.zeros(1, 3), torch.tensor([1.0])  # r = 1 on every token: l = -A = -1
     mask, weight = torch.ones(1, 3, dtype=torch.bool), torch.tensor([[2.0, 0.0, 0.5]])
     surrogate = policy_loss(logp, logp, adv, mask, 0.2, 0.28, denom=3.0)
-    out = dapo.beyond_the_paper(surrogate, adv, mask, 3.0, dual_clip=0.0, weight=weight)
+    out = losses.dual_clip_and_weights(surrogate, adv, mask, 3.0, dual_clip=0.0, weight=weight)
     assert out.loss.item() == pytest.approx(-(2.0 + 0.0 + 0.5) / 3)
     assert out.loss_tok.tolist() == [[-1.0, -1.0, -1.0]] and out.ratio.tolist() == [[1, 1, 1]]
 
@@ -426,8 +428,8 @@ def test_clip_statistics_mean_what_verl_means():
     old_logp = torch.full((4, 1), math.log(0.1))
     logp, adv = old_logp + ratio.log(), torch.tensor([1.0, -1.0, -1.0, 1.0])
     mask = torch.ones(4, 1, dtype=torch.bool)
-    out = dapo.beyond_the_paper(policy_loss(logp, old_logp, adv, mask, 0.2, 0.28, 1.0), adv, mask,
-                                1.0, dual_clip=3.0, weight=1.0)
+    out = losses.dual_clip_and_weights(policy_loss(logp, old_logp, adv, mask, 0.2, 0.28, 1.0),
+                                       adv, mask, 1.0, dual_clip=3.0, weight=None)
     stats = clip_stats(out, logp, old_logp, adv, mask)
     assert stats["clip_high"] == 1 and stats["clip_low"] == 1 and stats["dual_clip"] == 1
     assert stats["pg_loss"].item() == pytest.approx(-1.28 + 0.8 + 3.0 - 1.0)

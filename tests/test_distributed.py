@@ -183,14 +183,14 @@ def test_a_disagreement_names_the_ranks_of_each_value():
 # preempted: its torchrun forwards the scheduler's signal to its own ranks only)
 SIGTERM_ON_RANK_1 = """import os, runpy, signal, sys
 sys.path.insert(0, {root!r})
-from infra import health
+from infra import precision
 if os.environ["RANK"] == "1":
-    is_finite, calls = health.gradient_is_finite, iter(range(1, 99))
+    is_finite, calls = precision.gradient_is_finite, iter(range(1, 99))
     def signalled(*args):
         if next(calls) == 3:
             os.kill(os.getpid(), signal.SIGTERM)
         return is_finite(*args)
-    health.gradient_is_finite = signalled
+    precision.gradient_is_finite = signalled
 sys.argv[0] = "dapo.py"
 runpy.run_path(os.path.join({root!r}, "dapo.py"), run_name="__main__")
 """

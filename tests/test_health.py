@@ -61,7 +61,8 @@ def test_stop_after_n_consecutive_dead_steps_only():
     assert not alarms.check(2, HEALTHY)  # a healthy step resets the count
     assert not alarms.check(3, dead)
     assert alarms.check(4, dead)
-    assert "--stop-when-stuck 2" in str(alarms.error())
+    with pytest.raises(health.RunStuck, match="--stop-when-stuck 2"):
+        alarms.raise_stuck()
     assert not any(health.Alarms(0).check(s, dead) for s in range(50))  # 0 = never stop
 
 

@@ -19,8 +19,9 @@ import sampler
 from batches import random_batch
 from config import Config, parse_args
 from dapo_kernels.linear import accumulate_weight_grad, has_mixed_addmm
-from infra import cpu, health, precision
-from model import Transformer, preset, response_logprobs
+from infra import cpu, precision
+from model import Transformer, preset
+from logprobs import response_logprobs
 from test_dapo import _cfg
 from two_ranks import torchrun
 
@@ -50,8 +51,8 @@ def test_an_optimizer_step_inside_autocast_is_refused():
     model(torch.ones(1, 3)).sum().backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     with BF16, pytest.raises(RuntimeError, match="optimizer step inside an autocast region"):
-        health.gradient_is_finite(grad_norm)
-    assert health.gradient_is_finite(grad_norm)[1]  # outside: it may step
+        precision.gradient_is_finite(grad_norm)
+    assert precision.gradient_is_finite(grad_norm)[1]  # outside: it may step
 
 
 def test_precision_resolves_by_device_and_the_help_says_so(capsys):

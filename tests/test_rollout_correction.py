@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import dapo
+import losses
 import sampler
 from batches import random_batch
 from config import Config
@@ -53,7 +54,7 @@ def test_each_mode_weighs_tokens_as_computed_by_hand(mode):
 
 def test_no_correction_is_a_weight_of_exactly_one():
     c, _, _ = constructed("none")
-    assert c.weight == 1.0 and c.rho is None  # x * 1.0 is x: the paper's loss to the last bit
+    assert c.weight is None and c.rho is None  # no weight: the paper's loss to the last bit
 
 
 def test_the_weights_statistics_mean_what_verl_means():
@@ -89,17 +90,17 @@ def test_the_weights_statistics_mean_what_verl_means():
 @pytest.fixture
 def table_policy(monkeypatch):
     """The update's forward on a context-free table (test_dapo.TablePolicy), in float64; ->
-    the (surrogate, weight, denom) that each call of dapo.beyond_the_paper got, where the
+    the (surrogate, weight, denom) that each call of losses.dual_clip_and_weights got, where the
     correction's weight reaches the loss."""
     calls = []
-    real = dapo.beyond_the_paper
+    real = losses.dual_clip_and_weights
     monkeypatch.setattr(dapo, "response_logprobs", table_logprobs)
 
     def spy(surrogate, adv, mask, denom, dual_clip, weight):
         calls.append((surrogate, weight, denom))
         return real(surrogate, adv, mask, denom, dual_clip, weight)
 
-    monkeypatch.setattr(dapo, "beyond_the_paper", spy)
+    monkeypatch.setattr(losses, "dual_clip_and_weights", spy)
     return calls
 
 
