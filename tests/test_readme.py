@@ -45,6 +45,19 @@ def test_reference_names_code_that_exists(anchor, path):
         assert anchor in read(path), f"no line of {path} holds `{anchor}`"
 
 
+ALGORITHM_1 = re.compile(r"Algorithm 1, lines? (\d+(?:-\d+)?)")
+
+
+def test_the_readme_numbers_algorithm_1_as_dapo_py_does():
+    # one numbering of the paper's Algorithm 1 (line 6 fills the buffer, lines 7-8 loop until it
+    # is full, ...): every line the README's map names is one dapo.py's comments name, and back
+    table = "".join(line for line in read("README.md").splitlines(True) if line.startswith("|"))
+    in_readme, in_code = set(ALGORITHM_1.findall(table)), set(ALGORITHM_1.findall(read("dapo.py")))
+    assert {"1", "6", "7-8", "10-11"} <= in_readme
+    assert in_readme == in_code, f"README only: {in_readme - in_code}, dapo.py only: " \
+                                 f"{in_code - in_readme}"
+
+
 def docs():
     return read("README.md") + "".join(read(p) for p in sorted(glob.glob(f"{ROOT}/docs/*.md")))
 
@@ -154,7 +167,7 @@ def training_commands():
 
 
 def test_the_readme_and_training_md_have_their_four_training_recipes():
-    # the README's paper run and 1.5B run, then docs/training.md's 7B and GSM8K ones
+    # the README's paper run, then docs/training.md's 1.5B, 7B and GSM8K ones
     assert [world for _, world, _ in training_commands()] == [128, 1, 8, 1]
 
 
