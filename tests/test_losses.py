@@ -78,7 +78,7 @@ def case_id(case):
 # Aggregation
 
 @pytest.mark.parity
-@pytest.mark.parametrize("case", [c for c in VERL["agg_loss"]],
+@pytest.mark.parametrize("case", VERL["agg_loss"],
                          ids=lambda c: f"batch{c['batch']}-{c['mode']}-"
                                        f"L{c.get('loss_scale_factor')}")
 def test_loss_denominator_equals_verl_agg_loss(case):
