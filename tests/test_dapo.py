@@ -30,11 +30,11 @@ def torch_kernel_path(monkeypatch):
     """The loop on CPU takes the kernel's PyTorch path (what `make run` does); conftest.py turns on
     Triton's interpreter for the kernel's own tests, which would make these end-to-end runs
     needlessly slow."""
-    import model
+    import logprobs
     from dapo_kernels import linear_logprobs_and_entropy, logprobs_and_entropy
-    monkeypatch.setattr(model, "logprobs_and_entropy",
+    monkeypatch.setattr(logprobs, "logprobs_and_entropy",
                         lambda *a, **k: logprobs_and_entropy(*a, **k, backend="torch"))
-    monkeypatch.setattr(model, "linear_logprobs_and_entropy",
+    monkeypatch.setattr(logprobs, "linear_logprobs_and_entropy",
                         lambda *a, **k: linear_logprobs_and_entropy(*a, **k, backend="torch"))
 
 

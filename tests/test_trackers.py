@@ -48,11 +48,11 @@ def run(tiny_model_dir, tmp_path_factory):
 
 def torch_kernel_path(mp):
     """The kernel's PyTorch path, as test_dapo's runs (not Triton's interpreter: slow)."""
-    import model
+    import logprobs
     from dapo_kernels import linear_logprobs_and_entropy, logprobs_and_entropy
-    mp.setattr(model, "logprobs_and_entropy",
+    mp.setattr(logprobs, "logprobs_and_entropy",
                lambda *a, **k: logprobs_and_entropy(*a, **k, backend="torch"))
-    mp.setattr(model, "linear_logprobs_and_entropy",
+    mp.setattr(logprobs, "linear_logprobs_and_entropy",
                lambda *a, **k: linear_logprobs_and_entropy(*a, **k, backend="torch"))
 
 
