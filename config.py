@@ -16,6 +16,7 @@ from infra import distributed, trackers
 from infra.errors import UserError
 from infra.precision import PRECISIONS
 from infra.rollout_correction import MODES as CORRECTION_MODES
+from losses import AGGREGATIONS, LOSS_MODES, SCALES
 
 
 REPORT_TO = ("jsonl", "tensorboard", "wandb", "trackio")  # --report-to, TRL's flag name
@@ -128,6 +129,22 @@ class Config:
     eps_high: float = _flag(0.28, "upper clip range with clip-higher (paper: 0.28)")
     dual_clip: float = _flag(0.0, "dual-clip bound c for A < 0; 0 = off (paper: 10, in verl's "
                                   "DAPO)")
+    # DAPO's neighbours (losses.py), spelled as verl spells them
+    scale_rewards: str = _flag("group", "the advantage's scale: the group's std (Eq. 9), the "
+                                        "batch's (TRL), or none (Dr. GRPO, arXiv 2503.20783; "
+                                        "verl's norm_adv_by_std_in_grpo=False) (paper: group)",
+                               choices=SCALES)
+    loss_mode: str = _flag("vanilla", "the policy loss (verl's loss_mode): vanilla, DAPO's clipped "
+                                      "token ratio (Eq. 10); gspo, one ratio per response (arXiv "
+                                      "2507.18071, clip 3e-4/4e-4 there); cispo, the clipped "
+                                      "ratio as a detached weight on log pi (arXiv 2506.13585); "
+                                      "kl_cov, a KL penalty on the tokens of highest covariance, "
+                                      "no clip (arXiv 2505.22617) (paper: vanilla)",
+                           choices=LOSS_MODES)
+    kl_cov_ratio: float = _flag(2e-4, "--loss-mode kl_cov: the share of a micro-batch's tokens "
+                                      "penalised (verl's default)")
+    ppo_kl_coef: float = _flag(0.1, "--loss-mode kl_cov: the penalty's coefficient (verl's "
+                                    "default)")
     # the sampler/trainer mismatch (infra/rollout_correction.py); the paper predates it
     rollout_correction: str = _flag(
         "auto", "weigh each token's loss by rho = pi_old / pi_sampler (detached), TRL's modes: "
@@ -147,7 +164,12 @@ class Config:
     # the four techniques, each switchable for the paper's ablation (all off = naive GRPO)
     clip_higher: bool = _flag(True, "technique 1: eps_high; off: symmetric eps_low (paper: on)")
     dynamic_sampling: bool = _flag(True, "technique 2: keep groups with mixed accuracy (paper: on)")
-    token_level_loss: bool = _flag(True, "technique 3; off: mean per sequence first (paper: on)")
+    loss_agg_mode: str = _flag("token-mean", "technique 3, the loss's mean (verl's "
+                                             "loss_agg_mode): token-mean over every token (Eq. "
+                                             "12); seq-mean-token-mean, naive GRPO's mean of "
+                                             "sequence means; seq-mean-token-sum-norm, Dr. "
+                                             "GRPO's sums over a constant (--max-response-len) "
+                                             "(paper: token-mean)", choices=AGGREGATIONS)
     overlong_shaping: bool = _flag(True, "technique 4: soft overlong punishment (paper: on)")
     overlong_filtering: bool = _flag(False, "mask truncated responses out of the loss (paper: "
                                             "off, an ablation row)")
@@ -242,6 +264,10 @@ def check_flags(cfg: Config, world: int = 1):
         ("eps-low", cfg.eps_low, cfg.eps_low < 1, "< 1"),
         ("grad-clip", cfg.grad_clip, cfg.grad_clip > 0, "> 0"),
         ("dual-clip", cfg.dual_clip, cfg.dual_clip == 0 or cfg.dual_clip > 1, "0 (off) or > 1"),
+        ("dual-clip", cfg.dual_clip, cfg.dual_clip == 0 or cfg.loss_mode == "vanilla",
+         "0 with --loss-mode " + cfg.loss_mode + " (verl's dual clip bounds vanilla's alone)"),
+        ("kl-cov-ratio", cfg.kl_cov_ratio, 0 < cfg.kl_cov_ratio <= 1, "in (0, 1]"),
+        ("ppo-kl-coef", cfg.ppo_kl_coef, cfg.ppo_kl_coef >= 0, ">= 0"),
         # rho = 1 (the sampler agrees) must keep its weight 1
         ("rollout-is-min", cfg.rollout_is_min, 0 <= cfg.rollout_is_min <= 1, "in [0, 1]"),
         ("rollout-is-max", cfg.rollout_is_max, cfg.rollout_is_max >= 1, ">= 1"),

@@ -53,6 +53,14 @@ def group_advantages(rewards, group_size, eps=1e-6):
     # end exercise
 
 
+def advantages(rewards, cfg):
+    """Eq. 9's group advantage, or with --scale-rewards batch / none TRL's batch-scaled one or Dr.
+    GRPO's unscaled one (losses.advantages). rewards (N,) -> (N,)."""
+    if cfg.scale_rewards == "group":
+        return group_advantages(rewards, cfg.group_size)
+    return losses.advantages(rewards, cfg.group_size, cfg.scale_rewards)
+
+
 def keep_groups(acc, group_size):
     """Which groups carry a learning signal: 0 < #correct < G (Eq. 11); a group all right or all
     wrong has zero advantage, so no gradient. acc (N,) is correctness, not the shaped reward ->
@@ -149,7 +157,7 @@ def collect_batch(model, prompt_iter, tok, cfg, verifier, generator, engine=None
         # --- DAPO technique 4: overlong reward shaping (paper Sec. 3.4, Eq. 13) ---
         batch = replace(batch, reward=shape_rewards(batch.response_lengths, batch.score, cfg))
         # --- Algorithm 1, line 9: group advantages (Eq. 9), here while each group is whole ---
-        batch = replace(batch, adv=group_advantages(batch.reward, cfg.group_size))
+        batch = replace(batch, adv=advantages(batch.reward, cfg))
         # --- DAPO technique 2: dynamic sampling (paper Sec. 3.2): keep the groups with signal ---
         keep = keep_groups(batch.acc, cfg.group_size) | (not cfg.dynamic_sampling)  # (groups,)
         buffer.add(batch, keep, len(prompts))  # Algorithm 1, line 6
@@ -207,13 +215,20 @@ def update_policy(model, opt, batch: Batch, cfg) -> dict:
 
 def micro_batch_loss(logp, micro: Batch, n_tokens, n_seqs, cfg, stats) -> PolicyLoss:
     """A micro-batch's share of the mini-batch's loss (its clip fractions and the rest go into
-    stats): the clip-higher surrogate over Eq. 12's denominator, then verl's additions."""
+    stats): the clip-higher surrogate over Eq. 12's denominator, then verl's additions; with
+    --loss-mode or --loss-agg-mode, one of DAPO's neighbours (losses.py) in its place."""
     mask = tokens_in_loss(micro, cfg)  # (B, R)
-    # With technique 3 off, naive GRPO's mean of each sequence's mean over its tokens.
-    denom = n_tokens if cfg.token_level_loss else mask.sum(-1, keepdim=True).clamp(min=1) * n_seqs
+    # Eq. 12's token count; naive GRPO's |o_i| x sequences, Dr. GRPO's constant (--loss-agg-mode)
+    denom = losses.loss_denominator(mask, cfg.loss_agg_mode, n_tokens, n_seqs,
+                                    cfg.max_response_len)
     eps_high = cfg.eps_high if cfg.clip_higher else cfg.eps_low  # technique 1 off: PPO's clip
-    # --- DAPO technique 1: clip-higher, in the clipped surrogate (Sec. 3.1, Eq. 10) ---
-    surrogate = policy_loss(logp, micro.old_logp, micro.adv, mask, cfg.eps_low, eps_high, denom)
+    if cfg.loss_mode == "vanilla":
+        # --- DAPO technique 1: clip-higher, in the clipped surrogate (Sec. 3.1, Eq. 10) ---
+        surrogate = policy_loss(logp, micro.old_logp, micro.adv, mask, cfg.eps_low, eps_high,
+                                denom)
+    else:  # GSPO, CISPO or KL-Cov in its place
+        surrogate = losses.neighbour_loss(cfg, logp, micro.old_logp, micro.adv, mask, eps_high,
+                                          denom)
     # verl's additions, not in the paper (losses.py): the rollout correction's weights (pi_old /
     # pi_sampler) and the dual clip, each off by default
     correction = losses.rollout_correction_weights(micro, cfg)

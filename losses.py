@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from infra import rollout_correction
+from infra import distributed, rollout_correction
 
 
 @dataclass
@@ -72,6 +72,8 @@ def rollout_correction_weights(micro, cfg) -> rollout_correction.Correction:
 # Aggregation: the denominator that makes sum_it l_it mask_it / denom equal verl's agg_loss
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+SCALES = ("group", "batch", "none")  # advantages()'s
+LOSS_MODES = ("vanilla", "gspo", "cispo", "kl_cov")  # vanilla: dapo.policy_loss
 
 
 def loss_denominator(loss_mask, mode, n_tokens, n_seqs, norm_len=None):
@@ -127,14 +129,38 @@ def advantages(rewards, group_size, scale="group", eps=1e-6):
     if scale == "none":
         return (r - mean).flatten()
     if scale == "batch":
-        std = rewards.std()  # one number for every response of the batch
+        std = batch_std(rewards)  # one number for every response of the batch, every rank's
     elif scale != "group":
         raise ValueError(f"unknown advantage scale {scale!r}: group, batch or none")
     return ((r - mean) / (std + eps)).flatten()  # (N,)
 
 
+def batch_std(rewards):
+    """The unbiased std of every rank's rewards (N,) (TRL gathers them over its processes): two
+    sums over ranks in float64, the mean, then the squares about it; 1 for a single reward."""
+    n, total = distributed.all_reduce([len(rewards), rewards.double().sum().item()],
+                                      name="batch std")
+    squares = distributed.all_reduce(((rewards.double() - total / n) ** 2).sum().item(),
+                                     name="batch std")
+    std = (squares / (n - 1)) ** 0.5 if n > 1 else 1.0
+    return torch.tensor(std, dtype=rewards.dtype, device=rewards.device)
+
+
 # ------------------------------------------------------------------------------------------------
 # The policy losses
+
+def neighbour_loss(cfg, logp, old_logp, adv, loss_mask, eps_high, denom) -> PolicyLoss:
+    """--loss-mode's loss in place of dapo.policy_loss (vanilla): gspo, cispo or kl_cov, with
+    --eps-low and eps_high (--eps-high, or --eps-low without clip-higher), --kl-cov-ratio and
+    --ppo-kl-coef. Shapes: the module's."""
+    if cfg.loss_mode == "gspo":
+        return gspo_loss(logp, old_logp, adv, loss_mask, cfg.eps_low, eps_high, denom)
+    if cfg.loss_mode == "cispo":
+        return cispo_loss(logp, old_logp, adv, loss_mask, cfg.eps_low, eps_high, denom)
+    if cfg.loss_mode == "kl_cov":
+        return kl_cov_loss(logp, old_logp, adv, loss_mask, cfg.kl_cov_ratio, cfg.ppo_kl_coef,
+                           denom)
+    raise ValueError(f"unknown --loss-mode {cfg.loss_mode!r}: one of {LOSS_MODES}")
 
 def gspo_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom) -> PolicyLoss:
     """GSPO's clipped surrogate on one ratio per response, the length-normalised sequence ratio

@@ -53,7 +53,7 @@ from experiments import ablate_isolated, ablate_toy
 from experiments.plot import read_metrics, series
 from infra.precision import resolve as resolve_precision
 
-TECHNIQUES = ("clip_higher", "dynamic_sampling", "token_level_loss", "overlong_shaping",
+TECHNIQUES = ("clip_higher", "dynamic_sampling", "loss_agg_mode", "overlong_shaping",
               "overlong_filtering")
 
 # The settings every row shares (dapo.Config fields): 32 prompts x 4 responses per rollout step, and
@@ -93,7 +93,7 @@ ROWS = [
     Row("no dynamic sampling", dict(dynamic_sampling=False),
         [Metric("steps_to_target", "steps to rollout accuracy {target:g}", "lower", ".1f"),
          Metric("signal_groups", "groups with signal / step", "higher", ".1f")], "3.2"),
-    Row("no token-level loss", dict(token_level_loss=False),
+    Row("no token-level loss", dict(loss_agg_mode="seq-mean-token-mean"),
         [Metric("length", "response length (tokens)", "lower", ".1f"),
          Metric("repeats", "filler repeats / response (final policy)", "lower", ".2f"),
          Metric("truncated", "responses rambling past the limit", "lower")], "3.3"),

@@ -27,7 +27,9 @@ def clip_stats(out, logp, old_logp, adv, loss_mask, weight=None) -> dict:
     per-token loss and ratio (`out`, a losses.PolicyLoss), so that an edited loss logs its own clip:
     a clip bound binds where it raised the token's loss above the unclipped -A r (verl's
     pg_clipfrac: the clipped loss > the unclipped one), and the dual clip where it lowered the
-    loss below -A r (nothing else can). Also the first-order KL, and the paper's Fig. 3a (pi_old
+    loss below -A r (nothing else can). A loss that names its bound's tokens (out.clipped: CISPO's
+    clipped weights, KL-Cov's penalised tokens) is read by it, high and low by the ratio's side
+    (verl's cispo counts both in pg_clipfrac). Also the first-order KL, and the paper's Fig. 3a (pi_old
     of the up-clipped tokens) and Fig. 7d (mean token probability). logp, old_logp, loss_mask
     (B, R); adv (B,); weight the rollout correction's (B, R), as in the loss, or None. Tensors of
     one element."""
@@ -35,12 +37,15 @@ def clip_stats(out, logp, old_logp, adv, loss_mask, weight=None) -> dict:
     adv = adv[:, None]  # (B, 1)
     unclipped = -adv * out.ratio  # (B, R)
     clipped, dual = out.loss_tok > unclipped, out.loss_tok < unclipped  # (B, R)
-    up_clipped = clipped & (adv > 0)  # (B, R)
+    up_clipped, down_clipped = clipped & (adv > 0), clipped & (adv < 0)  # (B, R)
+    if out.clipped is not None:  # the loss says where its bound acted (CISPO, KL-Cov): each side
+        up_clipped, down_clipped = out.clipped & (out.ratio > 1), out.clipped & (out.ratio <= 1)
+        dual = torch.zeros_like(out.clipped)
     old_prob = old_logp.exp() * mask
     return {
         "pg_loss": ((out.loss_tok if weight is None else out.loss_tok * weight) * mask).sum(),
         "clip_high": (up_clipped * mask).sum(),
-        "clip_low": ((clipped & (adv < 0)) * mask).sum(),
+        "clip_low": (down_clipped * mask).sum(),
         "dual_clip": (dual * mask).sum(),
         "kl": ((old_logp - logp) * mask).sum(),  # first-order KL(pi_old || pi)
         "up_clipped_prob": (old_prob * up_clipped).sum(),  # rare tokens the clip stops

@@ -18,7 +18,7 @@ def test_help_lists_the_flags():
     out = subprocess.run([sys.executable, "dapo.py", "--help"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0
-    for flag in ("--eps-high", "--no-dynamic-sampling", "--token-level-loss", "--overlong-buffer",
+    for flag in ("--eps-high", "--no-dynamic-sampling", "--loss-agg-mode", "--overlong-buffer",
                  "--resume", "--micro-batch-tokens", "--on-gen-cap", "--overwrite"):
         assert flag in out.stdout
     # a header before the flags: whose defaults they are, and how the paper's values are marked
@@ -34,7 +34,7 @@ PAPER_FLAGS = ["model", "train_data", "val_data", "steps", "train_prompts", "gen
                "max_response_len", "overlong_buffer", "overlong_factor", "temperature", "top_p",
                "top_k", "mini_batch_prompts", "micro_batch_tokens", "lr", "weight_decay",
                "grad_clip", "warmup_steps", "eps_low", "eps_high", "dual_clip", "clip_higher",
-               "dynamic_sampling", "token_level_loss", "overlong_shaping", "overlong_filtering",
+               "dynamic_sampling", "loss_agg_mode", "overlong_shaping", "overlong_filtering",
                "eval_every", "eval_samples", "eval_temperature", "eval_top_p", "eval_prompts",
                "save_every", "activation_checkpointing"]
 

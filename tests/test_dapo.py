@@ -18,6 +18,7 @@ from infra.errors import UserError
 from infra.metrics import clip_stats, training_batch_metrics
 from model import Transformer, preset
 from logprobs import response_logprobs
+from losses import AGGREGATIONS
 from reward import Verifier
 from tiny_models import flat_params, tiny_float64_model
 from two_ranks import torchrun
@@ -132,8 +133,8 @@ def test_a_token_weight_scales_its_loss_but_not_the_token_count():
 @pytest.mark.parity
 @pytest.mark.needs("policy_loss", "token_count", "logprobs_forward", "logprobs_backward", "rope",
                    "attention")
-@pytest.mark.parametrize("token_level", [True, False])
-def test_update_is_the_same_for_any_micro_batch_split(token_level):
+@pytest.mark.parametrize("loss_agg_mode", AGGREGATIONS)
+def test_update_is_the_same_for_any_micro_batch_split(loss_agg_mode):
     """1, 2 or 4 rows per micro-batch, or rows sorted by length under a budget of 1 (one row
     each), 20 or 40 padded tokens: the same weights, because the loss's denominator is counted
     over the mini-batch before the split. In float64, so that the splits, which sum the same
@@ -147,7 +148,7 @@ def test_update_is_the_same_for_any_micro_batch_split(token_level):
         model = tiny_float64_model()
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         cfg = Config(group_size=4, mini_batch_prompts=2, grad_clip=1e9,
-                     token_level_loss=token_level, overlong_filtering=True, **split)
+                     loss_agg_mode=loss_agg_mode, overlong_filtering=True, **split)
         m = update_policy(model, opt, random_batch(50, dtype=torch.float64), cfg)
         results.append((flat_params(model), m))
     moved = (results[0][0] - flat_params(tiny_float64_model())).abs().max()
@@ -221,11 +222,11 @@ def test_the_clip_statistics_are_those_of_the_loss_that_was_trained(monkeypatch)
     assert len(losses) == 3, losses
 
 
-@pytest.mark.parametrize("token_level", [True, False])
-def test_the_loss_denominator_is_the_mini_batch_token_count(stand_ins, token_level):
+@pytest.mark.parametrize("loss_agg_mode", AGGREGATIONS)
+def test_the_loss_denominator_is_the_mini_batch_token_count(stand_ins, loss_agg_mode):
     batch = random_batch(50)  # 8 responses of 1-8 tokens, response 3 truncated
     cfg = Config(group_size=4, mini_batch_prompts=1, micro_batch_size=3, micro_batch_tokens=0,
-                 overlong_filtering=True, token_level_loss=token_level)
+                 overlong_filtering=True, loss_agg_mode=loss_agg_mode)
     model = TablePolicy(50)
     update_policy(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, cfg)
     mask = batch.response_mask & ~batch.truncated[:, None]  # overlong filtering: response 3 is out
@@ -233,10 +234,13 @@ def test_the_loss_denominator_is_the_mini_batch_token_count(stand_ins, token_lev
     expected = []
     for mini in (slice(0, 4), slice(4, 8)):  # mini-batches of 4 rows, micro-batches of 3 and 1
         for micro in ((slice(mini.start, mini.start + 3)), slice(mini.start + 3, mini.stop)):
-            if token_level:  # every token of the mini-batch, whatever micro-batch it falls in
+            n_seqs = mask[mini].any(-1).sum().item()  # the sequences in the loss
+            if loss_agg_mode == "token-mean":  # every token of the mini-batch, wherever it falls
                 expected.append(mask[mini].sum().item())
-            else:  # naive GRPO: each sequence's length times the sequences in the loss
-                expected.append(lengths[micro] * mask[mini].any(-1).sum().item())
+            elif loss_agg_mode == "seq-mean-token-mean":  # naive GRPO: each sequence's length
+                expected.append(lengths[micro] * n_seqs)
+            else:  # Dr. GRPO: the response length limit, for every sequence
+                expected.append(cfg.max_response_len * n_seqs)
     assert len(stand_ins) == len(expected)
     for got, want in zip(stand_ins, expected):
         assert torch.equal(torch.as_tensor(got, dtype=torch.float32),
