@@ -62,21 +62,33 @@ def finished(directory: str) -> bool:
 
 
 def run(model_dir: str, task: real.Task, out_dir: str, arm: str, seed: int) -> float:
-    """One dapo.py run on one thread, its output in its log.txt -> its wall time in seconds."""
-    directory = run_dir(out_dir, arm, seed)
-    argv = real.dapo_argv(model_dir, task, directory, seed,
-                          ("--steps", str(STEPS), "--eval-every", str(EVAL_EVERY), *ARMS[arm]))
+    """One run of an arm -> its wall time in seconds."""
+    return run_dapo(model_dir, task, run_dir(out_dir, arm, seed), seed,
+                    ["--steps", str(STEPS), "--eval-every", str(EVAL_EVERY), *ARMS[arm]])[0]
+
+
+def run_dapo(model_dir: str, task: real.Task, directory: str, seed: int,
+             flags: list[str]) -> tuple[float, float]:
+    """One dapo.py run with real.py's settings and `flags` on one thread, its output in its
+    log.txt -> its wall time and CPU time (user + system) in seconds, the CPU time written to
+    cpu_seconds.txt beside it."""
+    argv = real.dapo_argv(model_dir, task, directory, seed, tuple(flags))
     os.makedirs(directory, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     t0 = time.time()
     with open(os.path.join(directory, "log.txt"), "w") as log:
         log.write("python dapo.py " + " ".join(argv) + "\n")
         log.flush()
-        done = subprocess.run([sys.executable, os.path.join(ROOT, "dapo.py"), *argv], cwd=ROOT,
-                              env=env, stdout=log, stderr=subprocess.STDOUT)
-    if done.returncode:
-        raise SystemExit(f"{directory}: dapo.py exited {done.returncode}; see its log.txt")
-    return time.time() - t0
+        child = subprocess.Popen([sys.executable, os.path.join(ROOT, "dapo.py"), *argv],
+                                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(child.pid, 0)  # this child's own CPU time
+        child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode:
+        raise SystemExit(f"{directory}: dapo.py exited {child.returncode}; see its log.txt")
+    cpu = usage.ru_utime + usage.ru_stime
+    with open(os.path.join(directory, "cpu_seconds.txt"), "w") as f:
+        f.write(f"{cpu:.1f}\n")
+    return time.time() - t0, cpu
 
 
 def generated_by_step(rows: list[dict], arm: str) -> dict[int, int]:
@@ -99,11 +111,11 @@ def load(out_dir: str, arm: str, seeds: list[int]) -> list[list[dict]]:
             for s in seeds if finished(run_dir(out_dir, arm, s))]
 
 
-def spread(values: list[float]) -> str:
+def spread(values: list[float], fmt: str = ".3f") -> str:
     """mean [min, max] over the seeds."""
     if not values:
         return "-"
-    return f"{statistics.mean(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
+    return f"{statistics.mean(values):{fmt}} [{min(values):{fmt}}, {max(values):{fmt}}]"
 
 
 def table(out_dir: str, arms: list[str], seeds: list[int]) -> str:
