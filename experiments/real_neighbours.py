@@ -223,12 +223,20 @@ def main(argv=None):
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
             futures = {pool.submit(train, model_dir, task, args.out_dir, arm, seed): (arm, seed)
                        for arm, seed in todo}
+            failed = []
             for future in concurrent.futures.as_completed(futures):
                 arm, seed = futures[future]
-                print(f"{arm} seed {seed}: {future.result():.0f} s of CPU", flush=True)
+                try:
+                    print(f"{arm} seed {seed}: {future.result():.0f} s of CPU", flush=True)
+                except SystemExit as e:  # one run's failure (its log.txt says why) stops no other
+                    print(f"{arm} seed {seed}: {e}", flush=True)
+                    failed.append((arm, seed))
         torch.set_num_threads(1)
         for arm, seed in todo:  # one at a time: seconds each
-            answer_lengths(run_dir(args.out_dir, arm, seed), task, seed)
+            if (arm, seed) not in failed:
+                answer_lengths(run_dir(args.out_dir, arm, seed), task, seed)
+        if failed:
+            print(f"{len(failed)} runs failed; the same command makes them again", flush=True)
     text = table(args.out_dir, args.arms, args.seeds)
     with open(os.path.join(args.out_dir, "table.md"), "w") as f:
         f.write(text + "\n")
