@@ -53,11 +53,11 @@ def run_dir(out_dir: str, arm: str, seed: int) -> str:
     return os.path.join(out_dir, f"{arm}-seed{seed}")
 
 
-def finished(directory: str) -> bool:
+def finished(directory: str, steps: int = STEPS) -> bool:
     """dapo.py writes the last step's checkpoint after the step's metrics, then the final
     evaluation: the run is done when that evaluation's row is in metrics.jsonl."""
     path = os.path.join(directory, "metrics.jsonl")
-    return os.path.isfile(path) and any(r.get("step") == STEPS and "val/acc" in r
+    return os.path.isfile(path) and any(r.get("step") == steps and "val/acc" in r
                                         for r in read_metrics(path))
 
 

@@ -1,7 +1,8 @@
 """
 The paper's Table 1 widened with DAPO's neighbours, on the real model: make real's run
 (experiments/real.py: SmolLM2-135M-Instruct learning sums, 4 optimizer steps per rollout) with
-DAPO's loss, and with each answer the field gave since in its place, several seeds each.
+DAPO's loss, and with each answer the field gave since in its place, several seeds each, make
+real's 8 steps.
 
     arm              dapo.py flags (the rest: make real's settings, DAPO's techniques on)
     dapo             none
@@ -58,7 +59,9 @@ ARMS = {
     "kl-cov": ["--loss-mode", "kl_cov"],
     "no-clip-higher": ["--no-clip-higher"],
 }
-STEPS, EVAL_EVERY = real_ablate.STEPS, real_ablate.EVAL_EVERY
+# make real's shape, its 8 steps and its evaluations (steps 0, 4, 8) included: at ~2 minutes of
+# CPU a step in fp32 (a CPU without native bf16), 21 runs of 12 steps would take most of a day
+STEPS, EVAL_EVERY = real.SETTINGS["steps"], real.SETTINGS["eval_every"]
 
 
 def run_dir(out_dir: str, arm: str, seed: int) -> str:
@@ -66,14 +69,14 @@ def run_dir(out_dir: str, arm: str, seed: int) -> str:
 
 
 def finished(directory: str) -> bool:
-    return real_ablate.finished(directory) and os.path.isfile(
+    return real_ablate.finished(directory, STEPS) and os.path.isfile(
         os.path.join(directory, "lengths.json"))
 
 
 def train(model_dir: str, task: real.Task, out_dir: str, arm: str, seed: int) -> float:
     """One run of the arm (skipped when its metrics are complete) -> its CPU seconds."""
     directory = run_dir(out_dir, arm, seed)
-    if real_ablate.finished(directory):
+    if real_ablate.finished(directory, STEPS):
         return cpu_seconds(directory)
     flags = ["--steps", str(STEPS), "--eval-every", str(EVAL_EVERY), *ARMS[arm]]
     return run_dapo(model_dir, task, directory, seed, flags)[1]
