@@ -130,31 +130,58 @@ def test_a_token_weight_scales_its_loss_but_not_the_token_count():
 
 # --- the update: gradient independent of the micro-batch split ---
 
+SPLITS = (dict(micro_batch_size=1, micro_batch_tokens=0),
+          dict(micro_batch_size=2, micro_batch_tokens=0),
+          dict(micro_batch_size=4, micro_batch_tokens=0),
+          dict(micro_batch_tokens=1), dict(micro_batch_tokens=20), dict(micro_batch_tokens=40))
+# GSPO clips one ratio per response, and this batch's sequence ratios lie within 15% of 1: at
+# 0.02 its clip binds on 3 of the 7 responses in the loss (at DAPO's 0.2 / 0.28 on none, at its
+# paper's 3e-4 / 4e-4 on 5), so that both branches of its max() are in the step
+CLIP = {"vanilla": {}, "gspo": dict(eps_low=0.02, eps_high=0.02), "cispo": {}}
+
+
+def configs_by_split(**cfg) -> list[Config]:
+    """cfg under each of SPLITS, with overlong filtering (a response masked out of the loss)."""
+    base = dict(group_size=4, grad_clip=1e9, overlong_filtering=True)
+    return [Config(**{**base, **cfg, **split}) for split in SPLITS]
+
+
+def steps(batch, configs):
+    """The weights and the metrics of update_policy on batch under each config (one SGD step of lr
+    1 per mini-batch), from the same float64 model; and how far the first moved the weights."""
+    results = []
+    for cfg in configs:
+        model = tiny_float64_model()
+        m = update_policy(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, cfg)
+        results.append((flat_params(model), m))
+    moved = (results[0][0] - flat_params(tiny_float64_model())).abs().max()
+    return results, moved
+
+
 @pytest.mark.parity
 @pytest.mark.needs("policy_loss", "token_count", "logprobs_forward", "logprobs_backward", "rope",
                    "attention")
 @pytest.mark.parametrize("loss_agg_mode", AGGREGATIONS)
-def test_update_is_the_same_for_any_micro_batch_split(loss_agg_mode):
+@pytest.mark.parametrize("loss_mode", ["vanilla", "gspo", "cispo"])
+def test_update_is_the_same_for_any_micro_batch_split(loss_mode, loss_agg_mode):
     """1, 2 or 4 rows per micro-batch, or rows sorted by length under a budget of 1 (one row
-    each), 20 or 40 padded tokens: the same weights, because the loss's denominator is counted
-    over the mini-batch before the split. In float64, so that the splits, which sum the same
-    terms in other orders, differ by ~1e-16 of the step (a per-micro-batch denominator: ~1e-1)."""
-    results = []
-    for split in (dict(micro_batch_size=1, micro_batch_tokens=0),
-                  dict(micro_batch_size=2, micro_batch_tokens=0),
-                  dict(micro_batch_size=4, micro_batch_tokens=0),
-                  dict(micro_batch_tokens=1), dict(micro_batch_tokens=20),
-                  dict(micro_batch_tokens=40)):
-        model = tiny_float64_model()
-        opt = torch.optim.SGD(model.parameters(), lr=1.0)
-        cfg = Config(group_size=4, mini_batch_prompts=2, grad_clip=1e9,
-                     loss_agg_mode=loss_agg_mode, overlong_filtering=True, **split)
-        m = update_policy(model, opt, random_batch(50, dtype=torch.float64), cfg)
-        results.append((flat_params(model), m))
-    moved = (results[0][0] - flat_params(tiny_float64_model())).abs().max()
+    each), 20 or 40 padded tokens: the same weights, for every --loss-mode whose loss is a sum
+    over responses (KL-Cov's is not: the tests below) under every --loss-agg-mode, because the
+    denominator is counted over the mini-batch before the split (Dr. GRPO's constant is
+    --max-response-len, not a micro-batch's padded width) and GSPO's sequence ratio is a
+    response's own. The whole cross product: a case costs ~0.4 s. --scale-rewards is not here:
+    the advantages are made before the update (test_distributed.py's 2 ranks check the batch
+    std). In float64, the splits, which sum the same terms in other orders, differ by 3e-16 to
+    4e-15 of the step (measured; a per-micro-batch denominator: ~0.5), so 1e-12 holds on any
+    CPU."""
+    batch = random_batch(50, dtype=torch.float64)  # old_logp given: the policy is not pi_old
+    results, moved = steps(batch, configs_by_split(mini_batch_prompts=2, loss_mode=loss_mode,
+                                                   loss_agg_mode=loss_agg_mode,
+                                                   **CLIP[loss_mode]))
     assert moved > 1e-2  # the update did something
+    assert 0 < results[0][1]["actor/pg_clipfrac"] < 1  # the clip binds on some tokens, not all
     for params, m in results[1:]:
-        assert (params - results[0][0]).abs().max() < 1e-9 * moved
+        assert (params - results[0][0]).abs().max() < 1e-12 * moved
         assert m["actor/pg_loss"] == pytest.approx(results[0][1]["actor/pg_loss"], rel=1e-12)
 
 
