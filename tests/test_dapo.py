@@ -185,6 +185,76 @@ def test_update_is_the_same_for_any_micro_batch_split(loss_mode, loss_agg_mode):
         assert m["actor/pg_loss"] == pytest.approx(results[0][1]["actor/pg_loss"], rel=1e-12)
 
 
+# KL-Cov penalises the top k = max(1, int(n_valid x --kl-cov-ratio)) tokens by covariance among
+# the valid tokens of the micro-batch it is called on (verl's compute_policy_loss_kl_cov): its loss
+# depends on the split by definition. What holds whatever the split, and what does not:
+
+def penalised_tokens(batch, cfg) -> int:
+    """The tokens KL-Cov penalises in update_policy at verl's --kl-cov-ratio 2e-4: one in each
+    micro-batch with a token in the loss (2e-4 x its few tokens is below 1)."""
+    return sum(int(dapo.tokens_in_loss(mini, cfg)[rows].any())
+               for mini in batch.split(cfg.mini_batch_prompts * cfg.group_size)
+               for rows in mini.micro_batch_rows(cfg.micro_batch_size, cfg.micro_batch_tokens))
+
+
+@pytest.mark.parity
+@pytest.mark.needs("token_count", "logprobs_forward", "logprobs_backward", "rope", "attention")
+def test_kl_cov_first_step_of_a_rollout_is_the_same_for_any_micro_batch_split():
+    """At a rollout's first optimizer step pi_theta is pi_old: logp == old_logp on every token,
+    and |logp - old_logp|, whose derivative torch takes as 0 at 0, adds nothing to the gradient.
+    Whichever tokens each split penalises, the step is the unclipped surrogate's, the one of
+    --ppo-kl-coef 0. Exactly so when pi_old's log-probs are the update's own forward's, detached
+    (one mini-batch per rollout, as here); with several, pi_old has a forward of its own over
+    other micro-batches (dapo.with_old_logprobs), equal up to round-off (4e-16 measured with
+    --micro-batch-tokens 40), and |x|' at x = +-4e-16 is +-1: a penalised token's gradient is
+    then --ppo-kl-coef times the round-off's sign (verl's old_log_prob is a forward of its own
+    too). float64: ~5e-16 of the step apart."""
+    batch = replace(random_batch(50, dtype=torch.float64), old_logp=None)  # as collect_batch's
+    configs = configs_by_split(mini_batch_prompts=2, loss_mode="kl_cov")
+    results, moved = steps(batch, configs)
+    assert moved > 1e-2
+    n_tokens = dapo.tokens_in_loss(batch, configs[0]).sum().item()
+    penalised = [round(m["actor/pg_clipfrac"] * n_tokens) for _, m in results]
+    assert penalised == [penalised_tokens(batch, cfg) for cfg in configs]
+    assert len(set(penalised)) > 1, penalised  # the splits penalise different tokens...
+    unpenalised, _ = steps(batch, [replace(cfg, ppo_kl_coef=0.0) for cfg in configs])
+    for (params, _), (plain, _) in zip(results, unpenalised):  # ...and take the same step
+        assert (params - results[0][0]).abs().max() < 1e-12 * moved
+        # the penalty's gradient is 0, not small
+        assert torch.equal(params, plain), (params - plain).abs().max()
+
+
+@pytest.mark.needs("token_count", "logprobs_forward", "logprobs_backward", "rope", "attention")
+def test_kl_cov_once_the_policy_moved_depends_on_the_micro_batch_split():
+    """Two optimizer steps: at the second, pi_theta has moved from pi_old, the penalty
+    |logp - old_logp| has a gradient on each penalised token, and which tokens those are is each
+    micro-batch's top k (one per micro-batch with a token in the loss): 1 row per micro-batch
+    and 4 take steps ~3% of the step apart (measured), not float64 round-off."""
+    batch = replace(random_batch(50, dtype=torch.float64), old_logp=None)
+    configs = configs_by_split(mini_batch_prompts=1, loss_mode="kl_cov")  # 2 mini-batches
+    results, moved = steps(batch, configs)
+    n_tokens = dapo.tokens_in_loss(batch, configs[0]).sum().item()
+    for (_, m), cfg in zip(results, configs):  # each micro-batch's top 1, at both steps
+        assert round(m["actor/pg_clipfrac"] * n_tokens) == penalised_tokens(batch, cfg)
+    one_row, four_rows = results[0][0], results[2][0]  # micro_batch_size 1 and 4
+    assert (one_row - four_rows).abs().max() > 1e-3 * moved
+
+
+@pytest.mark.parity
+@pytest.mark.needs("token_count", "logprobs_forward", "logprobs_backward", "rope", "attention")
+def test_kl_cov_without_its_penalty_is_the_same_for_any_micro_batch_split():
+    """--ppo-kl-coef 0: the selection still runs per micro-batch, and weighs nothing; what is left
+    is the unclipped surrogate -A r, a sum over tokens, the same whatever the split at every step
+    (two here, the second after the policy moved). float64: ~6e-16 of the step apart."""
+    batch = replace(random_batch(50, dtype=torch.float64), old_logp=None)
+    results, moved = steps(batch, configs_by_split(mini_batch_prompts=1, loss_mode="kl_cov",
+                                                   ppo_kl_coef=0.0))
+    assert moved > 1e-2
+    for params, m in results[1:]:
+        assert (params - results[0][0]).abs().max() < 1e-12 * moved
+        assert m["actor/pg_loss"] == pytest.approx(results[0][1]["actor/pg_loss"], rel=1e-12)
+
+
 # --- the token count before the split (Eq. 12), with a stand-in policy and loss ---
 # update_policy alone: model.py, the kernels and policy_loss() are exercises of their own
 
