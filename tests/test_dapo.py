@@ -1,5 +1,5 @@
-"""dapo.py: each DAPO technique on hand-computed cases, the update's invariance to micro-batching,
-and the loop."""
+"""dapo.py: each DAPO technique on hand-computed cases, the update's invariance to micro-batching
+(for each --loss-mode and --loss-agg-mode, and what of it holds for KL-Cov), and the loop."""
 import json
 import math
 import os
@@ -146,7 +146,7 @@ def configs_by_split(**cfg) -> list[Config]:
     return [Config(**{**base, **cfg, **split}) for split in SPLITS]
 
 
-def steps(batch, configs):
+def sgd_steps(batch, configs):
     """The weights and the metrics of update_policy on batch under each config (one SGD step of lr
     1 per mini-batch), from the same float64 model; and how far the first moved the weights."""
     results = []
@@ -175,9 +175,9 @@ def test_update_is_the_same_for_any_micro_batch_split(loss_mode, loss_agg_mode):
     4e-15 of the step (measured; a per-micro-batch denominator: ~0.5), so 1e-12 holds on any
     CPU."""
     batch = random_batch(50, dtype=torch.float64)  # old_logp given: the policy is not pi_old
-    results, moved = steps(batch, configs_by_split(mini_batch_prompts=2, loss_mode=loss_mode,
-                                                   loss_agg_mode=loss_agg_mode,
-                                                   **CLIP[loss_mode]))
+    configs = configs_by_split(mini_batch_prompts=2, loss_mode=loss_mode,
+                               loss_agg_mode=loss_agg_mode, **CLIP[loss_mode])
+    results, moved = sgd_steps(batch, configs)
     assert moved > 1e-2  # the update did something
     assert 0 < results[0][1]["actor/pg_clipfrac"] < 1  # the clip binds on some tokens, not all
     for params, m in results[1:]:
@@ -211,13 +211,13 @@ def test_kl_cov_first_step_of_a_rollout_is_the_same_for_any_micro_batch_split():
     too). float64: ~5e-16 of the step apart."""
     batch = replace(random_batch(50, dtype=torch.float64), old_logp=None)  # as collect_batch's
     configs = configs_by_split(mini_batch_prompts=2, loss_mode="kl_cov")
-    results, moved = steps(batch, configs)
+    results, moved = sgd_steps(batch, configs)
     assert moved > 1e-2
     n_tokens = dapo.tokens_in_loss(batch, configs[0]).sum().item()
     penalised = [round(m["actor/pg_clipfrac"] * n_tokens) for _, m in results]
     assert penalised == [penalised_tokens(batch, cfg) for cfg in configs]
     assert len(set(penalised)) > 1, penalised  # the splits penalise different tokens...
-    unpenalised, _ = steps(batch, [replace(cfg, ppo_kl_coef=0.0) for cfg in configs])
+    unpenalised, _ = sgd_steps(batch, [replace(cfg, ppo_kl_coef=0.0) for cfg in configs])
     for (params, _), (plain, _) in zip(results, unpenalised):  # ...and take the same step
         assert (params - results[0][0]).abs().max() < 1e-12 * moved
         # the penalty's gradient is 0, not small
@@ -232,7 +232,7 @@ def test_kl_cov_once_the_policy_moved_depends_on_the_micro_batch_split():
     and 4 take steps ~3% of the step apart (measured), not float64 round-off."""
     batch = replace(random_batch(50, dtype=torch.float64), old_logp=None)
     configs = configs_by_split(mini_batch_prompts=1, loss_mode="kl_cov")  # 2 mini-batches
-    results, moved = steps(batch, configs)
+    results, moved = sgd_steps(batch, configs)
     n_tokens = dapo.tokens_in_loss(batch, configs[0]).sum().item()
     for (_, m), cfg in zip(results, configs):  # each micro-batch's top 1, at both steps
         assert round(m["actor/pg_clipfrac"] * n_tokens) == penalised_tokens(batch, cfg)
@@ -247,8 +247,8 @@ def test_kl_cov_without_its_penalty_is_the_same_for_any_micro_batch_split():
     is the unclipped surrogate -A r, a sum over tokens, the same whatever the split at every step
     (two here, the second after the policy moved). float64: ~6e-16 of the step apart."""
     batch = replace(random_batch(50, dtype=torch.float64), old_logp=None)
-    results, moved = steps(batch, configs_by_split(mini_batch_prompts=1, loss_mode="kl_cov",
-                                                   ppo_kl_coef=0.0))
+    configs = configs_by_split(mini_batch_prompts=1, loss_mode="kl_cov", ppo_kl_coef=0.0)
+    results, moved = sgd_steps(batch, configs)
     assert moved > 1e-2
     for params, m in results[1:]:
         assert (params - results[0][0]).abs().max() < 1e-12 * moved
