@@ -1,5 +1,5 @@
-"""dapo.py: each DAPO technique on hand-computed cases, the update's invariance to micro-batching,
-and the loop."""
+"""dapo.py: each DAPO technique on hand-computed cases, the update's invariance to micro-batching
+(for each --loss-mode and --loss-agg-mode, and what of it holds for KL-Cov), and the loop."""
 import json
 import math
 import os
@@ -130,31 +130,128 @@ def test_a_token_weight_scales_its_loss_but_not_the_token_count():
 
 # --- the update: gradient independent of the micro-batch split ---
 
+SPLITS = (dict(micro_batch_size=1, micro_batch_tokens=0),
+          dict(micro_batch_size=2, micro_batch_tokens=0),
+          dict(micro_batch_size=4, micro_batch_tokens=0),
+          dict(micro_batch_tokens=1), dict(micro_batch_tokens=20), dict(micro_batch_tokens=40))
+# GSPO clips one ratio per response, and this batch's sequence ratios lie within 15% of 1: at
+# 0.02 its clip binds on 3 of the 7 responses in the loss (at DAPO's 0.2 / 0.28 on none, at its
+# paper's 3e-4 / 4e-4 on 5), so that both branches of its max() are in the step
+CLIP = {"vanilla": {}, "gspo": dict(eps_low=0.02, eps_high=0.02), "cispo": {}}
+
+
+def configs_by_split(**cfg) -> list[Config]:
+    """cfg under each of SPLITS, with overlong filtering (a response masked out of the loss)."""
+    base = dict(group_size=4, grad_clip=1e9, overlong_filtering=True)
+    return [Config(**{**base, **cfg, **split}) for split in SPLITS]
+
+
+def sgd_steps(batch, configs):
+    """The weights and the metrics of update_policy on batch under each config (one SGD step of lr
+    1 per mini-batch), from the same float64 model; and how far the first moved the weights."""
+    results = []
+    for cfg in configs:
+        model = tiny_float64_model()
+        m = update_policy(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, cfg)
+        results.append((flat_params(model), m))
+    moved = (results[0][0] - flat_params(tiny_float64_model())).abs().max()
+    return results, moved
+
+
 @pytest.mark.parity
 @pytest.mark.needs("policy_loss", "token_count", "logprobs_forward", "logprobs_backward", "rope",
                    "attention")
 @pytest.mark.parametrize("loss_agg_mode", AGGREGATIONS)
-def test_update_is_the_same_for_any_micro_batch_split(loss_agg_mode):
+@pytest.mark.parametrize("loss_mode", ["vanilla", "gspo", "cispo"])
+def test_update_is_the_same_for_any_micro_batch_split(loss_mode, loss_agg_mode):
     """1, 2 or 4 rows per micro-batch, or rows sorted by length under a budget of 1 (one row
-    each), 20 or 40 padded tokens: the same weights, because the loss's denominator is counted
-    over the mini-batch before the split. In float64, so that the splits, which sum the same
-    terms in other orders, differ by ~1e-16 of the step (a per-micro-batch denominator: ~1e-1)."""
-    results = []
-    for split in (dict(micro_batch_size=1, micro_batch_tokens=0),
-                  dict(micro_batch_size=2, micro_batch_tokens=0),
-                  dict(micro_batch_size=4, micro_batch_tokens=0),
-                  dict(micro_batch_tokens=1), dict(micro_batch_tokens=20),
-                  dict(micro_batch_tokens=40)):
-        model = tiny_float64_model()
-        opt = torch.optim.SGD(model.parameters(), lr=1.0)
-        cfg = Config(group_size=4, mini_batch_prompts=2, grad_clip=1e9,
-                     loss_agg_mode=loss_agg_mode, overlong_filtering=True, **split)
-        m = update_policy(model, opt, random_batch(50, dtype=torch.float64), cfg)
-        results.append((flat_params(model), m))
-    moved = (results[0][0] - flat_params(tiny_float64_model())).abs().max()
+    each), 20 or 40 padded tokens: the same weights, for every --loss-mode whose loss is a sum
+    over responses (KL-Cov's is not: the tests below) under every --loss-agg-mode, because the
+    denominator is counted over the mini-batch before the split (Dr. GRPO's constant is
+    --max-response-len, not a micro-batch's padded width) and GSPO's sequence ratio is a
+    response's own. The whole cross product: a case costs ~0.4 s. --scale-rewards is not here:
+    the advantages are made before the update (test_distributed.py's 2 ranks check the batch
+    std). In float64, the splits, which sum the same terms in other orders, differ by 3e-16 to
+    4e-15 of the step (measured; a per-micro-batch denominator: ~0.5), so 1e-12 holds on any
+    CPU."""
+    batch = random_batch(50, dtype=torch.float64)  # old_logp given: the policy is not pi_old
+    configs = configs_by_split(mini_batch_prompts=2, loss_mode=loss_mode,
+                               loss_agg_mode=loss_agg_mode, **CLIP[loss_mode])
+    results, moved = sgd_steps(batch, configs)
     assert moved > 1e-2  # the update did something
+    assert 0 < results[0][1]["actor/pg_clipfrac"] < 1  # the clip binds on some tokens, not all
     for params, m in results[1:]:
-        assert (params - results[0][0]).abs().max() < 1e-9 * moved
+        assert (params - results[0][0]).abs().max() < 1e-12 * moved
+        assert m["actor/pg_loss"] == pytest.approx(results[0][1]["actor/pg_loss"], rel=1e-12)
+
+
+# KL-Cov penalises the top k = max(1, int(n_valid x --kl-cov-ratio)) tokens by covariance among
+# the valid tokens of the micro-batch it is called on (verl's compute_policy_loss_kl_cov): its loss
+# depends on the split by definition. What holds whatever the split, and what does not:
+
+def penalised_tokens(batch, cfg) -> int:
+    """The tokens KL-Cov penalises in update_policy at verl's --kl-cov-ratio 2e-4: one in each
+    micro-batch with a token in the loss (2e-4 x its few tokens is below 1)."""
+    return sum(int(dapo.tokens_in_loss(mini, cfg)[rows].any())
+               for mini in batch.split(cfg.mini_batch_prompts * cfg.group_size)
+               for rows in mini.micro_batch_rows(cfg.micro_batch_size, cfg.micro_batch_tokens))
+
+
+@pytest.mark.parity
+@pytest.mark.needs("token_count", "logprobs_forward", "logprobs_backward", "rope", "attention")
+def test_kl_cov_first_step_of_a_rollout_is_the_same_for_any_micro_batch_split():
+    """At a rollout's first optimizer step pi_theta is pi_old: logp == old_logp on every token,
+    and |logp - old_logp|, whose derivative torch takes as 0 at 0, adds nothing to the gradient.
+    Whichever tokens each split penalises, the step is the unclipped surrogate's, the one of
+    --ppo-kl-coef 0. Exactly so when pi_old's log-probs are the update's own forward's, detached
+    (one mini-batch per rollout, as here); with several, pi_old has a forward of its own over
+    other micro-batches (dapo.with_old_logprobs), equal up to round-off (4e-16 measured with
+    --micro-batch-tokens 40), and |x|' at x = +-4e-16 is +-1: a penalised token's gradient is
+    then --ppo-kl-coef times the round-off's sign (verl's old_log_prob is a forward of its own
+    too). float64: ~5e-16 of the step apart."""
+    batch = replace(random_batch(50, dtype=torch.float64), old_logp=None)  # as collect_batch's
+    configs = configs_by_split(mini_batch_prompts=2, loss_mode="kl_cov")
+    results, moved = sgd_steps(batch, configs)
+    assert moved > 1e-2
+    n_tokens = dapo.tokens_in_loss(batch, configs[0]).sum().item()
+    penalised = [round(m["actor/pg_clipfrac"] * n_tokens) for _, m in results]
+    assert penalised == [penalised_tokens(batch, cfg) for cfg in configs]
+    assert len(set(penalised)) > 1, penalised  # the splits penalise different tokens...
+    unpenalised, _ = sgd_steps(batch, [replace(cfg, ppo_kl_coef=0.0) for cfg in configs])
+    for (params, _), (plain, _) in zip(results, unpenalised):  # ...and take the same step
+        assert (params - results[0][0]).abs().max() < 1e-12 * moved
+        # the penalty's gradient is 0, not small
+        assert torch.equal(params, plain), (params - plain).abs().max()
+
+
+@pytest.mark.needs("token_count", "logprobs_forward", "logprobs_backward", "rope", "attention")
+def test_kl_cov_once_the_policy_moved_depends_on_the_micro_batch_split():
+    """Two optimizer steps: at the second, pi_theta has moved from pi_old, the penalty
+    |logp - old_logp| has a gradient on each penalised token, and which tokens those are is each
+    micro-batch's top k (one per micro-batch with a token in the loss): 1 row per micro-batch
+    and 4 take steps ~3% of the step apart (measured), not float64 round-off."""
+    batch = replace(random_batch(50, dtype=torch.float64), old_logp=None)
+    configs = configs_by_split(mini_batch_prompts=1, loss_mode="kl_cov")  # 2 mini-batches
+    results, moved = sgd_steps(batch, configs)
+    n_tokens = dapo.tokens_in_loss(batch, configs[0]).sum().item()
+    for (_, m), cfg in zip(results, configs):  # each micro-batch's top 1, at both steps
+        assert round(m["actor/pg_clipfrac"] * n_tokens) == penalised_tokens(batch, cfg)
+    one_row, four_rows = results[0][0], results[2][0]  # micro_batch_size 1 and 4
+    assert (one_row - four_rows).abs().max() > 1e-3 * moved
+
+
+@pytest.mark.parity
+@pytest.mark.needs("token_count", "logprobs_forward", "logprobs_backward", "rope", "attention")
+def test_kl_cov_without_its_penalty_is_the_same_for_any_micro_batch_split():
+    """--ppo-kl-coef 0: the selection still runs per micro-batch, and weighs nothing; what is left
+    is the unclipped surrogate -A r, a sum over tokens, the same whatever the split at every step
+    (two here, the second after the policy moved). float64: ~6e-16 of the step apart."""
+    batch = replace(random_batch(50, dtype=torch.float64), old_logp=None)
+    configs = configs_by_split(mini_batch_prompts=1, loss_mode="kl_cov", ppo_kl_coef=0.0)
+    results, moved = sgd_steps(batch, configs)
+    assert moved > 1e-2
+    for params, m in results[1:]:
+        assert (params - results[0][0]).abs().max() < 1e-12 * moved
         assert m["actor/pg_loss"] == pytest.approx(results[0][1]["actor/pg_loss"], rel=1e-12)
 
 
