@@ -40,6 +40,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (dict(train_prompts=5, mini_batch_prompts=2), "--train-prompts must be a multiple of "
                                                   "--mini-batch-prompts=2"),
     (dict(top_p=0.0), "--top-p must be in (0, 1]"),
+    # before: a ZeroDivisionError inside these checks
+    (dict(mini_batch_prompts=0), "--mini-batch-prompts must be >= 1, got 0"),
+    # before: numpy's generator refused -1 after the model had loaded
+    (dict(seed=-1), "--seed must be in [0, 2**63), got -1"),
+    (dict(seed=2**64), "--seed must be in [0, 2**63), got 18446744073709551616"),
     (dict(resume=True, overwrite=True), "pick one"),
     (dict(device="foo"), "--device must be cpu, cuda or cuda:N, got 'foo'"),
     (dict(device="cuda:99"), "--device must be a CUDA device this machine has"),
