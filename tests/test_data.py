@@ -356,6 +356,22 @@ def test_malformed_json_line_names_the_file_and_line(tmp_path):
         load_rows(str(path))
 
 
+@pytest.mark.parametrize("line,message", [
+    ('{"data_source": ' + "1" * 5000 + "}", "Exceeds the limit (4300 digits)"),  # a ValueError
+    ("[" * 100_000 + "]" * 100_000, "maximum recursion depth exceeded"),  # a RecursionError
+    # json reads ~990 levels, but a row of ~960 failed later, in the rows' sha256 (a deeper
+    # stack, at a checkpoint): one limit, far above any dataset's nesting
+    (json.dumps(dapo_row("b"))[:-1] + ', "deep": ' + "[" * 500 + "]" * 500 + "}",
+     "nested more than 100 levels deep"),
+], ids=["5000-digits", "100000-deep", "500-deep"])
+def test_a_line_json_cannot_read_names_the_file_and_line(tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(dapo_row("a")) + "\n" + line + "\n")
+    with pytest.raises(UserError, match=r"bad.jsonl:2: ") as e:
+        load_rows(str(path))
+    assert message in str(e.value)
+
+
 @pytest.mark.parametrize("broken,message", [
     ([1, 2], "expected an object"),
     ({"prompt": [{"role": "user", "content": "x"}], "reward_model": {"ground_truth": "1"}},
