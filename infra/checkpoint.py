@@ -36,7 +36,7 @@ import zlib
 import torch
 from safetensors import SafetensorError, safe_open
 
-from infra import distributed, files, health
+from infra import distributed, files, health, hub
 from infra.errors import UserError
 from infra.hf_io import checkpoint_files, save_hf_checkpoint
 
@@ -482,10 +482,12 @@ def saved_config(ckpt: str) -> dict:
 
 def check_resume_config(saved: dict, current: dict, where: str = "the checkpoint"):
     """Refuse to resume with settings that change the algorithm, naming each changed flag with both
-    values. A field the checkpoint does not have (a flag added since) is not compared."""
+    values. A field the checkpoint does not have (a flag added since) is not compared. A path in
+    the Hugging Face cache is compared by its repository, commit and file: the same commit read
+    from another cache (HF_HUB_CACHE moved, another node) is the same --model."""
     changed = [f"  --{k.replace('_', '-')}: {saved[k]!r} in the checkpoint, {current[k]!r} now"
-               for k in current
-               if k in saved and k not in MAY_CHANGE_ON_RESUME and saved[k] != current[k]]
+               for k in current if k in saved and k not in MAY_CHANGE_ON_RESUME
+               and not hub.same_files(saved[k], current[k])]
     if changed:
         raise UserError(f"--resume: {where} was trained with other settings, and these change "
                         "the algorithm:\n" + "\n".join(changed) + "\nResume with the checkpoint's "
