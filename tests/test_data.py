@@ -240,6 +240,29 @@ def test_missing_chat_template_is_a_clear_error(tmp_path):
         load_tokenizer(path).apply_chat_template(CHATS[0])
 
 
+@pytest.mark.parametrize("file, edit, message", [
+    ("tokenizer_config.json", lambda config: [config],
+     "tokenizer_config.json: the top level must be a JSON object ({...}), got a list"),
+    ("generation_config.json", lambda gen: [gen],
+     "generation_config.json: the top level must be a JSON object ({...}), got a list"),
+    ("tokenizer_config.json", lambda config: {**config, "chat_template": 7},
+     "tokenizer_config.json (its chat_template): must be the template's text, or a list of "
+     '{"name": ..., "template": ...}, got a number'),
+    ("tokenizer_config.json", lambda config: {**config, "chat_template": [{"template": "x"}]},
+     "(its chat_template): must be the template's text, or a list"),
+    ("tokenizer_config.json", lambda config: {**config, "eos_token": ["<|im_end|>"]},
+     "tokenizer_config.json: eos_token must be a token's text"),
+], ids=["config-list", "generation-list", "template-number", "template-without-name",
+        "eos-list"])
+def test_a_tokenizer_file_of_the_wrong_shape_is_named(tmp_path, file, edit, message):
+    # before: AttributeError, TypeError or KeyError tracebacks in chat.py and dapo.py
+    path = qwen_like_dir(tmp_path, QWEN2_TEMPLATE)
+    (tmp_path / file).write_text(json.dumps(edit(json.loads((tmp_path / file).read_text()))))
+    with pytest.raises(UserError) as e:
+        load_tokenizer(path)
+    assert message in str(e.value)
+
+
 @pytest.mark.parametrize("template_file", [False, True],
                          ids=["tokenizer_config.json", "chat_template.jinja"])
 def test_a_chat_template_syntax_error_names_the_file_and_line(tmp_path, template_file):
