@@ -12,7 +12,8 @@ repository and what to do. The rest of a run then reads files, as it does for a 
 
 A local path keeps precedence: a spec is a path when it starts like one (/ . ~), when its first
 folder exists here (ORG/NAME itself, runs/...), or when it is a data file one folder down
-(no/such.jsonl: no repository is called NAME.jsonl).
+(no/such.jsonl: no repository is called NAME.jsonl). Such a path that is not a model directory
+(or, for ORG/NAME[:SPLIT], no data file) is refused saying that it took the Hub name's place.
 
 The cache (HF_HUB_CACHE, by default ~/.cache/huggingface/hub) keeps each repository as
     models--ORG--NAME/refs/main           the commit `main` named when it was last fetched
@@ -80,19 +81,44 @@ def is_local(spec: str) -> bool:
 
 
 def parse(spec: str, repo_type: str) -> HubName | None:
-    """The Hub name a flag's value spells (a model's: ORG/NAME[@REV]), or None: a local path."""
-    match = HUB_NAME.fullmatch(spec) if spec and not is_local(spec) else None
+    """The Hub name a flag's value spells (a model's: ORG/NAME[@REV]), or None: a local path. A
+    local path that spells a Hub name (its first folder exists here) and holds no model (no
+    config.json) or no data (a dataset's ORG/NAME[:SPLIT]) is refused, saying that it took the
+    Hub name's place."""
+    match = HUB_NAME.fullmatch(spec) if spec else None
     if not match or (repo_type == "model" and (match["split"] or match["file"])):
         return None
     try:
         validate_repo_id(match["repo"])
     except HFValidationError:
         return None
+    if is_local(spec):
+        _check_local(spec, repo_type, match["repo"])
+        return None
     if match["revision"] and BAD_REVISION.search(match["revision"]):
         raise UserError(f"{spec}: {match['revision']!r} is not a revision (a branch, tag or "
                         "commit: git's names never start or end with '.', never end with "
                         "'.lock', never hold '..', spaces or any of ~^:?*[\\)")
     return HubName(repo_type, match["repo"], match["revision"], match["split"], match["file"])
+
+
+def _check_local(spec: str, repo_type: str, repo: str):
+    """A local path that took a Hub name's place because its first folder exists here: the
+    error that it is not a model (or a data file) says so, else it read as a typo."""
+    first = spec.split("/", 1)[0]
+    # a data file's name (runs/x/rows.jsonl) is a local path meant: its error is "no such file"
+    if spec.startswith(("/", ".", "~")) or not os.path.isdir(first) or \
+            spec.endswith(DATA_SUFFIXES):
+        return
+    if repo_type == "model" and not os.path.isfile(os.path.join(spec, "config.json")):
+        problem = f"it is not a model directory (no {os.path.join(spec, 'config.json')})"
+    elif repo_type == "dataset" and not os.path.isfile(spec):
+        problem = "it is not a file"
+    else:
+        return
+    raise UserError(f"{spec}: a local path ({first}/ exists here), which takes precedence over "
+                    f"the Hub's {repo_type} {repo}, and {problem}: for the Hub's, run from a "
+                    f"directory without {first}/")
 
 
 def fetch(name: HubName, flag: str, config_only: bool = False, local_only: bool = False) -> str:

@@ -137,7 +137,25 @@ def test_parse_tells_a_hub_name_from_a_local_path(spec, repo_type, name, tmp_pat
 def test_a_local_path_keeps_precedence_over_the_same_hub_name(cache, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / MODEL).mkdir(parents=True)
+    (tmp_path / MODEL / "config.json").write_text("{}")
     assert hub.parse(MODEL, "model") is None
+
+
+@pytest.mark.parametrize("spec, repo_type, problem", [
+    (MODEL, "model", f"it is not a model directory (no {MODEL}/config.json)"),
+    (f"{DATA}:train", "dataset", "it is not a file"),
+])
+def test_a_local_path_that_hides_a_hub_name_says_so_when_it_is_not_usable(
+        cache, tmp_path, monkeypatch, spec, repo_type, problem):
+    # before: "ORG/NAME/config.json: not found", nothing of the Hub
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / spec.split(":")[0]).mkdir(parents=True)
+    repo, first = spec.split(":")[0], spec.split("/")[0]
+    with pytest.raises(UserError) as e:
+        hub.parse(spec, repo_type)
+    assert str(e.value) == (f"{spec}: a local path ({first}/ exists here), which takes "
+                            f"precedence over the Hub's {repo_type} {repo}, and {problem}: for "
+                            f"the Hub's, run from a directory without {first}/")
 
 
 @pytest.mark.parametrize("spec, repo_type", [("tiny-org/absent", "model"),
