@@ -610,7 +610,7 @@ def test_prompt_iterator_needs_a_batch_that_fits():
 
 
 @pytest.mark.parametrize("template,why", [
-    ("{{ 'x' * 20000000 }}", "renders more than"),  # one 20 MB string
+    ("{{ 'x' * 20000000 }}", "builds a value of more than"),  # one 20 MB string
     ("{% for i in range(100000) %}{{ 'abcdefghijk' }}{% endfor %}",
      "renders more than"),  # many small pieces
     ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
@@ -624,3 +624,37 @@ def test_a_runaway_chat_template_is_stopped_at_load_naming_it(tmp_path, monkeypa
     with pytest.raises(ValueError, match=r"tokenizer_config.json \(its chat_template\): the chat "
                                          rf"template .*{why}"):
         load_tokenizer(qwen_like_dir(tmp_path, template))
+
+
+NS = "{% set ns = namespace(s='x' * 1000) %}"
+
+
+@pytest.mark.parametrize("template,what", [
+    # nothing output: before, only `*` and the output were bounded
+    (NS + "{% for i in range(30) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "(~)"),  # 1 TB
+    (NS + "{% for i in range(30) %}{% set ns.s = ns.s + ns.s %}{% endfor %}", "(+)"),
+    ("{% set _ = 'x'.ljust(900000000) %}", "(ljust())"),  # 0.9 GB at every render
+    ("{% set _ = '{:>900000000}'.format(1) %}", "(format())"),
+    ("{% set _ = '%*s' % (900000000, 'x') %}", "(%)"),
+    ("{% set _ = '%900000000s'|format('x') %}", "(the filter format)"),
+    ("{% set _ = [[[1]]]|tojson(indent=900000000) %}", "(the filter tojson)"),
+    (NS + "{% set _ = ns.s.replace('x', ns.s * 999) %}", "(replace())"),
+    (NS + "{% set _ = (ns.s * 900)|indent(900000) %}", "(the filter indent)"),
+    (NS + "{% set b %}{% for i in range(1001) %}{{ ns.s * 999 }}{% endfor %}{% endset %}",
+     "(a block's output)"),
+    ("{% set _ = range(100000)|map('center', 999000)|list %}", "(the items of an iterator)"),
+    ("{% set _ = 2 ** (2 ** 40) %}", "integer of more than"),
+], ids=["concat", "plus", "ljust", "format", "percent-star", "format-filter", "tojson-indent",
+        "replace", "indent", "block", "generator", "power"])
+def test_what_a_chat_template_builds_is_bounded_before_it_is_allocated(tmp_path, template, what):
+    with pytest.raises(UserError, match=r"tokenizer_config.json \(its chat_template\): the chat "
+                                        r"template failed: _TemplateBound: builds a") as e:
+        load_tokenizer(qwen_like_dir(tmp_path, template + QWEN2_TEMPLATE))
+    assert what in str(e.value)
+
+
+def test_a_template_may_build_up_to_the_bound(tmp_path):
+    template = ("{% set _ = 'x' * 999999 %}{% set _ = 'x'.ljust(999999) %}"
+                "{% set _ = ('a</think>' * 90000).split('</think>') %}"
+                "{% set _ = {'a': [1, {'b': 'c'}]}|tojson(indent=2) %}" + QWEN2_TEMPLATE)
+    assert load_tokenizer(qwen_like_dir(tmp_path, template)).render_chat(CHATS[0])
