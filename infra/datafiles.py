@@ -74,7 +74,8 @@ def _jsonl_rows(path: str):
                                 f"{e.colno})") from None
             except (ValueError, RecursionError) as e:  # an integer of 4300+ digits; deep nesting
                 raise UserError(f"{path}:{lineno}: JSON that Python cannot read: {e}") from None
-            if _deeper_than(row, MAX_DEPTH):
+            # a line of fewer brackets cannot nest deeper: the walk only for the few that might
+            if line.count("[") + line.count("{") > MAX_DEPTH and _deeper_than(row, MAX_DEPTH):
                 raise UserError(f"{path}:{lineno}: JSON nested more than {MAX_DEPTH} levels deep")
             yield f"{path}:{lineno}", row
 
