@@ -25,6 +25,7 @@ The run directory: prepare_out_dir() refuses to start a new run over an old one 
 check_resume_config() a resume that would change the algorithm; resume() restores the trainer's
 state and drops the metrics the resumed run will log again.
 """
+import itertools
 import json
 import os
 import pickle
@@ -363,7 +364,7 @@ def prepare_out_dir(out_dir: str, resume: bool, overwrite: bool,
     if resume:
         return latest(out_dir)
     metrics = os.path.join(out_dir, "metrics.jsonl")
-    held = [p for p in (metrics, ckpts) if (os.path.isfile(p) and os.path.getsize(p)) or
+    held = [p for p in (metrics, ckpts) if (os.path.isfile(p) and _logged(p)) or
             (os.path.isdir(p) and os.listdir(p))]
     if held and not overwrite:
         raise UserError(f"{out_dir} already holds a run "
@@ -379,6 +380,18 @@ def prepare_out_dir(out_dir: str, resume: bool, overwrite: bool,
         os.makedirs(out_dir, exist_ok=True)
     distributed.barrier("prepare_out_dir")
     return None
+
+
+def _logged(metrics: str) -> bool:
+    """Whether metrics.jsonl holds more than the settings a run starts with: a run that died
+    before its first step or evaluation has nothing to lose, and the next one replaces them."""
+    with open(metrics, encoding="utf-8", errors="replace") as f:
+        lines = [line for line in itertools.islice(f, 2) if line.strip()]
+    try:
+        settings_only = len(lines) == 1 and set(json.loads(lines[0])) == {"step", "config"}
+    except (ValueError, TypeError):  # not JSON, not an object: a row of something
+        settings_only = False
+    return bool(lines) and not settings_only
 
 
 def refuse_inputs_inside(out_dir: str, inputs: dict[str, str]):

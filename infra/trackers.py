@@ -167,7 +167,9 @@ def log_settings(metrics_path: str, config: dict):
     --reward-timeout without limit), as strict JSON has no inf."""
     config = {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v
               for k, v in config.items()}
-    files.append_line(metrics_path, json.dumps({"step": 0, "config": config}))
+    # written whole: what a start finds there is at most the settings of a run that died before
+    # its first row (checkpoint.prepare_out_dir refuses anything more)
+    files.write_atomic(metrics_path, json.dumps({"step": 0, "config": config}) + "\n")
 
 
 def _rows(path: str | None) -> list[dict]:
