@@ -11,12 +11,16 @@ model for this script.
 
 One --prompt: its reply alone is printed, then the script ends. Without one, a conversation on
 the terminal (or stdin): each reply joins the history the next turn's prompt is rendered from.
+Ctrl-C while a reply streams ends that reply (its turn is left out of the history) and returns to
+the prompt; with --prompt, or at the prompt, it ends the script.
 """
 import argparse
+import re
 import sys
 
 import torch
 
+from config import device_problems, not_finite, seed_problems
 from data import Tokenizer, check_vocab, load_tokenizer
 from infra import distributed, hub, precision
 from infra.errors import UserError
@@ -111,9 +115,14 @@ def converse(chat: Chat, lines, out):
             continue
         if not line.strip():
             continue
-        messages.append({"role": "user", "content": line.strip()})
+        messages.append({"role": "user", "content": valid_text(line.strip())})
         out.write("Assistant: ")
-        text = chat.reply(messages, out)
+        try:
+            text = chat.reply(messages, out)
+        except KeyboardInterrupt:  # Ctrl-C while the reply streams: that reply ends, not the chat
+            messages.pop()
+            out.write("\n(stopped: this turn is left out of the conversation)\n")
+            continue
         if text is None:
             messages.pop()
             out.write(f"(the conversation fills the model's "
@@ -138,34 +147,58 @@ def parse_args(argv=None):
     parser.add_argument("--precision", default="auto", choices=PRECISIONS,
                         help="auto: bf16 on CUDA, and on a CPU where it is faster")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args(argv)
-    try:
-        torch.device(args.device)
-    except RuntimeError as e:
-        parser.error(f"--device: {e}")
-    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.max_new_tokens < 1:
-        parser.error(f"--temperature must be >= 0, --top-p in (0, 1], --max-new-tokens >= 1; "
-                     f"got {args.temperature}, {args.top_p}, {args.max_new_tokens}")
-    return args
+    return parser.parse_args(argv)
+
+
+def check_args(args):
+    """The flags checked as dapo.py's are (config.py's checks): finite numbers in their range, a
+    seed the generators take, a device this machine has. Before, --temperature nan reached the
+    sampler ("index out of bounds") and --device cuda:99 an AssertionError."""
+    problems = [p for p in (not_finite("--temperature", args.temperature),
+                            not_finite("--top-p", args.top_p)) if p]
+    if args.temperature < 0:
+        problems.append(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        problems.append(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.max_new_tokens < 1:
+        problems.append(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    problems += seed_problems(args.seed) + device_problems(args.device)
+    if problems:  # one line, as dapo.py's
+        raise UserError("bad flags: " + "; ".join(problems))
 
 
 def main(argv=None, lines=None, out=sys.stdout):
     """lines: the conversation's input lines (default: the terminal's, or stdin's)."""
     args = parse_args(argv)
     try:
+        check_args(args)
         chat = Chat(args)
         if not args.prompt:
             converse(chat, iter(lines) if lines is not None else _input_lines(), out)
-        elif chat.reply([{"role": "user", "content": args.prompt}], out) is None:
+        elif chat.reply([{"role": "user", "content": valid_text(args.prompt)}], out) is None:
             positions = chat.model.config.max_position_embeddings
             raise UserError(f"--prompt: more tokens than the {positions} positions of "
                             f"{args.model}")
     except UserError as e:  # a user's mistake (no such directory): one line, exit status 2
         distributed.fail(str(e))
+    except KeyboardInterrupt:  # Ctrl-C while loading, or while --prompt's reply streams
+        out.write("\n")
+        print("error: interrupted (Ctrl-C)", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+def valid_text(text: str) -> str:
+    """text with its lone surrogates (bytes that were not UTF-8, in an argument or, under the C
+    locale, on stdin) as U+FFFD: the tokenizer takes no surrogate ("TextInputSequence must be
+    str")."""
+    return re.sub("[\ud800-\udfff]", "\ufffd", text)
 
 
 def _input_lines():
-    """Lines of stdin, read as they are typed, until its end (or Ctrl-C at the prompt)."""
+    """Lines of stdin, read as they are typed, until its end (or Ctrl-C at the prompt). A byte
+    that is not UTF-8 is read as U+FFFD, not a UnicodeDecodeError."""
+    if hasattr(sys.stdin, "reconfigure"):  # a TextIOWrapper (not a test's StringIO)
+        sys.stdin.reconfigure(errors="replace")
     while True:
         try:
             yield input()

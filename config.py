@@ -218,21 +218,34 @@ class Config:
 
 # a collective's deadline in nanoseconds must fit an int64 (292 years): 1e9 s is 31 years
 MAX_DIST_TIMEOUT_S = 1e9
+# numpy's generators take no negative seed (the data order), torch's none past 2**64 - 1 (an
+# evaluation's generator is seeded with seed + 1 + rank)
+SEED_LIMIT = 2**63
+
+
+def not_finite(flag: str, value: float, allowed: str = "") -> str | None:
+    """The problem of a float flag that is NaN or infinite, or None: a NaN passes every `>= low`
+    check, and trains on a NaN loss (or samples from a NaN distribution). Shared with chat.py."""
+    return None if math.isfinite(value) else f"{flag} must be a finite number{allowed}, got {value}"
+
+
+def seed_problems(seed: int) -> list[str]:
+    """--seed out of the generators' range, said before anything loads (shared with chat.py):
+    -1 failed in the data order's numpy generator, after the model had loaded."""
+    return [] if 0 <= seed < SEED_LIMIT else [f"--seed must be in [0, 2**63), got {seed}"]
 
 
 def _not_finite(cfg: Config) -> dict[str, str]:
     """{field: its problem} for each float flag that is NaN or infinite (--reward-timeout inf
-    means no limit): a NaN passes every `>= low` check below, and trains on a NaN loss."""
+    means no limit)."""
     problems = {}
     for f in fields(Config):
         value = getattr(cfg, f.name)
-        if not isinstance(f.default, float) or math.isfinite(value):
+        if not isinstance(f.default, float) or (f.name == "reward_timeout" and value == math.inf):
             continue
-        if f.name == "reward_timeout" and value == math.inf:
-            continue
-        limit = " or inf (no limit)" if f.name == "reward_timeout" else ""
-        problems[f.name] = (f"--{f.name.replace('_', '-')} must be a finite number{limit}, "
-                            f"got {value}")
+        allowed = " or inf (no limit)" if f.name == "reward_timeout" else ""
+        if problem := not_finite(f"--{f.name.replace('_', '-')}", value, allowed):
+            problems[f.name] = problem
     return problems
 
 
@@ -250,6 +263,9 @@ def check_flags(cfg: Config, world: int = 1):
     problems = list(not_finite.values())
     problems += [f"--{k.replace('_', '-')} must be >= {low}, got {getattr(cfg, k)}"
                  for k, low in at_least.items() if k not in not_finite and getattr(cfg, k) < low]
+    problems += seed_problems(cfg.seed)
+    if not cfg.out_dir:  # os.makedirs("") fails with FileNotFoundError; "." names this directory
+        problems.append("--out-dir must name a directory, got ''")
     if cfg.plan < 0 and cfg.plan != PLAN_THIS_LAUNCH:
         problems.append(f"--plan must be a number of processes >= 1 (0: off), got {cfg.plan}")
     if cfg.rollout_slots != "auto" and not (isinstance(cfg.rollout_slots, int)
@@ -276,7 +292,9 @@ def check_flags(cfg: Config, world: int = 1):
         ("overlong-buffer", cfg.overlong_buffer,
          not cfg.overlong_shaping or 0 < cfg.overlong_buffer <= cfg.max_response_len,
          f"in (0, --max-response-len={cfg.max_response_len}] with overlong shaping on"),
-        ("train-prompts", cfg.train_prompts, cfg.train_prompts % cfg.mini_batch_prompts == 0,
+        # (--mini-batch-prompts 0 is said above: no modulo by it)
+        ("train-prompts", cfg.train_prompts, cfg.mini_batch_prompts < 1
+         or cfg.train_prompts % cfg.mini_batch_prompts == 0,
          f"a multiple of --mini-batch-prompts={cfg.mini_batch_prompts} (whole optimizer steps)"),
     ]:
         if not ok and name.replace("-", "_") not in not_finite:
@@ -295,7 +313,7 @@ def check_flags(cfg: Config, world: int = 1):
         problems.append(f"--mini-batch-prompts x --group-size must be a multiple of the {world} "
                         f"processes (each trains its share of every optimizer step's responses), "
                         f"got {cfg.mini_batch_prompts} x {cfg.group_size}")
-    problems += _device_problems(cfg.device)
+    problems += device_problems(cfg.device)
     problems += [f"--report-to must be among {' '.join(REPORT_TO)}, got {name!r}"
                  for name in cfg.report_to if name not in REPORT_TO]
     problems += trackers.missing(cfg.report_to)  # not installed: refused before the model loads
@@ -321,9 +339,10 @@ def _vllm_problems(cfg: Config) -> list[str]:
     return problems
 
 
-def _device_problems(device: str) -> list[str]:
+def device_problems(device: str) -> list[str]:
     """--device checked here, not by the first tensor moved there: "foo" would surface as a
-    "corrupt" model file, "cuda" without a GPU as a pin_memory error, after --out-dir is made."""
+    "corrupt" model file, "cuda" without a GPU as a pin_memory error, after --out-dir is made
+    (chat.py's, cuda:99, as an AssertionError)."""
     match = re.fullmatch(r"cpu|cuda(?::(\d+))?", device)
     if not match:
         return [f"--device must be cpu, cuda or cuda:N, got {device!r}"]

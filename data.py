@@ -28,7 +28,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from infra import datafiles, templates
 from infra.errors import UserError
-from infra.files import need_file, read_json
+from infra.files import json_type, need_file, read_json_object
 
 log = logging.getLogger("data")
 CUSTOM_DATA_SOURCE = "custom"  # the data_source of plain {"prompt", "answer"} rows (--reward-fn's)
@@ -108,9 +108,13 @@ class Tokenizer:
         return self.encode(self.render_chat(messages, add_generation_prompt))
 
 
-def _token_text(value) -> str | None:
-    # "<|im_end|>" or {"content": "<|im_end|>", ...}
-    return value.get("content") if isinstance(value, dict) else value
+def _token_text(value, name: str, where: str) -> str | None:
+    """A special token's text: "<|im_end|>" or {"content": "<|im_end|>", ...} (None: none)."""
+    text = value.get("content") if isinstance(value, dict) else value
+    if text is not None and not isinstance(text, str):
+        raise UserError(f"{where}: {name} must be a token's text (\"<|im_end|>\" or "
+                        f"{{\"content\": ...}}), got {json.dumps(value)}")
+    return text
 
 
 def _chat_template(path: str, config: dict) -> tuple[str | None, str]:
@@ -120,10 +124,16 @@ def _chat_template(path: str, config: dict) -> tuple[str | None, str]:
     if os.path.isfile(file):
         with open(file, encoding="utf-8") as f:
             return f.read(), file
+    where = os.path.join(path, "tokenizer_config.json") + " (its chat_template)"
     template = config.get("chat_template")
-    if isinstance(template, list):  # several named templates: the chat one is "default"
-        template = {t["name"]: t["template"] for t in template}.get("default")
-    return template, os.path.join(path, "tokenizer_config.json") + " (its chat_template)"
+    if isinstance(template, list) and all(
+            isinstance(t, dict) and isinstance(t.get("name"), str) for t in template):
+        # several named templates: the chat one is "default"
+        template = {t["name"]: t.get("template") for t in template}.get("default")
+    if template is not None and not isinstance(template, str):
+        raise UserError(f"{where}: must be the template's text, or a list of {{\"name\": ..., "
+                        f"\"template\": ...}}, got {json_type(template)}")
+    return template, where
 
 
 def load_tokenizer(path: str) -> Tokenizer:
@@ -140,12 +150,13 @@ def load_tokenizer(path: str) -> Tokenizer:
     except Exception as e:  # the tokenizers library's errors are bare Exceptions, naming no file
         raise UserError(f"{tokenizer_file}: not a tokenizer the tokenizers library reads, "
                         f"truncated or corrupt (a partial copy?): {e}") from None
-    config = read_json(need_file(path, "tokenizer_config.json"))
+    config_file = need_file(path, "tokenizer_config.json")
+    config = read_json_object(config_file)
     gen_file = os.path.join(path, "generation_config.json")
-    gen = read_json(gen_file) if os.path.isfile(gen_file) else {}
+    gen = read_json_object(gen_file) if os.path.isfile(gen_file) else {}
     template, template_source = _chat_template(path, config)
-    special = {name: _token_text(config[name]) for name in SPECIAL_TOKEN_NAMES
-               if _token_text(config.get(name))}
+    special = {name: text for name in SPECIAL_TOKEN_NAMES
+               if (text := _token_text(config.get(name), name, config_file))}
 
     eos = gen.get("eos_token_id")
     if isinstance(eos, list):

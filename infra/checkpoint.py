@@ -25,6 +25,7 @@ The run directory: prepare_out_dir() refuses to start a new run over an old one 
 check_resume_config() a resume that would change the algorithm; resume() restores the trainer's
 state and drops the metrics the resumed run will log again.
 """
+import itertools
 import json
 import os
 import pickle
@@ -36,7 +37,7 @@ import zlib
 import torch
 from safetensors import SafetensorError, safe_open
 
-from infra import distributed, files, health
+from infra import distributed, files, health, hub
 from infra.errors import UserError
 from infra.hf_io import checkpoint_files, save_hf_checkpoint
 
@@ -363,7 +364,7 @@ def prepare_out_dir(out_dir: str, resume: bool, overwrite: bool,
     if resume:
         return latest(out_dir)
     metrics = os.path.join(out_dir, "metrics.jsonl")
-    held = [p for p in (metrics, ckpts) if (os.path.isfile(p) and os.path.getsize(p)) or
+    held = [p for p in (metrics, ckpts) if (os.path.isfile(p) and _logged(p)) or
             (os.path.isdir(p) and os.listdir(p))]
     if held and not overwrite:
         raise UserError(f"{out_dir} already holds a run "
@@ -379,6 +380,18 @@ def prepare_out_dir(out_dir: str, resume: bool, overwrite: bool,
         os.makedirs(out_dir, exist_ok=True)
     distributed.barrier("prepare_out_dir")
     return None
+
+
+def _logged(metrics: str) -> bool:
+    """Whether metrics.jsonl holds more than the settings a run starts with: a run that died
+    before its first step or evaluation has nothing to lose, and the next one replaces them."""
+    with open(metrics, encoding="utf-8", errors="replace") as f:
+        lines = [line for line in itertools.islice(f, 2) if line.strip()]
+    try:
+        settings_only = len(lines) == 1 and set(json.loads(lines[0])) == {"step", "config"}
+    except (ValueError, TypeError):  # not JSON, not an object: a row of something
+        settings_only = False
+    return bool(lines) and not settings_only
 
 
 def refuse_inputs_inside(out_dir: str, inputs: dict[str, str]):
@@ -482,10 +495,12 @@ def saved_config(ckpt: str) -> dict:
 
 def check_resume_config(saved: dict, current: dict, where: str = "the checkpoint"):
     """Refuse to resume with settings that change the algorithm, naming each changed flag with both
-    values. A field the checkpoint does not have (a flag added since) is not compared."""
+    values. A field the checkpoint does not have (a flag added since) is not compared. A path in
+    the Hugging Face cache is compared by its repository, commit and file: the same commit read
+    from another cache (HF_HUB_CACHE moved, another node) is the same --model."""
     changed = [f"  --{k.replace('_', '-')}: {saved[k]!r} in the checkpoint, {current[k]!r} now"
-               for k in current
-               if k in saved and k not in MAY_CHANGE_ON_RESUME and saved[k] != current[k]]
+               for k in current if k in saved and k not in MAY_CHANGE_ON_RESUME
+               and not hub.same_files(saved[k], current[k])]
     if changed:
         raise UserError(f"--resume: {where} was trained with other settings, and these change "
                         "the algorithm:\n" + "\n".join(changed) + "\nResume with the checkpoint's "

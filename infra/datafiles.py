@@ -11,6 +11,10 @@ import json
 
 from infra.errors import UserError
 
+# Nesting a row may have (verl's rows have 3: prompt, message, content): json reads ~990 levels,
+# but a row that deep fails later, in a deeper stack (the rows' sha256 at the first checkpoint)
+MAX_DEPTH = 100
+
 
 def _import_pyarrow(path: str):
     try:
@@ -64,7 +68,24 @@ def _jsonl_rows(path: str):
             if not line.strip():
                 continue
             try:
-                yield f"{path}:{lineno}", json.loads(line)
+                row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise UserError(f"{path}:{lineno}: malformed JSON ({e.msg} at column "
                                 f"{e.colno})") from None
+            except (ValueError, RecursionError) as e:  # an integer of 4300+ digits; deep nesting
+                raise UserError(f"{path}:{lineno}: JSON that Python cannot read: {e}") from None
+            # a line of fewer brackets cannot nest deeper: the walk only for the few that might
+            if line.count("[") + line.count("{") > MAX_DEPTH and _deeper_than(row, MAX_DEPTH):
+                raise UserError(f"{path}:{lineno}: JSON nested more than {MAX_DEPTH} levels deep")
+            yield f"{path}:{lineno}", row
+
+
+def _deeper_than(value, limit: int) -> bool:
+    """Whether lists and objects nest more than limit levels in value (walked without recursion)."""
+    level = [value]
+    for _ in range(limit + 1):
+        level = [x for v in level if isinstance(v, (list, dict))
+                 for x in (v.values() if isinstance(v, dict) else v)]
+        if not level:
+            return False
+    return True

@@ -11,6 +11,7 @@ atomic, so a power cut or a kill at any moment leaves either the old content or 
     write_json(file, obj)     write indented JSON and flush it (into a directory that is renamed
                               into place whole, as a checkpoint's)
     read_json(file)           JSON, or an error that names the file (a truncated copy)
+    read_json_object(file)    read_json of a file whose top level must be an object ({...})
     own_dir(dir)              this process owns dir for its life (a lock a crash never leaves stuck)
     check_writable(dir, what) a directory a run will write: a probe file written and removed there
 """
@@ -112,9 +113,28 @@ def read_json(file: str):
     with open(file, encoding="utf-8") as f:
         try:
             return json.load(f)
-        except json.JSONDecodeError as e:
+        # JSONDecodeError; UnicodeDecodeError (a byte that is not UTF-8); an integer of 4300+
+        # digits; nesting past the recursion limit
+        except (ValueError, RecursionError) as e:
             raise UserError(f"{file}: not valid JSON, truncated or corrupt (a partial copy?): "
                             f"{e}") from None
+
+
+def read_json_object(file: str) -> dict:
+    """A JSON file whose top level must be an object (a model's config.json,
+    tokenizer_config.json, generation_config.json): anything else is named with the file."""
+    value = read_json(file)
+    if not isinstance(value, dict):
+        raise UserError(f"{file}: the top level must be a JSON object ({{...}}), got "
+                        f"{json_type(value)}")
+    return value
+
+
+def json_type(value) -> str:
+    """The JSON name of a value's type, for the errors that name it."""
+    kinds = {dict: "an object", list: "a list", str: "a string", bool: "true or false",
+             int: "a number", float: "a number", type(None): "null"}
+    return kinds.get(type(value), type(value).__name__)
 
 
 _owned: dict[str, int] = {}  # realpath -> the open lock file's descriptor, held until exit

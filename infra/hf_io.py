@@ -286,7 +286,7 @@ def config_from_hf(cls, hf: dict, source: str = "config.json"):
     does not compute (another family, a sliding window, other RoPE scalings) is refused, naming
     the field."""
     family = hf.get("model_type", "qwen2")
-    if family not in ARCHITECTURES:
+    if not isinstance(family, str) or family not in ARCHITECTURES:
         raise UserError(f"{source}: model_type is {family!r}; this project implements "
                         f"{', '.join(map(repr, ARCHITECTURES))} (dense, full attention)")
     _refuse_what_is_not_computed(hf, source)
@@ -313,7 +313,10 @@ def _refuse_what_is_not_computed(hf: dict, source: str):
     if hf.get("use_sliding_window", False):
         raise UserError(f"{source}: use_sliding_window=true is not supported "
                         "(Qwen2.5 and Qwen3 ship with it off)")
-    windowed = [t for t in hf.get("layer_types") or () if t != "full_attention"]
+    layer_types = hf.get("layer_types") or []
+    if not isinstance(layer_types, list):
+        raise UserError(f"{source}: layer_types must be a list, got {json.dumps(layer_types)}")
+    windowed = [t for t in layer_types if t != "full_attention"]
     if windowed:
         raise UserError(f"{source}: layer_types holds {windowed[0]!r}; only full_attention "
                         "layers are supported")
@@ -356,12 +359,7 @@ def _llama3_rope(rope: dict, where: str) -> dict | None:
 
 
 def config_from_json(cls, path: str):
-    with open(path) as f:
-        try:
-            hf = json.load(f)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}: not valid JSON ({e})") from None
-    return config_from_hf(cls, hf, source=path)
+    return config_from_hf(cls, files.read_json_object(path), source=path)
 
 
 def config_to_hf(cfg) -> dict:

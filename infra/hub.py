@@ -12,7 +12,8 @@ repository and what to do. The rest of a run then reads files, as it does for a 
 
 A local path keeps precedence: a spec is a path when it starts like one (/ . ~), when its first
 folder exists here (ORG/NAME itself, runs/...), or when it is a data file one folder down
-(no/such.jsonl: no repository is called NAME.jsonl).
+(no/such.jsonl: no repository is called NAME.jsonl). Such a path that is not a model directory
+(or, for ORG/NAME[:SPLIT], no data file) is refused saying that it took the Hub name's place.
 
 The cache (HF_HUB_CACHE, by default ~/.cache/huggingface/hub) keeps each repository as
     models--ORG--NAME/refs/main           the commit `main` named when it was last fetched
@@ -24,6 +25,7 @@ run's flags, keeps it, and pinned() reads it back for --resume.
     fetch(name, flag)          the local path of a name: a model's snapshot, a dataset's file
     pinned(path)               the HubName (at its commit) of a path in the cache, or None
     at_commit_of(name, path)   --resume: name at the commit of the checkpoint's path of it
+    same_files(path, path)     the same path, or the same repository, commit and file
     fetch_once(names)          fetch() under torchrun: one process downloads, the others wait
 """
 import os
@@ -49,6 +51,12 @@ DATA_SUFFIXES = (".parquet", ".jsonl")  # what data.load_rows reads
 HUB_NAME = re.compile(r"(?P<repo>[^/@:]+/[^/@:]+)(?:@(?P<revision>[^/:@]+))?"
                   r"(?::(?P<split>[^/:@]+)|/(?P<file>.+))?")
 COMMIT = re.compile(r"[0-9a-f]{40}")
+# A revision git refuses as a ref name (git check-ref-format): a leading ".", "..", a trailing "."
+# or ".lock", control characters, space and ~^:?*[\ (HUB_NAME takes no @, : or /). `@..` made
+# huggingface_hub open refs/.. (a directory) and die in an IsADirectoryError.
+BAD_REVISION = re.compile(r"^\.|\.\.|\.$|\.lock$|[\x00-\x20\x7f~^:?*\[\\]")
+# A commit hash, whole or its first 7+ digits (a branch or a tag is any other name)
+HASH = re.compile(r"[0-9a-f]{7,40}")
 
 
 @dataclass(frozen=True)
@@ -73,15 +81,44 @@ def is_local(spec: str) -> bool:
 
 
 def parse(spec: str, repo_type: str) -> HubName | None:
-    """The Hub name a flag's value spells (a model's: ORG/NAME[@REV]), or None: a local path."""
-    match = HUB_NAME.fullmatch(spec) if spec and not is_local(spec) else None
+    """The Hub name a flag's value spells (a model's: ORG/NAME[@REV]), or None: a local path. A
+    local path that spells a Hub name (its first folder exists here) and holds no model (no
+    config.json) or no data (a dataset's ORG/NAME[:SPLIT]) is refused, saying that it took the
+    Hub name's place."""
+    match = HUB_NAME.fullmatch(spec) if spec else None
     if not match or (repo_type == "model" and (match["split"] or match["file"])):
         return None
     try:
         validate_repo_id(match["repo"])
     except HFValidationError:
         return None
+    if is_local(spec):
+        _check_local(spec, repo_type, match["repo"])
+        return None
+    if match["revision"] and BAD_REVISION.search(match["revision"]):
+        raise UserError(f"{spec}: {match['revision']!r} is not a revision (a branch, tag or "
+                        "commit: git's names never start or end with '.', never end with "
+                        "'.lock', never hold '..', spaces or any of ~^:?*[\\)")
     return HubName(repo_type, match["repo"], match["revision"], match["split"], match["file"])
+
+
+def _check_local(spec: str, repo_type: str, repo: str):
+    """A local path that took a Hub name's place because its first folder exists here: the
+    error that it is not a model (or a data file) says so, else it read as a typo."""
+    first = spec.split("/", 1)[0]
+    # a data file's name (runs/x/rows.jsonl) is a local path meant: its error is "no such file"
+    if spec.startswith(("/", ".", "~")) or not os.path.isdir(first) or \
+            spec.endswith(DATA_SUFFIXES):
+        return
+    if repo_type == "model" and not os.path.isfile(os.path.join(spec, "config.json")):
+        problem = f"it is not a model directory (no {os.path.join(spec, 'config.json')})"
+    elif repo_type == "dataset" and not os.path.isfile(spec):
+        problem = "it is not a file"
+    else:
+        return
+    raise UserError(f"{spec}: a local path ({first}/ exists here), which takes precedence over "
+                    f"the Hub's {repo_type} {repo}, and {problem}: for the Hub's, run from a "
+                    f"directory without {first}/")
 
 
 def fetch(name: HubName, flag: str, config_only: bool = False, local_only: bool = False) -> str:
@@ -100,6 +137,10 @@ def fetch(name: HubName, flag: str, config_only: bool = False, local_only: bool 
                                      local_files_only=local_only or constants.HF_HUB_OFFLINE)
     except (LocalEntryNotFoundError, HfHubHTTPError) as e:
         raise UserError(f"{flag} {name}: {why_not(name, e)}") from None
+    except OSError as e:  # the cache itself: unreadable, a ref that is a directory...
+        raise UserError(f"{flag} {name}: reading the {name.repo_type} {name.repo_id} from the "
+                        f"Hugging Face cache {constants.HF_HUB_CACHE} failed: "
+                        f"{type(e).__name__}: {e}") from None
     return snapshot if name.repo_type == "model" else data_file(snapshot, name, flag)
 
 
@@ -117,7 +158,9 @@ def why_not(name: HubName, e: Exception) -> str:
     if isinstance(e, LocalEntryNotFoundError):
         offline = ("HF_HUB_OFFLINE=1 forbids downloading it" if constants.HF_HUB_OFFLINE
                    else "the Hub could not be reached to download it")
-        download = f"hf download {repo}" + (" --repo-type dataset" if kind == "dataset" else "")
+        # the revision: without it, hf download fetches main, and the same name fails again
+        download = f"hf download {repo}" + (" --repo-type dataset" if kind == "dataset" else "") \
+            + (f" --revision {name.revision}" if name.revision else "")
         return (f"no such local path, and the {kind} {repo} is not (or not whole) in the Hugging "
                 f"Face cache {constants.HF_HUB_CACHE}, and {offline}: run `{download}` where "
                 "there is a network, into this cache (HF_HUB_CACHE), or pass a local path")
@@ -151,32 +194,45 @@ def data_file(snapshot: str, name: HubName, flag: str) -> str:
 
 def pinned(path: str) -> HubName | None:
     """The Hub name, at its commit and with its file, that a path in the cache holds
-    (CACHE/datasets--ORG--NAME/snapshots/COMMIT/FILE), or None for any other path."""
+    (CACHE/datasets--ORG--NAME/snapshots/COMMIT/FILE), or None for any other path. Found by its
+    repository's folder, the first one followed by snapshots/COMMIT: a folder named snapshots
+    in the repository (or above the cache) is not the cache's."""
     parts = os.path.normpath(path).split(os.sep)
-    at = len(parts) - 1 - parts[::-1].index("snapshots") if "snapshots" in parts else 0
-    if not 0 < at < len(parts) - 1 or not COMMIT.fullmatch(parts[at + 1]):
-        return None
-    kind, sep, repo = parts[at - 1].partition("s--")  # models--ORG--NAME
-    if not sep or kind not in ("model", "dataset") or repo.count("--") != 1:
-        return None
-    return HubName(kind, repo.replace("--", "/"), parts[at + 1],
-                   file="/".join(parts[at + 2:]) or None)
+    for at, part in enumerate(parts[:-2]):
+        kind, sep, repo = part.partition("s--")  # models--ORG--NAME
+        if sep and kind in ("model", "dataset") and repo.count("--") == 1 and \
+                parts[at + 1] == "snapshots" and COMMIT.fullmatch(parts[at + 2]):
+            return HubName(kind, repo.replace("--", "/"), parts[at + 2],
+                           file="/".join(parts[at + 3:]) or None)
+    return None
 
 
 def at_commit_of(name: HubName, saved_path: str | None, flag: str) -> HubName:
     """--resume: name at the commit of saved_path, the checkpoint's path of the same flag, so that
-    the run goes on with the files it started with, whatever `main` names now. A revision given
-    (@REV) that is not that commit is refused. Another source (a local path, another repository)
-    is left to the checks of a changed flag or dataset."""
+    the run goes on with the files it started with, whatever `main` (or any branch or tag given,
+    @REV: the command the interrupt prints) names now. A commit given (@HASH, 7 to 40 hex digits)
+    that is not that commit is refused. Another source (a local path, another repository) is
+    left to the checks of a changed flag or dataset."""
     saved = pinned(saved_path) if saved_path else None
     if saved is None or (saved.repo_type, saved.repo_id) != (name.repo_type, name.repo_id):
         return name
-    if name.revision and not saved.revision.startswith(name.revision):
+    if name.revision and HASH.fullmatch(name.revision) and \
+            not saved.revision.startswith(name.revision):
         raise UserError(f"--resume: {flag} {name}: the checkpoint was trained on commit "
                         f"{saved.revision} of {name.repo_id}, not {name.revision}: resume with "
                         f"{flag} {name.repo_id} (the checkpoint's commit is kept), or start a new "
                         "run")
     return replace(name, revision=saved.revision)
+
+
+def same_files(saved_path, path) -> bool:
+    """Whether two values of a flag are the same: equal, or paths of the same repository, commit
+    and file in two caches (HF_HUB_CACHE moved, another node's)."""
+    if saved_path == path:
+        return True
+    if not (isinstance(saved_path, str) and isinstance(path, str)):
+        return False
+    return pinned(saved_path) is not None and pinned(saved_path) == pinned(path)
 
 
 def fetch_once(names: dict[str, HubName], config_only: bool = False) -> dict[str, str]:

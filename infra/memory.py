@@ -174,8 +174,8 @@ def _count(n: int) -> str:
 
 def plan(m, cfg, world: int, capacity: int = 0, slots: int | None = None) -> Plan:
     """The plan of a run of ModelConfig m with flags cfg (precision resolved) on world processes
-    of capacity bytes each; slots: the KV cache's rows (default: --rollout-slots, or, for
-    "auto", the most that fit)."""
+    of capacity bytes each; slots: the KV cache's rows (default: what --rollout-slots allocates,
+    or, for "auto", the most that fit)."""
     params, sampler = parameter_count(m), cfg.sampler_precision
     if world > 1:  # FSDP2: all weights gathered for the rollout
         gathered_rollout = params * dtype_bytes(sampler)
@@ -190,9 +190,10 @@ def plan(m, cfg, world: int, capacity: int = 0, slots: int | None = None) -> Pla
         result = with_update(result, m, cfg)
     if cfg.rollout_engine == "vllm":
         return with_engine(result, cfg)
-    wanted = slots if slots is not None else cfg.rollout_slots
-    if wanted != "auto":
-        return with_slots(result, m, cfg, int(wanted) or max_slots(cfg, world))  # 0: all
+    if slots is not None:
+        return with_slots(result, m, cfg, slots)
+    if cfg.rollout_slots != "auto":  # 0: all
+        return with_slots(result, m, cfg, allocated_slots(cfg, world))
     if not capacity:
         return with_slots(result, m, cfg, 64)  # the default, for a plan against no device
     one = with_slots(result, m, cfg, 1)
@@ -244,6 +245,18 @@ def with_update(p: Plan, m, cfg) -> Plan:
     per_token = activation_bytes_per_token(m, mode, cfg.activation_checkpointing)
     return replace(p, micro_tokens=micro_tokens, grads=math.ceil(p.params / p.world) * 4,
                    gathered_update=gathered, activations=int(micro_tokens * per_token), head=head)
+
+
+def allocated_slots(cfg, world: int) -> int:
+    """The KV cache's rows of a fixed --rollout-slots: the sampler allocates min(slots, the
+    sequences it decodes), so that is planned (before, --rollout-slots 1000000000 for 8 sequences
+    was refused as needing 71,266 GiB). Where an evaluation of every held-out row (--eval-prompts
+    0) makes that count unknown before the data loads, the slots asked for."""
+    most = max_slots(cfg, world)
+    if not cfg.rollout_slots:  # 0: a slot for every sequence
+        return most
+    every_row = (cfg.eval_every or cfg.eval_only) and not cfg.eval_prompts
+    return cfg.rollout_slots if every_row else min(cfg.rollout_slots, most)
 
 
 def max_slots(cfg, world: int) -> int:

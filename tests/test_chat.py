@@ -119,6 +119,82 @@ def test_a_model_that_is_not_there_is_one_line(argv, message, tmp_path):
     assert out.stderr.startswith(message) and out.stderr.count("\n") == 1, out.stderr
 
 
+@pytest.mark.parametrize("errors", ["strict", "surrogateescape"])
+def test_stdin_that_is_not_utf8_is_read_with_replacement_characters(monkeypatch, errors):
+    # before: a UnicodeDecodeError (a UTF-8 locale), or lone surrogates (C.UTF-8) that the
+    # tokenizer refused with a TypeError
+    stdin = io.TextIOWrapper(io.BytesIO(b"caf\xe9\n\xed\xa0\x80?\n"), encoding="utf-8",
+                             errors=errors)
+    monkeypatch.setattr(sys, "stdin", stdin)
+    assert list(chat._input_lines()) == ["caf\ufffd", "\ufffd\ufffd\ufffd?"]
+
+
+def test_a_lone_surrogate_in_a_turn_or_a_prompt_is_replaced_not_a_traceback(talkative_dir):
+    # an argument of bytes that are not UTF-8 reaches Python as lone surrogates
+    argv = ["--model", talkative_dir, "--max-new-tokens", "3", "--temperature", "0"]
+    by_line, by_prompt, replaced = io.StringIO(), io.StringIO(), io.StringIO()
+    chat.main(argv, lines=["caf\udce9", "quit"], out=by_line)
+    chat.main([*argv, "--prompt", "caf\udce9"], out=by_prompt)
+    chat.main([*argv, "--prompt", "caf\ufffd"], out=replaced)
+    assert by_prompt.getvalue() == replaced.getvalue() and "Assistant: " in by_line.getvalue()
+
+
+def interrupted_once(real_stream):
+    """chat.stream, whose first reply is cut by a Ctrl-C after two tokens."""
+    calls = []
+
+    def stream(*args):
+        calls.append(args)
+        tokens = real_stream(*args)
+        if len(calls) == 1:
+            yield next(tokens)
+            yield next(tokens)
+            raise KeyboardInterrupt
+        yield from tokens
+    return stream
+
+
+def test_ctrl_c_while_a_reply_streams_returns_to_the_prompt(talkative_dir, monkeypatch):
+    # before: a KeyboardInterrupt traceback, exit status -2
+    prompts, real_stream = [], chat.stream
+    monkeypatch.setattr(chat, "stream", interrupted_once(
+        lambda model, prompt, *a: prompts.append(prompt) or real_stream(model, prompt, *a)))
+    out = io.StringIO()
+    chat.main(["--model", talkative_dir, "--max-new-tokens", "6", "--temperature", "0"],
+              lines=["Hi", "What is 1 + 1?", "quit"], out=out)
+    assert "\n(stopped: this turn is left out of the conversation)\n\nUser: " in out.getvalue()
+    tok = load_tokenizer(talkative_dir)
+    second = [{"role": "user", "content": "What is 1 + 1?"}]  # without the stopped turn
+    assert prompts[1] == tok.apply_chat_template(second, add_generation_prompt=True)
+    assert out.getvalue().endswith("User: \n")  # the conversation went on to its end
+
+
+def test_ctrl_c_during_the_reply_to_a_prompt_is_one_line_and_exit_status_130(
+        talkative_dir, monkeypatch, capsys):
+    monkeypatch.setattr(chat, "stream", interrupted_once(chat.stream))
+    with pytest.raises(SystemExit) as e:
+        chat.main(["--model", talkative_dir, "--prompt", "Hi", "--max-new-tokens", "6"])
+    assert e.value.code == 130 and capsys.readouterr().err == "error: interrupted (Ctrl-C)\n"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--temperature", "nan"], "--temperature must be a finite number, got nan"),
+    (["--top-p", "inf"], "--top-p must be a finite number, got inf"),
+    (["--temperature", "-1"], "--temperature must be >= 0 (0: greedy), got -1.0"),
+    (["--seed", "-1"], "--seed must be in [0, 2**63), got -1"),
+    (["--device", "cuda:99"], "--device must be a CUDA device this machine has"),
+    (["--device", "foo"], "--device must be cpu, cuda or cuda:N, got 'foo'"),
+])
+def test_chats_flags_are_checked_as_dapos_before_the_model_loads(flags, message, capsys):
+    # before: --temperature nan reached the sampler ("index out of bounds"), --device cuda:99
+    # an AssertionError; "no/such/dir" is never looked at
+    with pytest.raises(SystemExit) as e:
+        chat.main(["--model", "no/such/dir", "--prompt", "hi", *flags])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: bad flags: ") and message in err
+    assert err.count("\n") == 1
+
+
 def test_chat_takes_a_name_on_the_hub(talkative_dir, tmp_path, monkeypatch):
     from huggingface_hub import constants
     from test_hub import cache_repo

@@ -313,6 +313,17 @@ def test_a_fresh_or_empty_directory_needs_no_flag(tmp_path):
     assert checkpoint.prepare_out_dir(str(tmp_path / "new"), resume=False, overwrite=False) is None
 
 
+def test_a_run_that_logged_only_its_settings_needs_no_flag(tmp_path):
+    # a run begins metrics.jsonl with its settings: one that died before its first step or
+    # evaluation has nothing to lose (the next run replaces that row)
+    settings = json.dumps({"step": 0, "config": {"seed": 0}}) + "\n"
+    (tmp_path / "metrics.jsonl").write_text(settings)
+    assert checkpoint.prepare_out_dir(str(tmp_path), resume=False, overwrite=False) is None
+    (tmp_path / "metrics.jsonl").write_text(settings + '{"step": 0, "val/acc": 0.5}\n')
+    with pytest.raises(UserError, match="already holds a run"):
+        checkpoint.prepare_out_dir(str(tmp_path), resume=False, overwrite=False)
+
+
 def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(UserError, match=rf"--resume: {tmp_path} holds no checkpoint to "

@@ -58,6 +58,7 @@ def test_help_gives_the_papers_value(name):
                                "got nan"),
     (dict(temperature=-INF), "--temperature must be a finite number, got -inf"),
     (dict(plan=-7), "--plan must be a number of processes >= 1 (0: off), got -7"),
+    (dict(out_dir=""), "--out-dir must name a directory, got ''"),  # a FileNotFoundError
 ])
 def test_a_non_finite_or_out_of_range_number_is_one_line_naming_the_flag(overrides, message):
     # check_flags alone: before the fix, most of these ran (and trained the demo on a NaN)

@@ -454,7 +454,7 @@ def test_dynamic_sampling_cap_trains_whole_mini_batches_and_says_so(tiny_model_d
     monkeypatch.setattr(toy, "toy_rows", lambda n, seed, split: indexed_rows(8))
     dapo.main(_cfg(tiny_model_dir, tmp_path, steps=1, eval_every=0, train_prompts=4,
                    gen_prompts=2, max_gen_batches=3, mini_batch_prompts=2, dynamic_sampling=True))
-    m = json.loads(open(tmp_path / "metrics.jsonl").readline())
+    m = json.loads(open(tmp_path / "metrics.jsonl").readlines()[1])  # after the settings row
     assert m["train/num_gen_batches"] == 3 and m["train/gen_cap_hit"] == 1
     kept = 6 - m["train/groups_filtered"]  # groups with signal among the 3 x 2 generated
     assert m["train/groups_kept"] == kept - kept % 2 and m["train/groups_surplus"] == kept % 2

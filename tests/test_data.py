@@ -240,6 +240,29 @@ def test_missing_chat_template_is_a_clear_error(tmp_path):
         load_tokenizer(path).apply_chat_template(CHATS[0])
 
 
+@pytest.mark.parametrize("file, edit, message", [
+    ("tokenizer_config.json", lambda config: [config],
+     "tokenizer_config.json: the top level must be a JSON object ({...}), got a list"),
+    ("generation_config.json", lambda gen: [gen],
+     "generation_config.json: the top level must be a JSON object ({...}), got a list"),
+    ("tokenizer_config.json", lambda config: {**config, "chat_template": 7},
+     "tokenizer_config.json (its chat_template): must be the template's text, or a list of "
+     '{"name": ..., "template": ...}, got a number'),
+    ("tokenizer_config.json", lambda config: {**config, "chat_template": [{"template": "x"}]},
+     "(its chat_template): must be the template's text, or a list"),
+    ("tokenizer_config.json", lambda config: {**config, "eos_token": ["<|im_end|>"]},
+     "tokenizer_config.json: eos_token must be a token's text"),
+], ids=["config-list", "generation-list", "template-number", "template-without-name",
+        "eos-list"])
+def test_a_tokenizer_file_of_the_wrong_shape_is_named(tmp_path, file, edit, message):
+    # before: AttributeError, TypeError or KeyError tracebacks in chat.py and dapo.py
+    path = qwen_like_dir(tmp_path, QWEN2_TEMPLATE)
+    (tmp_path / file).write_text(json.dumps(edit(json.loads((tmp_path / file).read_text()))))
+    with pytest.raises(UserError) as e:
+        load_tokenizer(path)
+    assert message in str(e.value)
+
+
 @pytest.mark.parametrize("template_file", [False, True],
                          ids=["tokenizer_config.json", "chat_template.jinja"])
 def test_a_chat_template_syntax_error_names_the_file_and_line(tmp_path, template_file):
@@ -354,6 +377,22 @@ def test_malformed_json_line_names_the_file_and_line(tmp_path):
                     + '{"data_source": "math_dapo", "prompt": [\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:3: malformed JSON"):
         load_rows(str(path))
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"data_source": ' + "1" * 5000 + "}", "Exceeds the limit (4300 digits)"),  # a ValueError
+    ("[" * 100_000 + "]" * 100_000, "maximum recursion depth exceeded"),  # a RecursionError
+    # json reads ~990 levels, but a row of ~960 failed later, in the rows' sha256 (a deeper
+    # stack, at a checkpoint): one limit, far above any dataset's nesting
+    (json.dumps(dapo_row("b"))[:-1] + ', "deep": ' + "[" * 500 + "]" * 500 + "}",
+     "nested more than 100 levels deep"),
+], ids=["5000-digits", "100000-deep", "500-deep"])
+def test_a_line_json_cannot_read_names_the_file_and_line(tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(dapo_row("a")) + "\n" + line + "\n")
+    with pytest.raises(UserError, match=r"bad.jsonl:2: ") as e:
+        load_rows(str(path))
+    assert message in str(e.value)
 
 
 @pytest.mark.parametrize("broken,message", [
@@ -571,7 +610,7 @@ def test_prompt_iterator_needs_a_batch_that_fits():
 
 
 @pytest.mark.parametrize("template,why", [
-    ("{{ 'x' * 20000000 }}", "renders more than"),  # one 20 MB string
+    ("{{ 'x' * 20000000 }}", "builds a value of more than"),  # one 20 MB string
     ("{% for i in range(100000) %}{{ 'abcdefghijk' }}{% endfor %}",
      "renders more than"),  # many small pieces
     ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
@@ -585,3 +624,37 @@ def test_a_runaway_chat_template_is_stopped_at_load_naming_it(tmp_path, monkeypa
     with pytest.raises(ValueError, match=r"tokenizer_config.json \(its chat_template\): the chat "
                                          rf"template .*{why}"):
         load_tokenizer(qwen_like_dir(tmp_path, template))
+
+
+NS = "{% set ns = namespace(s='x' * 1000) %}"
+
+
+@pytest.mark.parametrize("template,what", [
+    # nothing output: before, only `*` and the output were bounded
+    (NS + "{% for i in range(30) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "(~)"),  # 1 TB
+    (NS + "{% for i in range(30) %}{% set ns.s = ns.s + ns.s %}{% endfor %}", "(+)"),
+    ("{% set _ = 'x'.ljust(900000000) %}", "(ljust())"),  # 0.9 GB at every render
+    ("{% set _ = '{:>900000000}'.format(1) %}", "(format())"),
+    ("{% set _ = '%*s' % (900000000, 'x') %}", "(%)"),
+    ("{% set _ = '%900000000s'|format('x') %}", "(the filter format)"),
+    ("{% set _ = [[[1]]]|tojson(indent=900000000) %}", "(the filter tojson)"),
+    (NS + "{% set _ = ns.s.replace('x', ns.s * 999) %}", "(replace())"),
+    (NS + "{% set _ = (ns.s * 900)|indent(900000) %}", "(the filter indent)"),
+    (NS + "{% set b %}{% for i in range(1001) %}{{ ns.s * 999 }}{% endfor %}{% endset %}",
+     "(a block's output)"),
+    ("{% set _ = range(100000)|map('center', 999000)|list %}", "(the items of an iterator)"),
+    ("{% set _ = 2 ** (2 ** 40) %}", "integer of more than"),
+], ids=["concat", "plus", "ljust", "format", "percent-star", "format-filter", "tojson-indent",
+        "replace", "indent", "block", "generator", "power"])
+def test_what_a_chat_template_builds_is_bounded_before_it_is_allocated(tmp_path, template, what):
+    with pytest.raises(UserError, match=r"tokenizer_config.json \(its chat_template\): the chat "
+                                        r"template failed: _TemplateBound: builds a") as e:
+        load_tokenizer(qwen_like_dir(tmp_path, template + QWEN2_TEMPLATE))
+    assert what in str(e.value)
+
+
+def test_a_template_may_build_up_to_the_bound(tmp_path):
+    template = ("{% set _ = 'x' * 999999 %}{% set _ = 'x'.ljust(999999) %}"
+                "{% set _ = ('a</think>' * 90000).split('</think>') %}"
+                "{% set _ = {'a': [1, {'b': 'c'}]}|tojson(indent=2) %}" + QWEN2_TEMPLATE)
+    assert load_tokenizer(qwen_like_dir(tmp_path, template)).render_chat(CHATS[0])

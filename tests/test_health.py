@@ -173,5 +173,5 @@ def test_responses_without_an_answer_warn_and_show_one(tiny_model_dir, tmp_path,
     assert line.startswith("warning: step 1: the verifier found no answer in 100% of the "
                            "responses that ended: check that the prompt asks for the format")
     assert line.endswith("'") and "one ends '" in line, line  # the response, as repr shows it
-    m = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")][0]
+    m = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")][1]  # after the settings row
     assert m["rollout/no_answer"] == m["rollout/no_answer_finished"] == 1.0

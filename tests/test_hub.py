@@ -137,7 +137,25 @@ def test_parse_tells_a_hub_name_from_a_local_path(spec, repo_type, name, tmp_pat
 def test_a_local_path_keeps_precedence_over_the_same_hub_name(cache, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / MODEL).mkdir(parents=True)
+    (tmp_path / MODEL / "config.json").write_text("{}")
     assert hub.parse(MODEL, "model") is None
+
+
+@pytest.mark.parametrize("spec, repo_type, problem", [
+    (MODEL, "model", f"it is not a model directory (no {MODEL}/config.json)"),
+    (f"{DATA}:train", "dataset", "it is not a file"),
+])
+def test_a_local_path_that_hides_a_hub_name_says_so_when_it_is_not_usable(
+        cache, tmp_path, monkeypatch, spec, repo_type, problem):
+    # before: "ORG/NAME/config.json: not found", nothing of the Hub
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / spec.split(":")[0]).mkdir(parents=True)
+    repo, first = spec.split(":")[0], spec.split("/")[0]
+    with pytest.raises(UserError) as e:
+        hub.parse(spec, repo_type)
+    assert str(e.value) == (f"{spec}: a local path ({first}/ exists here), which takes "
+                            f"precedence over the Hub's {repo_type} {repo}, and {problem}: for "
+                            f"the Hub's, run from a directory without {first}/")
 
 
 @pytest.mark.parametrize("spec, repo_type", [("tiny-org/absent", "model"),
@@ -162,6 +180,61 @@ def test_pinned_reads_the_commit_and_the_file_back_from_a_cache_path(cache):
     assert hub.pinned("/data/snapshots/x.parquet") is None
     assert hub.pinned(f"/c/models--a--b/snapshots/{COMMIT_A}") == hub.HubName("model", "a/b",
                                                                                COMMIT_A)
+
+
+@pytest.mark.parametrize("revision", ["..", ".", "v1.lock", "a b"])
+def test_a_revision_git_refuses_is_one_line_naming_it(cache, revision):
+    # before: `@..` made huggingface_hub open refs/.. and die in an IsADirectoryError
+    with pytest.raises(UserError, match=rf"^{MODEL}@{revision}: '{revision}' is not a revision"):
+        hub.parse(f"{MODEL}@{revision}", "model")
+
+
+def test_an_oserror_reading_the_cache_is_one_line_naming_the_repository(cache):
+    (cache / f"models--{MODEL.replace('/', '--')}" / "refs" / "v1").mkdir()  # a ref, not a file
+    with pytest.raises(UserError, match=rf"^--model {MODEL}@v1: reading the model {MODEL} from "
+                                        rf"the Hugging Face cache {cache} failed: "
+                                        "IsADirectoryError"):
+        hub.fetch(hub.parse(f"{MODEL}@v1", "model"), "--model")
+
+
+def test_a_commit_the_cache_lacks_is_named_in_the_download_hint(cache):
+    # without --revision, `hf download` fetches main, and the resume fails again
+    with pytest.raises(UserError, match=rf"run `hf download {DATA} --repo-type dataset "
+                                        rf"--revision {COMMIT_B}`"):
+        hub.fetch(hub.parse(f"{DATA}@{COMMIT_B}", "dataset"), "--train-data")
+
+
+def test_a_folder_named_snapshots_in_a_repository_is_not_the_caches(cache):
+    cache_repo(cache, "dataset", DATA, {"snapshots/sums.jsonl": b"{}\n"}, COMMIT_B)
+    # before: the last "snapshots" of the path was taken for the cache's, and fetch_once died
+    # on None.revision
+    paths = hub.fetch_once({"--train-data": hub.parse(f"{DATA}@{COMMIT_B}/snapshots/sums.jsonl",
+                                                      "dataset")})
+    assert hub.pinned(paths["--train-data"]) == hub.HubName("dataset", DATA, COMMIT_B,
+                                                            file="snapshots/sums.jsonl")
+    assert hub.pinned(f"/snapshots/{COMMIT_A}/datasets--a--b/snapshots/{COMMIT_A}/x.jsonl") == \
+        hub.HubName("dataset", "a/b", COMMIT_A, file="x.jsonl")
+
+
+def test_a_branch_on_resume_goes_on_at_the_checkpoints_commit(cache, tmp_path):
+    saved = hub.fetch(hub.parse(DATA, "dataset"), "--train-data")  # the run started on commit A
+    cache_repo(cache, "dataset", DATA, {"data/sums.parquet": parquet_bytes(sum_rows(8, 1),
+                                                                           tmp_path)}, COMMIT_B)
+    # the command the interrupt prints names the branch: before, refused as "not main"
+    resumed = hub.at_commit_of(hub.parse(f"{DATA}@main", "dataset"), saved, "--train-data")
+    assert resumed == hub.HubName("dataset", DATA, COMMIT_A)
+    with pytest.raises(UserError, match=f"trained on commit {COMMIT_A} of {DATA}, not bbbbbbb"):
+        hub.at_commit_of(hub.parse(f"{DATA}@bbbbbbb", "dataset"), saved, "--train-data")
+
+
+def test_the_same_commit_from_another_cache_is_the_same_model_on_resume(cache, tmp_path):
+    saved = {"model": f"/old/hub/models--{MODEL.replace('/', '--')}/snapshots/{COMMIT_A}"}
+    moved = hub.fetch(hub.parse(MODEL, "model"), "--model")  # HF_HUB_CACHE moved since
+    # before: compared as strings, refused as a --model that changes the algorithm
+    checkpoint.check_resume_config(saved, {"model": moved})
+    with pytest.raises(UserError, match="--model: "):
+        checkpoint.check_resume_config({"model": saved["model"].replace(COMMIT_A, COMMIT_B)},
+                                       {"model": moved})
 
 
 # --- dapo.py with names on the Hub: trained, recorded in trainer.json, resumed at that commit -----

@@ -40,6 +40,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (dict(train_prompts=5, mini_batch_prompts=2), "--train-prompts must be a multiple of "
                                                   "--mini-batch-prompts=2"),
     (dict(top_p=0.0), "--top-p must be in (0, 1]"),
+    # before: a ZeroDivisionError inside these checks
+    (dict(mini_batch_prompts=0), "--mini-batch-prompts must be >= 1, got 0"),
+    # before: numpy's generator refused -1 after the model had loaded
+    (dict(seed=-1), "--seed must be in [0, 2**63), got -1"),
+    (dict(seed=2**64), "--seed must be in [0, 2**63), got 18446744073709551616"),
     (dict(resume=True, overwrite=True), "pick one"),
     (dict(device="foo"), "--device must be cpu, cuda or cuda:N, got 'foo'"),
     (dict(device="cuda:99"), "--device must be a CUDA device this machine has"),
@@ -135,7 +140,7 @@ def test_a_step_logged_but_not_saved_is_logged_once_after_the_resume(tiny_model_
         f.write(json.dumps({"step": 3, "rollout/acc": 0.0}) + "\n")
     dapo.main(_cfg(tiny_model_dir, tmp_path, steps=4, eval_every=0, save_every=1, resume=True))
     steps = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")]
-    assert steps == [1, 2, 3, 4]
+    assert steps == [0, 1, 2, 3, 4]  # the run's settings, then each step once
 
 
 class Killed(BaseException):
@@ -143,10 +148,11 @@ class Killed(BaseException):
 
 
 def rows(out_dir) -> list[dict]:
-    """metrics.jsonl's rows without their timings (which differ from run to run)."""
+    """metrics.jsonl's rows without their timings (which differ from run to run) and the
+    settings row's flags (its --out-dir)."""
     with open(out_dir / "metrics.jsonl") as f:
         return [{k: v for k, v in json.loads(line).items()
-                 if not k.startswith(("timing/", "perf/"))} for line in f]
+                 if not k.startswith(("timing/", "perf/")) and k != "config"} for line in f]
 
 
 @pytest.fixture
@@ -325,7 +331,7 @@ def test_a_run_whose_every_update_is_skipped_exits_non_zero(tiny_model_dir, tmp_
     out = capsys.readouterr().out
     assert "error: all 4 optimizer steps of this run were skipped" in out
     assert "warning: step 2: all 2 optimizer steps skipped (a NaN or inf gradient norm)" in out
-    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")][1:]  # the steps
     assert [(r["train/updates"], r["actor/grad_norm"]) for r in rows] == [(0, None), (0, None)]
 # --- a user's mistake on the command line: one line, exit status 2; a bug: a traceback ----------
 

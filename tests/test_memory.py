@@ -213,6 +213,19 @@ def test_eval_only_decodes_the_evaluation_whatever_eval_every():
     assert memory.max_slots(replace(training, gen_prompts=2, eval_every=0), 2) == 2 * 16 // 2
 
 
+def test_slots_beyond_the_sequences_decoded_are_planned_as_the_sequences():
+    """The sampler allocates min(--rollout-slots, the sequences of a call): before, a billion
+    slots for 8 sequences were planned, and refused as needing 71,266 GiB."""
+    cfg = Config(precision="fp32", rollout_slots=10**9, train_prompts=2, gen_prompts=2,
+                 mini_batch_prompts=2, group_size=4, eval_every=0)
+    plan = memory.plan(small("a"), cfg, world=1, capacity=16 * memory.GB)
+    assert plan.slots == 8 and plan.fits
+    memory.refuse_if_too_big(plan, "cpu")
+    # an evaluation of every held-out row: how many is unknown before the data loads
+    every_row = replace(cfg, eval_every=5, eval_prompts=0)
+    assert memory.plan(small("a"), every_row, world=1).slots == 10**9
+
+
 def test_a_sequence_longer_than_micro_batch_tokens_is_planned_as_its_own_micro_batch():
     """Batch.micro_batches puts a sequence longer than --micro-batch-tokens alone in a
     micro-batch: the plan counts the larger of the two (before: 7B at 22,528 positions with

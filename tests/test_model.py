@@ -380,6 +380,21 @@ def test_bad_config_json_is_named(saved):
         Transformer.from_pretrained(str(saved))
 
 
+@pytest.mark.parametrize("content, message", [
+    (b"[]", "config.json: the top level must be a JSON object ({...}), got a list"),
+    (b'{"model_type": "qwen2\xff"}', "config.json: not valid JSON, truncated or corrupt (a "
+                                     "partial copy?): 'utf-8' codec can't decode byte 0xff"),
+    (b'{"model_type": ["qwen2"]}', "config.json: model_type is ['qwen2']"),
+    (b'{"layer_types": 3}', "config.json: layer_types must be a list, got 3"),
+], ids=["list", "not-utf8", "model-type-list", "layer-types-number"])
+def test_a_config_json_of_the_wrong_shape_is_named(saved, content, message):
+    # before: AttributeError, UnicodeDecodeError or TypeError tracebacks
+    (saved / "config.json").write_bytes(content)
+    with pytest.raises(ValueError) as e:
+        Transformer.from_pretrained(str(saved))
+    assert message in str(e.value)
+
+
 @pytest.mark.needs("rope", "attention")
 def test_save_replaces_an_existing_checkpoint_whole(saved):
     torch.manual_seed(4)

@@ -69,7 +69,7 @@ def _one_step(tiny_model_dir, tmp_path, **kw) -> dict:
     metrics row."""
     dapo.main(_cfg(tiny_model_dir, tmp_path, steps=1, eval_every=0, dynamic_sampling=False,
                    temperature=TEMPERATURE, top_p=TOP_P, **kw))
-    return json.loads(open(tmp_path / "metrics.jsonl").readline())
+    return json.loads(open(tmp_path / "metrics.jsonl").readlines()[1])  # after the settings
 
 
 # one mini-batch (pi_old is the update's own first forward) and two (with_old_logprobs())

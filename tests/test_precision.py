@@ -166,7 +166,7 @@ def _bf16_flags(model_dir, out_dir, reward_file):
 
 
 def _trained(out_dir) -> list[dict]:
-    rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+    rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))][1:]
     assert len(rows) == 2 and all(r["train/updates"] > 0 and r["actor/grad_norm"] > 0
                                   for r in rows), rows
     # the sampler and the trainer, both bf16: within bf16 rounding of each other per token

@@ -243,7 +243,7 @@ def test_a_bf16_sampler_beside_an_fp32_trainer_is_measured_and_corrected(tiny_mo
                    rollout_precision="bf16", rollout_correction="token_truncate"))
     assert in_autocast["sampler"] and in_autocast["trainer"], in_autocast  # both phases ran
     assert all(in_autocast["sampler"]) and not any(in_autocast["trainer"]), in_autocast
-    m = json.loads(open(tmp_path / "metrics.jsonl").readline())
+    m = json.loads(open(tmp_path / "metrics.jsonl").readlines()[1])  # after the settings row
     # bf16 rounds the logits to ~3 significant digits: far above fp32's ~1e-7 per token
     assert m["training/rollout_logp_diff_mean"] > 1e-4
     assert m["rollout_corr/k3_kl"] > 0 and m["rollout_corr/rollout_is_max"] <= 2.0

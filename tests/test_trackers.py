@@ -14,7 +14,7 @@ import pytest
 
 import dapo
 from config import Config, check_flags
-from infra import trackers
+from infra import checkpoint, trackers
 from infra.errors import UserError
 
 # not imported here: Trackio reads TRACKIO_DIR when it is first imported, by the run below
@@ -67,6 +67,16 @@ def test_metrics_jsonl_has_evaluations_and_steps_1_to_4(run):
     rows, _, _ = run
     assert [r["step"] for r in rows if "rollout/acc" in r] == [1, 2, 3, 4]
     assert [r["step"] for r in rows if "val/acc" in r] == [0, 2, 4]
+
+
+@pytest.mark.needs("all")
+def test_metrics_jsonl_begins_with_the_settings_the_run_resolved(run):
+    # before: only trainer.json said whether a run was bf16; its rows did not
+    rows, out, _ = run
+    saved = checkpoint.saved_config(checkpoint.latest(str(out)))
+    assert rows[0] == {"step": 0, "config": {**saved, "steps": 2, "resume": False}}
+    assert rows[0]["config"]["precision"] == "fp32"  # --precision auto, as it resolved
+    assert [r for r in rows if "config" in r] == rows[:1]  # the resume kept it, added none
 
 
 @pytest.mark.needs("all")
