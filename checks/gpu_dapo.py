@@ -174,8 +174,11 @@ def run_dapo(args, flags, what) -> float:
 
 
 def read_metrics(run_dir) -> list[dict]:
+    """The step rows of the run's metrics.jsonl (the evaluations are off), without its first row,
+    the run's settings ({"step": 0, "config": ...})."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [row for row in rows if "config" not in row]
 
 
 def check(args, d) -> list[str]:

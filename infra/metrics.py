@@ -235,6 +235,19 @@ def training_batch_metrics(batch) -> dict:
             "response_length/max": distributed.all_reduce(lengths.max().item(), "max")}
 
 
+def log_settings(metrics_path: str, config: dict):
+    """metrics.jsonl's first row, {"step": 0, "config": {flag: value}}: the flags the run started
+    with, resolved (--precision auto as the bf16 or fp32 it chose, the Hub names as their
+    snapshots' paths), so that its rows say how they were made. An inf is written "inf" (a
+    --reward-timeout without limit), as strict JSON has no inf."""
+    config = {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v
+              for k, v in config.items()}
+    # written whole, by rank 0: what a start finds there is at most the settings of a run that
+    # died before its first row (checkpoint.prepare_out_dir refuses anything more)
+    if distributed.rank() == 0:
+        files.write_atomic(metrics_path, json.dumps({"step": 0, "config": config}) + "\n")
+
+
 class RunLog:
     """metrics.jsonl (appended by rank 0) and the progress bar of the rollout steps; every row also
     goes to the trackers of --report-to (infra/trackers.py, rank 0 only), at its step."""

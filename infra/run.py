@@ -4,8 +4,9 @@ one object, so that train() reads as the paper's loop.
 
     run = Run(cfg, setup, opt, prompt_iter, generator)
                                   resumes from --resume's checkpoint (the trainer's state, and
-                                  metrics.jsonl trimmed to it), opens metrics.jsonl, the trackers
-                                  of --report-to, the alarms and the Ctrl-C / SIGTERM handlers
+                                  metrics.jsonl trimmed to it), or begins metrics.jsonl with the
+                                  run's settings; opens the trackers of --report-to, the alarms
+                                  and the Ctrl-C / SIGTERM handlers
     for step in run.steps():      the rollout steps left, each timed
     run.evaluation_due(step)      every --eval-every steps
     run.evaluated(step, result)   an evaluation's row; final=True also prints first -> last
@@ -39,6 +40,8 @@ class Run:
         self.start = 0 if not setup.resume_dir else checkpoint.resume(
             setup.resume_dir, setup.model, opt, prompt_iter, generator, self.metrics_path,
             cfg.steps, cfg.eval_every)
+        if not self.start:  # a run that starts: its settings first, as the trackers get them
+            metrics.log_settings(self.metrics_path, asdict(cfg))
         self.log = metrics.RunLog(self.metrics_path, self.start, cfg.steps,
                                   trackers.open_all(cfg, self.start, self.metrics_path))
         self.alarms = health.Alarms(cfg.stop_when_stuck, setup.verifier.spec)

@@ -131,10 +131,7 @@ class Trackio:
 
 def open_all(cfg, start: int = 0, metrics_path: str | None = None) -> list:
     """The trackers --report-to names, opened on rank 0 (none elsewhere). A run that resumes
-    (start > 0) continues the runs trackers.json names; --eval-only logs to runs of its own. A
-    run that starts (start 0) begins metrics_path with its settings, as the trackers get them."""
-    if distributed.rank() == 0 and metrics_path and not start:
-        log_settings(metrics_path, asdict(cfg))
+    (start > 0) continues the runs trackers.json names; --eval-only logs to runs of its own."""
     names = [n for n in cfg.report_to if n in PACKAGES]
     if distributed.rank() != 0 or not names:
         return []
@@ -158,18 +155,6 @@ def open_all(cfg, start: int = 0, metrics_path: str | None = None) -> list:
         files.write_json(state_path, state | {"name": name})
     _open.extend(trackers)
     return trackers
-
-
-def log_settings(metrics_path: str, config: dict):
-    """metrics.jsonl's first row, {"step": 0, "config": {flag: value}}: the flags the run started
-    with, resolved (--precision auto as the bf16 or fp32 it chose, the Hub names as their
-    snapshots' paths), so that its rows say how they were made. An inf is written "inf" (a
-    --reward-timeout without limit), as strict JSON has no inf."""
-    config = {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v
-              for k, v in config.items()}
-    # written whole: what a start finds there is at most the settings of a run that died before
-    # its first row (checkpoint.prepare_out_dir refuses anything more)
-    files.write_atomic(metrics_path, json.dumps({"step": 0, "config": config}) + "\n")
 
 
 def _rows(path: str | None) -> list[dict]:
