@@ -29,12 +29,12 @@ def clip_stats(out, logp, old_logp, adv, loss_mask, weight=None) -> dict:
     pg_clipfrac: the clipped loss > the unclipped one), and the dual clip where it lowered the
     loss below -A r (nothing else can). A loss that names its bound's tokens (out.clipped: CISPO's
     clipped weights, KL-Cov's penalised tokens) is read by it, high and low by the ratio's side
-    (verl's cispo counts both in pg_clipfrac). Also the first-order KL, and the paper's Fig. 3a (pi_old
-    of the up-clipped tokens) and Fig. 7d (mean token probability). logp, old_logp, loss_mask
-    (B, R); adv (B,); weight the rollout correction's (B, R), as in the loss, or None. Tensors of
-    one element."""
+    (verl's cispo counts both in pg_clipfrac). Also the first-order KL, and the paper's Fig. 3a
+    (pi_old of the up-clipped tokens) and Fig. 7d (mean token probability). logp, old_logp,
+    loss_mask (B, R); adv (B,); weight the rollout correction's (B, R), as in the loss, or None.
+    Tensors of one element."""
     mask = loss_mask.float()
-    adv = adv[:, None]  # (B, 1)
+    adv = adv[:, None]  # one per response, (B, 1)
     unclipped = -adv * out.ratio  # (B, R)
     clipped, dual = out.loss_tok > unclipped, out.loss_tok < unclipped  # (B, R)
     up_clipped, down_clipped = clipped & (adv > 0), clipped & (adv < 0)  # (B, R)
