@@ -168,7 +168,7 @@ def test_dapo_group_advantages_equal_verl_grpo_outcome_advantage():
     assert close(dapo.group_advantages(rewards, 4), verls)
 
 
-@pytest.mark.needs("group_advantages")
+@pytest.mark.needs("group_advantages", "dr_grpo")
 @pytest.mark.parametrize("group_size", [4, 1])
 def test_group_scale_is_dapo_group_advantages_to_the_bit(group_size):
     rewards, _ = verl_advantages(group_size, norm=True)
