@@ -121,6 +121,7 @@ def advantages(rewards, group_size, scale="group", eps=1e-6):
     and "none" are verl's compute_grpo_outcome_advantage with norm_adv_by_std_in_grpo True and
     False; "group" is dapo.group_advantages. TRL 1.16 adds 1e-4, not 1e-6, takes the batch std
     over every process's rewards, and gives a group of one the advantage 0 (its mean is R_i)."""
+    # exercise: dr_grpo
     r = rewards.view(-1, group_size)  # (N/G, G)
     if group_size == 1:
         mean, std = torch.zeros_like(r), torch.ones_like(r)
@@ -133,6 +134,7 @@ def advantages(rewards, group_size, scale="group", eps=1e-6):
     elif scale != "group":
         raise ValueError(f"unknown advantage scale {scale!r}: group, batch or none")
     return ((r - mean) / (std + eps)).flatten()  # (N,)
+    # end exercise
 
 
 def batch_std(rewards):
@@ -176,6 +178,7 @@ def gspo_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom) -> Polic
     importance_sampling_level="sequence" broadcasts exp(log s_i) without stop-gradients: with
     one advantage per response its value and gradient are these (d |o_i| s_i / d log pi(o_it) =
     s_i), except that it does not clamp. Shapes: the module's; denom as loss_denominator()."""
+    # exercise: gspo
     mask = loss_mask.float()
     adv = adv[:, None]  # (B, 1)
     n = loss_mask.sum(-1).clamp(min=1)  # (B,) |o_i|; a fully masked response sums 0 over 1
@@ -186,6 +189,7 @@ def gspo_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom) -> Polic
     ratio = torch.exp(log_ratio)  # (B, R) s_it: s_i in value
     loss_tok = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps_low, 1 + eps_high))
     return PolicyLoss((loss_tok * mask / denom).sum(), loss_tok, ratio)
+    # end exercise
 
 
 def cispo_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom) -> PolicyLoss:
@@ -199,12 +203,14 @@ def cispo_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom) -> Poli
     `clipped` (its pg_clipfrac) where r_it != clip(r_it), on either side whatever A's sign. TRL
     1.16's loss_type="cispo" differs: it clamps the ratio only from above, at epsilon_high itself
     (not 1 + epsilon_high), and counts a token clipped only where A > 0. Shapes: the module's."""
+    # exercise: cispo
     mask = loss_mask.float()
     adv = adv[:, None]  # (B, 1)
     ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))  # (B, R), clamped as in policy_loss
     weight = ratio.clamp(1 - eps_low, 1 + eps_high)  # (B, R)
     loss_tok = -weight.detach() * adv * logp  # (B, R)
     return PolicyLoss((loss_tok * mask / denom).sum(), loss_tok, ratio, clipped=ratio != weight)
+    # end exercise
 
 
 def kl_cov_loss(logp, old_logp, adv, loss_mask, kl_cov_ratio, ppo_kl_coef, denom) -> PolicyLoss:
@@ -221,6 +227,7 @@ def kl_cov_loss(logp, old_logp, adv, loss_mask, kl_cov_ratio, ppo_kl_coef, denom
     tokens of the micro-batch this is called on, so the loss depends on the split into
     micro-batches and ranks by definition; the project follows verl. `clipped` is the top-k
     selection: the tokens the KL penalty acts on. Shapes: the module's; denom loss_denominator's."""
+    # exercise: kl_cov
     mask = loss_mask.float()
     adv = adv[:, None].expand_as(logp)  # (B, R)
     ratio = torch.exp(logp - old_logp)  # (B, R)
@@ -235,3 +242,4 @@ def kl_cov_loss(logp, old_logp, adv, loss_mask, kl_cov_ratio, ppo_kl_coef, denom
     loss_tok = -adv * ratio  # (B, R)
     loss_tok = torch.where(penalised, loss_tok + ppo_kl_coef * (logp - old_logp).abs(), loss_tok)
     return PolicyLoss((loss_tok * mask / denom).sum(), loss_tok, ratio, clipped=penalised)
+    # end exercise

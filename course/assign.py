@@ -23,7 +23,8 @@ student's code but grade another exercise carry `@pytest.mark.needs(...)` (tests
 in the handout they fail until those exercises are done. EXERCISES below is the registry: what
 each exercise asks, where the paper defines it, its points, and the tests that grade it (each
 passes with that exercise alone written: the tests of sample() stand in for filter_logits(), and
-so on).
+so on). The optional exercises (DAPO's neighbours in losses.py) are bonus points on top of the
+100 that the others and the integration check make: the demo never runs them.
 """
 import argparse
 import ast
@@ -70,8 +71,10 @@ class Exercise:
     points: int
     todo: str  # the one line the handout's raise says
     hints: tuple[str, ...]
-    tests: tuple[str, ...]  # pytest node ids that grade it (a parametrized test: every case)
+    # pytest node ids that grade it: a parametrized test's name grades every case, name[id] one
+    tests: tuple[str, ...]
     idea: tuple[str, ...]  # the tests (names, among tests) that check what the paper says it is
+    optional: bool = False  # bonus points on top of the 100; the integration check never waits
 
 
 def _tests(file, *names):
@@ -219,8 +222,75 @@ EXERCISES = [
         _tests("test_model.py", "test_kv_cache_writes_each_token_at_its_position_in_its_row",
                "test_kv_cache_without_rows_writes_the_first_rows"),
         idea=("test_kv_cache_writes_each_token_at_its_position_in_its_row",)),
+    # Optional: DAPO's neighbours (losses.py), bonus points. Each is verl's function of the same
+    # idea, pinned to verl's values; the demo trains with DAPO's Eq. 9 and 10 and never calls them.
+    Exercise(
+        "dr_grpo", "losses.py", "the advantage with the group's std, the batch's, or none",
+        "arXiv 2503.20783 (Dr. GRPO)", "easy", 4,
+        "R_i - group mean, over the group std, batch std or 1",
+        ("The three scales share the group's mean; they differ in what they divide by: the "
+         "group's std, batch_std(rewards) (every rank's), or nothing (Dr. GRPO).",
+         "A group of one has mean 0 and std 1 (verl's convention): with none, A_i = R_i.",
+         "group must be dapo.group_advantages to the bit: the same operations, in its order."),
+        _tests("test_losses.py", "test_group_scale_equals_verl_grpo_outcome_advantage",
+               "test_no_scale_equals_verl_grpo_advantage_without_std_as_dr_grpo",
+               "test_a_group_of_one_has_mean_0_and_std_1_as_in_verl",
+               "test_batch_scale_divides_by_the_std_of_every_reward"),
+        idea=("test_no_scale_equals_verl_grpo_advantage_without_std_as_dr_grpo",), optional=True),
+    Exercise(
+        "gspo", "losses.py", "one clipped ratio per response",
+        "arXiv 2507.18071 (GSPO-token)", "medium", 6,
+        "the sequence ratio s_i on each token, clipped as Eq. 10",
+        ("log s_i is the mean of logp - old_logp over the response's tokens in the mask (at "
+         "least 1), not over the padded width.",
+         "x - x.detach() is 0 in value and carries x's gradient: s_it's value is s_i, its "
+         "gradient each token's own; a log s_i left undetached counts its gradient twice.",
+         "Clamp log s_it at 10 (verl), then Eq. 10's max of the two losses with s_it as the "
+         "ratio; return PolicyLoss(sum(l * mask) / denom, l, s_it)."),
+        _tests("test_losses.py", "test_gspo_loss_equals_verl_compute_policy_loss_gspo",
+               "test_gspo_gives_every_token_of_a_response_its_sequence_ratio",
+               "test_gspo_loss_equals_trls_sequence_ratio_without_stop_gradients",
+               "test_gspo_loss_is_the_same_whatever_the_micro_batches",
+               "test_the_losses_compute_in_float32_what_they_compute_in_float64[gspo]"),
+        idea=("test_gspo_gives_every_token_of_a_response_its_sequence_ratio",
+              "test_gspo_loss_equals_trls_sequence_ratio_without_stop_gradients"),
+        optional=True),
+    Exercise(
+        "cispo", "losses.py", "the clip bounds a weight, not the gradient",
+        "arXiv 2506.13585 (CISPO)", "easy", 4,
+        "REINFORCE on log pi, weighted by the clipped ratio, detached",
+        ("Clamp the log-ratio to [-20, 20] before exp, as policy_loss does.",
+         "The loss is linear in logp: its gradient on a token is -weight * A, clipped or not; "
+         "a weight that is not detached adds a gradient of its own.",
+         "clipped: where the ratio and its clip differ, on either side, whatever A's sign."),
+        _tests("test_losses.py", "test_cispo_loss_equals_verl_compute_policy_loss_cispo",
+               "test_cispo_clipped_is_verl_pg_clipfrac",
+               "test_cispo_gives_every_clipped_token_a_gradient",
+               "test_cispo_loss_is_the_same_whatever_the_micro_batches",
+               "test_the_losses_compute_in_float32_what_they_compute_in_float64[cispo]"),
+        idea=("test_cispo_gives_every_clipped_token_a_gradient",), optional=True),
+    Exercise(
+        "kl_cov", "losses.py", "a KL penalty on the tokens of largest covariance",
+        "arXiv 2505.22617 (KL-Cov)", "hard", 6,
+        "-A r, and a KL penalty on the top-k covariance tokens",
+        ("The covariance is over the valid tokens only (those in the mask), in row-major order, "
+         "centred by their own means and detached.",
+         "k = max(1, int(n_valid * kl_cov_ratio)); torch.topk's indices are among the valid "
+         "tokens: map them back to positions of the (B, R) batch.",
+         "No clip: -A r everywhere, plus ppo_kl_coef |logp - old_logp| on the k tokens; "
+         "clipped is that selection."),
+        _tests("test_losses.py", "test_kl_cov_loss_equals_verl_compute_policy_loss_kl_cov",
+               "test_kl_cov_clipped_marks_the_top_k_tokens_that_verl_penalises",
+               "test_kl_cov_penalises_the_top_k_tokens_and_no_other",
+               "test_kl_cov_depends_on_the_micro_batch_split",
+               "test_kl_cov_with_no_token_in_the_loss_penalises_nothing",
+               "test_the_losses_compute_in_float32_what_they_compute_in_float64[kl_cov]"),
+        idea=("test_kl_cov_clipped_marks_the_top_k_tokens_that_verl_penalises",
+              "test_kl_cov_penalises_the_top_k_tokens_and_no_other"), optional=True),
 ]
 BY_ID = {e.id: e for e in EXERCISES}
+REQUIRED = [e for e in EXERCISES if not e.optional]  # with the integration check: 100 points
+OPTIONAL = [e for e in EXERCISES if e.optional]  # bonus points on top
 EXAMPLE = "keep_groups"  # the exercise the student copy's README and EXERCISES.md show checked
 
 # The integration check: a short run of the demo (make run's task and settings), the student's
@@ -437,21 +507,22 @@ def student_readme(readme: str, root: str, regions: dict[str, list[Region]]) -> 
     title, _, rest = readme.partition("\n")
     rest = re.sub(r"\n## Teaching with it\n.*?(?=\n## |\Z)", "", rest, flags=re.S)
     example = BY_ID[EXAMPLE]
-    intro = (f"**This is a student copy**, generated for a course: {len(EXERCISES)} pieces of "
-             f"the code are left for you to write, each a function body that raises "
-             f"`{NOT_DONE}` until you do. [EXERCISES.md](EXERCISES.md) says what each asks, "
-             "with the paper's equation and hints; the rest of this README describes the "
-             "finished project. `make run` (the demo) runs every exercise: until all are "
-             "written, it names those left.")
+    intro = (f"**This is a student copy**, generated for a course: {len(REQUIRED)} pieces of "
+             f"the code are left for you to write (and {len(OPTIONAL)} optional ones, for bonus "
+             f"points), each a function body that raises `{NOT_DONE}` until you do. "
+             "[EXERCISES.md](EXERCISES.md) says what each asks, with the paper's equation and "
+             "hints; the rest of this README describes the finished project. `make run` (the "
+             "demo) runs every exercise but the optional ones: until all are written, it names "
+             "those left.")
     header = [
         "", *textwrap.wrap(intro, 98, initial_indent="> ", subsequent_indent="> "), "",
         "| exercise | file | function | points |", "| --- | --- | --- | --- |",
         *[f"| `{e.id}` | `{e.file}` | "
-          f"{', '.join(f'`{name}()`' for name in functions(root, e, regions))} | {e.points} |"
-          for e in EXERCISES], "",
+          f"{', '.join(f'`{name}()`' for name in functions(root, e, regions))} | "
+          f"{points_text(e)} |" for e in EXERCISES], "",
         "```bash",
         f"{'make check EX=' + example.id:<28}# its tests (the first time, this installs pytest)",
-        f"{'make grade':<28}# the score out of 100: every exercise, then a demo run",
+        f"{'make grade':<28}# the score out of 100 (and the bonus): every exercise, a demo run",
         "```", "",
         "The same tests by hand, once pytest is installed:", "",
         "```bash",
@@ -475,9 +546,10 @@ STUDENT_VERSIONS = {"README.md": student_readme, "Makefile": student_makefile}
 
 
 def todo(root: str = ROOT) -> list[str]:
-    """The exercises whose body in root still raises the handout's error (a student copy's)."""
+    """The exercises that the demo runs (all but the optional ones) whose body in root still
+    raises the handout's error (a student copy's)."""
     left = []
-    for e in EXERCISES:
+    for e in REQUIRED:
         with open(os.path.join(root, e.file), encoding="utf-8") as f:
             text = f.read()
         lines = text.splitlines()
@@ -497,7 +569,7 @@ def check(ids=(), root: str = ROOT) -> int:
 
 
 def exercises_md(root: str, regions: dict[str, list[Region]]) -> str:
-    total = sum(e.points for e in EXERCISES) + INTEGRATION_POINTS
+    total = sum(e.points for e in REQUIRED) + INTEGRATION_POINTS
     lines = [
         "# Exercises", "",
         "Each exercise is a body in the code that raises `" + NOT_DONE + "` between "
@@ -508,7 +580,8 @@ def exercises_md(root: str, regions: dict[str, list[Region]]) -> str:
         "make test    # the whole suite: a test that needs an unfinished exercise fails naming it",
         "make grade   # the score: each exercise's tests, then a short training run of the demo",
         "```", "",
-        "`make run` (the demo) runs every exercise: until all are written, it names those left.",
+        "`make run` (the demo) runs every exercise but the optional ones: until all are written, "
+        "it names those left.",
         "",
         f"The grade is out of {total}. Each exercise: half its points if every test of its idea "
         "(the tests marked *idea* below: what the paper says the exercise is) passes, half in "
@@ -518,15 +591,22 @@ def exercises_md(root: str, regions: dict[str, list[Region]]) -> str:
         f"everywhere that must reach val/acc >= {INTEGRATION_MIN_ACC} (the base model: ~0.3). "
         "The paper: "
         "[arXiv 2503.14476](https://arxiv.org/abs/2503.14476); the README maps it to the code.",
+        "",
+        f"The last {len(OPTIONAL)} are optional: DAPO's neighbours in `losses.py` (the losses that "
+        "followed it, each equal to verl's own), scored the same way, as bonus points on top of "
+        f"the {total} (up to {sum(e.points for e in OPTIONAL)} more). The demo never runs them, "
+        "so the integration check does not wait on them; `docs/neighbours.md` puts each beside "
+        "DAPO's equations.",
         "", "| exercise | file | difficulty | points |", "| --- | --- | --- | --- |"]
-    lines += [f"| `{e.id}` | `{e.file}` | {e.difficulty} | {e.points} |" for e in EXERCISES]
+    lines += [f"| `{e.id}` | `{e.file}` | {e.difficulty} | {points_text(e)} |" for e in EXERCISES]
     for n, e in enumerate(EXERCISES, 1):
         where = functions(root, e, regions)
         lines += [
             "", f"## {n}. `{e.id}`: {e.title}", "",
             f"- **Where**: {', '.join(f'`{name}()`' for name in where)} in `{e.file}`",
             f"- **Paper**: {e.paper}",
-            f"- **Difficulty**: {e.difficulty}, {e.points} points",
+            f"- **Difficulty**: {e.difficulty}, " +
+            (f"{e.points} bonus points (optional)" if e.optional else f"{e.points} points"),
             f"- **What to write**: {e.todo}",
             "- **Hints**:", *[f"  - {h}" for h in e.hints],
             "- **Idea** (half the points): " + ", ".join(f"`{t}`" for t in e.idea),
@@ -536,6 +616,11 @@ def exercises_md(root: str, regions: dict[str, list[Region]]) -> str:
               "Answer each in a few sentences (not graded by `make grade`)."]
     lines += [f"{n}. {q}" for n, q in enumerate(WRITTEN, 1)]
     return "\n".join(lines) + "\n"
+
+
+def points_text(exercise: Exercise) -> str:
+    """An exercise's points as the tables write them: "6", or "+6 (optional)" for a bonus."""
+    return f"+{exercise.points} (optional)" if exercise.optional else str(exercise.points)
 
 
 # The handout's written part, one question per technique (an answer sketch: docs/instructors.md)
@@ -686,7 +771,7 @@ def grade(ids=(), extra_tests=None, json_path=None, integration=True, root=ROOT,
         passed = total - len(failures)
         results.append(dict(id=e.id, file=e.file, passed=passed, total=total,
                             score=round(exercise_score(e, passed, total, failures), 2),
-                            max_score=e.points, failures=failures))
+                            max_score=e.points, failures=failures, optional=e.optional))
     unknown = sorted({g for r in records for g in r.get("grades", [])} - set(BY_ID))
     if unknown:
         raise ValueError(f"{extra_tests}: tests mark unknown exercises {', '.join(unknown)}")
@@ -695,11 +780,13 @@ def grade(ids=(), extra_tests=None, json_path=None, integration=True, root=ROOT,
         raise ValueError(f"{extra_tests}: {len(unmarked)} test(s) name no exercise (mark each "
                          f"@pytest.mark.grades(<exercise id>)), first {unmarked[0]}")
     check = None
-    if integration and not ids:  # the training loop runs every exercise: none may be unwritten
-        unwritten = [e.id for e in EXERCISES if any(r.get("exercise") == e.id for r in records)]
+    # the training loop runs every exercise but the optional ones: none of those may be unwritten
+    if integration and not ids:
+        unwritten = [e.id for e in REQUIRED if any(r.get("exercise") == e.id for r in records)]
         check = integration_check(root) if not unwritten else dict(
-            passed=False, acc=None, message=f"not run: it needs every exercise, and "
-                                            f"{len(unwritten)} still raise: {', '.join(unwritten)}")
+            passed=False, acc=None, message=f"not run: it needs every exercise but the optional "
+                                            f"ones, and {len(unwritten)} still raise: "
+                                            f"{', '.join(unwritten)}")
     seconds = time.time() - t0
     report = as_json(results, check, seconds)
     print_table(results, check, report, log)
@@ -762,19 +849,22 @@ def integration_check(root: str, timeout: float = 600) -> dict:
 
 
 def as_json(results, check, seconds) -> dict:
-    """Gradescope's results.json: one entry per exercise (and the integration check)."""
+    """Gradescope's results.json: one entry per exercise (and the integration check). An
+    optional exercise's entry is tagged "optional": its points count in score (the bonus: a score
+    above the maximum is extra credit) and not in max_score, which is 100 when all are graded."""
     tests = [{"name": r["id"], "score": r["score"], "max_score": r["max_score"],
               "status": "passed" if r["passed"] == r["total"] else "failed",
               "tests_passed": r["passed"], "tests_total": r["total"],
-              "output": "\n".join(f"{t}: {m}" for t, m in r["failures"])} for r in results]
+              "output": "\n".join(f"{t}: {m}" for t, m in r["failures"]),
+              **({"tags": ["optional"]} if r["optional"] else {})} for r in results]
     if check is not None:
         tests.append({"name": "integration", "score": INTEGRATION_POINTS if check["passed"] else 0,
                       "max_score": INTEGRATION_POINTS,
                       "status": "passed" if check["passed"] else "failed",
                       "output": check["message"]})
     return {"score": round(sum(t["score"] for t in tests), 2),
-            "max_score": sum(t["max_score"] for t in tests), "execution_time": round(seconds),
-            "tests": tests}
+            "max_score": sum(t["max_score"] for t in tests if "tags" not in t),
+            "execution_time": round(seconds), "tests": tests}
 
 
 def clip(line, width=100):
@@ -783,25 +873,41 @@ def clip(line, width=100):
 
 def print_table(results, check, report, log):
     """One row per exercise; under a row, its first failure unless every failure is its own
-    unwritten body."""
+    unwritten body. The total out of 100, then the optional exercises and their bonus."""
     print(f"{'exercise':<18} {'file':<21} {'tests':>7} {'points':>12}")
-    for r in results:
-        unwritten = r["failures"] and all(m.startswith(f"{NOT_DONE}: {r['id']}:")
-                                          for _, m in r["failures"])
-        print(f"{r['id']:<18} {r['file']:<21} {r['passed']:>3}/{r['total']:<3} "
-              f"{r['score']:>6.1f} / {r['max_score']:<3}" + ("  not written" if unwritten else ""))
-        if r["failures"] and not unwritten:
-            test, message = r["failures"][0]
-            more = f" (+{len(r['failures']) - 1} more)" if len(r["failures"]) > 1 else ""
-            print(clip(f"    {test.split('::')[-1]}{more}"))
-            print(clip(f"    {message}"))
+    required = [r for r in results if not r["optional"]]
+    bonus = [r for r in results if r["optional"]]
+    for r in required:
+        print_row(r)
+    points = 0
     if check is not None:
         points = INTEGRATION_POINTS if check["passed"] else 0
         print(f"{'integration':<18} {'dapo.py (demo run)':<21} {'':>7} "
               f"{points:>6.1f} / {INTEGRATION_POINTS:<3}")
         print(clip(f"    {check['message']}"))
-    print(f"{'total':<48} {report['score']:>6.1f} / {report['max_score']}")
+    if required or check is not None:
+        score = sum(r["score"] for r in required) + points
+        print(f"{'total':<48} {score:>6.1f} / {report['max_score']}")
+    if bonus:
+        print("optional: bonus points, on top of the 100")
+        for r in bonus:
+            print_row(r)
+        print(f"{'bonus':<48} {sum(r['score'] for r in bonus):>6.1f} / "
+              f"{sum(r['max_score'] for r in bonus)}")
     print(f"pytest's output: {log}")
+
+
+def print_row(r):
+    """An exercise's row of the table, and its first failure unless it is not written."""
+    unwritten = r["failures"] and all(m.startswith(f"{NOT_DONE}: {r['id']}:")
+                                      for _, m in r["failures"])
+    print(f"{r['id']:<18} {r['file']:<21} {r['passed']:>3}/{r['total']:<3} "
+          f"{r['score']:>6.1f} / {r['max_score']:<3}" + ("  not written" if unwritten else ""))
+    if r["failures"] and not unwritten:
+        test, message = r["failures"][0]
+        more = f" (+{len(r['failures']) - 1} more)" if len(r["failures"]) > 1 else ""
+        print(clip(f"    {test.split('::')[-1]}{more}"))
+        print(clip(f"    {message}"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -837,19 +943,26 @@ def run(args, parser):
         print(f"{'exercise':<18} {'where':<40} {'points':>6}  difficulty  paper")
         for e in EXERCISES:
             where = f"{e.file} {', '.join(n + '()' for n in functions(ROOT, e, regions))}"
-            print(f"{e.id:<18} {where:<40} {e.points:>6}  {e.difficulty:<10}  {e.paper}")
-        print(f"{'integration':<18} {'dapo.py (the demo, ' + INTEGRATION_ARGS[1] + ' steps)':<40} "
-              f"{INTEGRATION_POINTS:>6}")
+            shown = f"+{e.points}" if e.optional else e.points
+            print(f"{e.id:<18} {where:<40} {shown:>6}  {e.difficulty:<10}  {e.paper}")
+            if e is REQUIRED[-1]:  # the optional ones come last (test_assign checks it)
+                print(f"{'integration':<18} "
+                      f"{'dapo.py (the demo, ' + INTEGRATION_ARGS[1] + ' steps)':<40} "
+                      f"{INTEGRATION_POINTS:>6}")
+                if OPTIONAL:
+                    print("optional: bonus points, on top of the 100")
         return
     if args.command == "handout":
         files = write_handout(args.out)
-        print(f"wrote {args.out}: {len(files)} files, {len(EXERCISES)} exercises "
-              f"(EXERCISES.md); the tests of an unfinished exercise fail naming it")
+        print(f"wrote {args.out}: {len(files)} files, {len(REQUIRED)} exercises and "
+              f"{len(OPTIONAL)} optional ones (EXERCISES.md); the tests of an unfinished "
+              "exercise fail naming it")
         return
     if args.command == "todo":  # for the student copy's Makefile (make run)
         left = todo()
         if left:
-            print(f"make run needs every exercise, and {len(left)} are not written yet: "
+            print(f"make run needs every exercise but the optional ones, and {len(left)} are "
+                  f"not written yet: "
                   f"{', '.join(left)} (EXERCISES.md; make check EX=<id> tests one)")
         return
     unknown = [i for i in args.ids if i not in BY_ID]

@@ -34,7 +34,7 @@ def clip_stats(out, logp, old_logp, adv, loss_mask, weight=None) -> dict:
     loss_mask (B, R); adv (B,); weight the rollout correction's (B, R), as in the loss, or None.
     Tensors of one element."""
     mask = loss_mask.float()
-    adv = adv[:, None]  # (B, 1)
+    adv = adv[:, None]  # one per response, (B, 1)
     unclipped = -adv * out.ratio  # (B, R)
     clipped, dual = out.loss_tok > unclipped, out.loss_tok < unclipped  # (B, R)
     up_clipped, down_clipped = clipped & (adv > 0), clipped & (adv < 0)  # (B, R)

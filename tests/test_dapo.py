@@ -277,7 +277,7 @@ def table_logprobs(model, batch, temperature, fused_head=True):  # as dapo.respo
 
 def unclipped_loss(logp, old_logp, adv, loss_mask, eps_low, eps_high, denom):
     """policy_loss's contract, without the clip."""
-    ratio = torch.exp(logp - old_logp)
+    ratio = (logp - old_logp).exp()
     loss_tok = -adv[:, None] * ratio
     return dapo.PolicyLoss((loss_tok * loss_mask / denom).sum(), loss_tok, ratio)
 

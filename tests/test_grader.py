@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from course import assign
-from course.assign import BY_ID, EXERCISES, INTEGRATION_POINTS
+from course.assign import BY_ID, EXERCISES, INTEGRATION_POINTS, OPTIONAL, REQUIRED
 
 from test_assign import ROOT, grading_exercise, read, restore  # the registry's helpers
 
@@ -29,20 +29,28 @@ def test_the_grader_gives_nothing_for_the_blank_handout(handout, tmp_path):
                          cwd=handout, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     report = json.loads(result.read_text())
-    assert report["score"] == 0 and report["max_score"] == 100
+    assert report["score"] == 0 and report["max_score"] == 100  # the optional ones: a bonus
     scores = {t["name"]: (t["score"], t["max_score"]) for t in report["tests"]}
     assert scores == {**{e.id: (0, e.points) for e in EXERCISES},
                       "integration": (0, INTEGRATION_POINTS)}
-    assert report["tests"][-1]["output"].startswith("not run")  # nothing trains without them
+    assert [t["name"] for t in report["tests"] if t.get("tags") == ["optional"]] == \
+        [e.id for e in OPTIONAL]
+    # nothing trains without the required exercises; the demo never waits on the optional ones
+    assert report["tests"][-1]["output"].startswith("not run")
+    assert not [e.id for e in OPTIONAL if e.id in report["tests"][-1]["output"]]
     assert "not written" in out.stdout and "0.0 / 100" in out.stdout
+    assert f"0.0 / {sum(e.points for e in OPTIONAL)}" in out.stdout.split("bonus points")[1]
 
 
 def test_restoring_one_exercise_in_the_handout_gives_exactly_its_points(handout, tmp_path):
     one = str(tmp_path / "one")
     shutil.copytree(handout, one, ignore=shutil.ignore_patterns("runs", "__pycache__"))
     restore(one, "token_count")  # in update_policy, with three other exercises in dapo.py
+    restore(one, "cispo")  # an optional one, between two others in losses.py: its bonus
     report = assign.grade(json_path=str(tmp_path / "results.json"), integration=False, root=one)
-    assert {t["name"]: t["score"] for t in report["tests"] if t["score"]} == {"token_count": 8}
+    assert {t["name"]: t["score"] for t in report["tests"] if t["score"]} == \
+        {"token_count": 8, "cispo": 4}
+    assert (report["score"], report["max_score"]) == (12, 100 - INTEGRATION_POINTS)
 
 
 # --- the reference ---
@@ -51,6 +59,9 @@ def test_the_grader_gives_full_marks_on_the_reference(tmp_path):
     report = assign.grade(json_path=str(tmp_path / "results.json"), integration=False)
     assert [(t["name"], t["score"], t["status"]) for t in report["tests"]] == \
         [(e.id, e.points, "passed") for e in EXERCISES]
+    # the optional exercises' points on top of the required ones' maximum
+    assert report["max_score"] == sum(e.points for e in REQUIRED)
+    assert report["score"] == sum(e.points for e in EXERCISES)
     assert json.loads((tmp_path / "results.json").read_text()) == report
 
 
@@ -83,7 +94,8 @@ def test_a_solution_that_misses_the_idea_scores_at_most_half():
     assert assign.exercise_score(policy_loss, 20, 20, []) == 12
 
 
-# Idea-level mistakes, each in the body of its exercise: (exercise, reference line, the mistake)
+# Idea-level mistakes, each in the body of its exercise: (exercise, reference line, the mistake);
+# one grading run scores a list, so a list holds at most one mistake of an exercise
 MISTAKES = [
     # the first Answer: instead of the last (a response that corrects itself ends with its answer)
     ("extract_answer", "return found[-1] if found else NO_ANSWER",
@@ -94,24 +106,49 @@ MISTAKES = [
     # the population std where Eq. 9 (and verl) take the unbiased one
     ("group_advantages", "(r.std(1, keepdim=True) + eps)",
      "(r.std(1, keepdim=True, unbiased=False) + eps)"),
+    # the optional ones (losses.py). Dr. GRPO's advantage still divided by the group's std
+    ("dr_grpo", "return (r - mean).flatten()", "return ((r - mean) / (std + eps)).flatten()"),
+    # GSPO's log s_i left attached: its gradient counts twice, once
+    # through each token's logp and once through the sequence mean
+    ("gspo", "log_s.detach()[:, None]", "log_s[:, None]"),
+    # CISPO's clipped weight not detached: the weight's own gradient joins -clip(r) A
+    ("cispo", "loss_tok = -weight.detach() * adv * logp", "loss_tok = -weight * adv * logp"),
+    # KL-Cov's covariance without its means: the product A logp picks other tokens
+    ("kl_cov", "cov = (a - a.mean()) * (lp - lp.mean())", "cov = a * lp"),
+]
+MORE_MISTAKES = [
+    # the batch's mean where each group's belongs
+    ("dr_grpo", "mean, std = r.mean(1, keepdim=True), r.std(1, keepdim=True)",
+     "mean, std = r.mean(), r.std(1, keepdim=True)"),
+    # GSPO's log s_i a mean over the padded width, padding included
+    ("gspo", "log_s = ((logp - old_logp) * mask).sum(-1) / n",
+     "log_s = (logp - old_logp).mean(-1)"),
+    # CISPO written as PPO's clip: a clipped token loses its gradient, which is what CISPO keeps
+    ("cispo", "loss_tok = -weight.detach() * adv * logp",
+     "loss_tok = torch.maximum(-adv * ratio, -adv * weight)"),
+    # KL-Cov's penalty on every token of the loss, not on the top k alone
+    ("kl_cov", "torch.where(penalised, loss_tok +", "torch.where(mask > 0, loss_tok +"),
 ]
 
 
-def test_an_idea_level_mistake_keeps_at_most_half_the_points(tmp_path):
+@pytest.mark.parametrize("mistakes", [MISTAKES, MORE_MISTAKES], ids=["mistakes", "more"])
+def test_an_idea_level_mistake_keeps_at_most_half_the_points(tmp_path, mistakes):
     """Each mistake planted in an otherwise complete copy (one exercise each, so one grading run
-    scores them all)."""
+    scores them all): an idea test fails, and at most half the points are left."""
     copy = tmp_path / "copy"
     for path in assign.source_files(ROOT):
         (copy / path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(os.path.join(ROOT, path), copy / path)
-    for exercise, line, mistake in MISTAKES:
+    for exercise, line, mistake in mistakes:
         text = read(str(copy), BY_ID[exercise].file)
         assert text.count(line) == 1, f"{exercise}: the reference no longer holds {line!r}"
         (copy / BY_ID[exercise].file).write_text(text.replace(line, mistake))
-    report = assign.grade([e for e, _, _ in MISTAKES], json_path=str(tmp_path / "results.json"),
+    report = assign.grade([e for e, _, _ in mistakes], json_path=str(tmp_path / "results.json"),
                           root=str(copy))
     scores = {t["name"]: t["score"] for t in report["tests"]}
-    assert all(scores[e] <= BY_ID[e].points / 2 for e, _, _ in MISTAKES), scores
+    assert all(scores[e] <= BY_ID[e].points / 2 for e, _, _ in mistakes), scores
+    for t in report["tests"]:
+        assert any(f"::{idea}" in t["output"] for idea in BY_ID[t["name"]].idea), t["name"]
 
 
 def test_extra_tests_count_for_the_exercise_they_name(tmp_path):

@@ -111,11 +111,10 @@ def test_loss_denominator_of_global_counts_is_verl_agg_loss_on_each_rank_over_dp
         assert close(loss, case["value"]) and close(loss_mat.grad, case["grad"])
 
 
-@pytest.mark.parametrize("loss", ["gspo", "cispo"])
-@pytest.mark.parametrize("mode", AGGREGATIONS)
-def test_a_loss_over_loss_denominator_is_the_same_whatever_the_micro_batches(loss, mode):
+def whole_and_parts(fn, mode):
+    """fn's loss on batch 1 whole, and summed over three micro-batches of it, each over
+    loss_denominator() of the whole batch's counts."""
     logp, old_logp, mask, adv = batch(1)
-    fn = {"gspo": gspo_loss, "cispo": cispo_loss}[loss]
     n_tokens, n_seqs = mask.sum().item(), mask.any(-1).sum().item()
     whole = fn(logp, old_logp, adv, mask, EPS_LOW, EPS_HIGH,
                loss_denominator(mask, mode, n_tokens, n_seqs, 16)).loss
@@ -124,6 +123,19 @@ def test_a_loss_over_loss_denominator_is_the_same_whatever_the_micro_batches(los
         denom = loss_denominator(mask[rows], mode, n_tokens, n_seqs, 16)
         parts = parts + fn(logp[rows], old_logp[rows], adv[rows], mask[rows], EPS_LOW, EPS_HIGH,
                            denom).loss
+    return whole, parts
+
+
+# (one test per loss: each grades its own exercise, course/assign.py's gspo and cispo)
+@pytest.mark.parametrize("mode", AGGREGATIONS)
+def test_gspo_loss_is_the_same_whatever_the_micro_batches(mode):
+    whole, parts = whole_and_parts(gspo_loss, mode)
+    assert close(parts, whole.item())
+
+
+@pytest.mark.parametrize("mode", AGGREGATIONS)
+def test_cispo_loss_is_the_same_whatever_the_micro_batches(mode):
+    whole, parts = whole_and_parts(cispo_loss, mode)
     assert close(parts, whole.item())
 
 
@@ -156,7 +168,7 @@ def test_dapo_group_advantages_equal_verl_grpo_outcome_advantage():
     assert close(dapo.group_advantages(rewards, 4), verls)
 
 
-@pytest.mark.needs("group_advantages")
+@pytest.mark.needs("group_advantages", "dr_grpo")
 @pytest.mark.parametrize("group_size", [4, 1])
 def test_group_scale_is_dapo_group_advantages_to_the_bit(group_size):
     rewards, _ = verl_advantages(group_size, norm=True)
@@ -303,6 +315,24 @@ def test_kl_cov_clipped_marks_the_top_k_tokens_that_verl_penalises(case):
     differs = ~torch.isclose(plain_grad, torch.tensor(case["grad"], dtype=torch.float64),
                              rtol=TOL, atol=TOL)
     assert differs.tolist() == out.clipped.tolist()
+
+
+@pytest.mark.parametrize("case", cases("kl_cov"), ids=case_id)
+def test_kl_cov_penalises_the_top_k_tokens_and_no_other(case):
+    # the tokens where our gradient differs from that of -A r alone are those where verl's does:
+    # the penalty acts there and nowhere else, whatever its size
+    logp, old_logp, mask, adv = batch(case["batch"])
+    out = kl_cov_loss(logp, old_logp, adv, mask, case["config"]["kl_cov_ratio"],
+                      case["config"]["ppo_kl_coef"], mask.sum().item())
+    ours = torch.autograd.grad(out.loss, logp)[0]
+    plain = -adv[:, None] * (logp - old_logp).exp() * mask / mask.sum()
+    plain_grad = torch.autograd.grad(plain.sum(), logp)[0]
+
+    def penalised(grad):
+        return ~torch.isclose(plain_grad, grad, rtol=TOL, atol=TOL)
+
+    verls = torch.tensor(case["grad"], dtype=torch.float64)
+    assert penalised(ours).tolist() == penalised(verls).tolist() and penalised(verls).any()
 
 
 def test_kl_cov_depends_on_the_micro_batch_split():
