@@ -1,7 +1,7 @@
 """
 The batch of a rollout step: every response to every prompt, as tensors, in one typed record.
 
-rollout() in dapo.py makes one from the sampler's output and the verifier's scores; the loop then
+rollout() in dapo.py makes one from the sampler's output and the verifier's verdicts; the loop then
 adds the shaped reward, the group advantage and pi_old's log-probs with dataclasses.replace, so a
 function's signature says which fields it reads. The operations the loop needs:
 
@@ -58,19 +58,19 @@ class Batch:
     old_logp: torch.Tensor | None = None  # (N, R) fp32: log pi_old of each response token
 
     @classmethod
-    def from_rollout(cls, rollout, scores, group_size: int) -> "Batch":
-        """From the sampler's Rollout and the verifier's reward.Scores of each response."""
+    def from_rollout(cls, rollout, verdicts, group_size: int) -> "Batch":
+        """From the sampler's Rollout and the verifier's reward.Verdicts on each response."""
         device = rollout.response_ids.device
         reward_error = None
-        if scores.reward_error is not None:
-            reward_error = torch.tensor(scores.reward_error, dtype=torch.bool, device=device)
+        if verdicts.reward_error is not None:
+            reward_error = torch.tensor(verdicts.reward_error, dtype=torch.bool, device=device)
         return cls(prompt_ids=rollout.prompt_ids, prompt_mask=rollout.prompt_mask,
                    response_ids=rollout.response_ids, response_mask=rollout.response_mask,
-                   score=torch.tensor(scores.score, device=device),
-                   acc=torch.tensor(scores.acc, dtype=torch.bool, device=device),
+                   score=torch.tensor(verdicts.score, device=device),
+                   acc=torch.tensor(verdicts.acc, dtype=torch.bool, device=device),
                    truncated=rollout.truncated, group_size=group_size,
                    rollout_logp=rollout.logprobs,
-                   no_answer=torch.tensor(scores.no_answer, dtype=torch.bool, device=device),
+                   no_answer=torch.tensor(verdicts.no_answer, dtype=torch.bool, device=device),
                    reward_error=reward_error)
 
     def __len__(self):

@@ -123,7 +123,7 @@ def rollout(model, rows, tok: Tokenizer, cfg, verifier: Verifier, *, group_size,
                               temperature=temperature, top_p=top_p, top_k=top_k,
                               eos_token_ids=tok.eos_token_ids, generator=generator)
     texts = tok.decode_rows(sampled.response_ids, sampled.lengths)  # the verifier reads text
-    return Batch.from_rollout(sampled, verifier.score_responses(rows, group_size, texts),
+    return Batch.from_rollout(sampled, verifier.verify_rollout(rows, group_size, texts),
                               group_size)
 
 

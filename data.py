@@ -235,9 +235,9 @@ def _from_plain(row, where: str):
             "reward_model": {"ground_truth": row["answer"], "style": "rule"}}
 
 
-def _check_row(row, where: str, has_scorer: Callable[[str], bool] | None,
+def _check_row(row, where: str, rewarded: Callable[[str], bool] | None,
                known_data_sources: Sequence[str] = ()) -> str | None:
-    """Raise on a row that breaks the schema or that no verifier scores (has_scorer); return why
+    """Raise on a row that breaks the schema or that no verifier scores (rewarded); return why
     a well-formed but unusable row is skipped, or None. A JSON integer ground truth is turned into
     the string the verifier compares."""
     if not isinstance(row, dict):
@@ -245,7 +245,7 @@ def _check_row(row, where: str, has_scorer: Callable[[str], bool] | None,
                         f"got {type(row).__name__}")
     if not isinstance(row.get("data_source"), str):
         raise UserError(f"{where}: 'data_source' is missing or not a string")
-    if has_scorer is not None and not has_scorer(row["data_source"]):
+    if rewarded is not None and not rewarded(row["data_source"]):
         raise UserError(f"{where}: no reward function for data_source {row['data_source']!r}: "
                         f"give the row \"data_source\": \"math_dapo\" for the built-in verifier "
                         "of DAPO-Math-17k (+1 when the response's last \"Answer: ...\" line "
@@ -282,11 +282,11 @@ def _check_row(row, where: str, has_scorer: Callable[[str], bool] | None,
 
 
 def load_rows(path: str, tokenizer: Tokenizer | None = None, dedupe: bool = True,
-              has_scorer: Callable[[str], bool] | None = None,
+              rewarded: Callable[[str], bool] | None = None,
               known_data_sources: Sequence[str] = ()) -> list[dict]:
     """Rows from a .parquet or .jsonl file (one JSON object per line), in file order, each of a
-    data_source that has_scorer(data_source) says is rewarded (the run's
-    reward.Verifier.has_scorer; None: every data_source is taken, the caller scores them);
+    data_source that rewarded(data_source) says is rewarded (the run's
+    reward.Verifier.rewards; None: every data_source is taken, the caller scores them);
     known_data_sources, the built-in verifiers', are named when a row's is not rewarded.
 
     A row that breaks the schema (not an object, no data_source, a prompt that is not a list of
@@ -304,7 +304,7 @@ def load_rows(path: str, tokenizer: Tokenizer | None = None, dedupe: bool = True
     for where, row in source:
         n_read += 1
         row = _from_plain(row, where)
-        reason = _check_row(row, where, has_scorer, known_data_sources)
+        reason = _check_row(row, where, rewarded, known_data_sources)
         if reason:
             skipped.setdefault(reason, []).append(where)
             continue

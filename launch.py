@@ -352,12 +352,12 @@ def load_data(cfg: Config, tok, verifier: Verifier) -> tuple[list[dict], list[di
         distributed.say(f"warning: --model {cfg.model} without --train-data trains on the demo's "
                         "toy sums (pass --train-data, e.g. DAPO-Math-17k's parquet file)")
     if cfg.train_data:
-        train_rows = load_rows(cfg.train_data, tok, has_scorer=verifier.has_scorer,
+        train_rows = load_rows(cfg.train_data, tok, rewarded=verifier.rewards,
                                known_data_sources=verifier.built_in_data_sources())
     else:
         train_rows = demo().toy_rows(20000, seed=cfg.seed, split="train")
     if cfg.val_data:
-        val_rows = load_rows(cfg.val_data, tok, has_scorer=verifier.has_scorer,
+        val_rows = load_rows(cfg.val_data, tok, rewarded=verifier.rewards,
                              known_data_sources=verifier.built_in_data_sources())
     else:
         val_rows = demo().toy_rows(1000, seed=cfg.seed, split="test")

@@ -179,13 +179,15 @@ def scorer_for(data_source: str):
     return SCORERS.get(data_source)
 
 
-def has_scorer(data_source: str) -> bool:
-    """Whether a built-in verifier rewards rows of this data_source."""
+def has_built_in_verifier(data_source: str) -> bool:
+    """Whether a built-in verifier (SCORERS) rewards rows of this data_source; a run's Verifier
+    also rewards, with --reward-fn, the rows of any other (Verifier.rewards)."""
     return scorer_for(data_source) is not None
 
 
-def score_response(data_source: str, response_text: str, ground_truth: str) -> dict:
-    """Score one decoded response with its row's built-in verifier: {"score", "acc", "pred"}."""
+def verify_built_in(data_source: str, response_text: str, ground_truth: str) -> dict:
+    """The verdict of its row's built-in verifier on one decoded response: {"score", "acc",
+    "pred"} (the verifiers keep verl's name for the number, score: +1 right, -1 wrong)."""
     scorer = scorer_for(data_source)
     if scorer is None:
         raise UserError(f"no reward function for data_source {data_source!r}; known: "
@@ -194,7 +196,7 @@ def score_response(data_source: str, response_text: str, ground_truth: str) -> d
 
 
 @dataclass
-class Scores:
+class Verdicts:
     """The verifier's verdict on each response of a rollout (batch.Batch.from_rollout's input)."""
     score: list[float]  # +1 right, -1 wrong (or --reward-fn's own number)
     acc: list[bool]  # the answer is right
@@ -229,33 +231,36 @@ class Verifier:
 
     def scores_with_reward_fn(self, data_source: str) -> bool:
         """Whether --reward-fn (if given) scores the rows of this data_source."""
-        return self.reward_fn is not None and (self.every_row or not has_scorer(data_source))
+        return self.reward_fn is not None and (self.every_row or
+                                               not has_built_in_verifier(data_source))
 
     def built_in_data_sources(self) -> list[str]:
         """The data_sources a built-in verifier scores, for the error that a row has none."""
         return sorted(SCORERS) + ["aime*"]
 
-    def has_scorer(self, data_source: str) -> bool:
-        """Whether rows of this data_source can be rewarded: data.py checks every row on load,
-        not when it is drawn."""
-        return self.reward_fn is not None or has_scorer(data_source)
+    def rewards(self, data_source: str) -> bool:
+        """Whether this run can reward rows of this data_source, by a built-in verifier or by
+        --reward-fn: data.py checks every row on load, not when it is drawn."""
+        return self.reward_fn is not None or has_built_in_verifier(data_source)
 
-    def score(self, data_source: str, response_text: str, ground_truth: str) -> dict:
-        """Score one decoded response for its row's data_source: {"score", "acc", "pred"}."""
+    def verify(self, data_source: str, response_text: str, ground_truth: str) -> dict:
+        """The verdict on one decoded response for its row's data_source: {"score", "acc",
+        "pred"}, from --reward-fn or the built-in verifier."""
         if self.scores_with_reward_fn(data_source):
-            return self.reward_fn.score(data_source, response_text, ground_truth)
-        return score_response(data_source, response_text, ground_truth)
+            return self.reward_fn.verify(data_source, response_text, ground_truth)
+        return verify_built_in(data_source, response_text, ground_truth)
 
-    def score_responses(self, rows: list[dict], group_size: int, texts: list[str]) -> Scores:
-        """The G = group_size responses to each row (texts, group after group), scored by the
-        row's verifier."""
+    def verify_rollout(self, rows: list[dict], group_size: int, texts: list[str]) -> Verdicts:
+        """The verdicts on the G = group_size responses to each row (texts, group after group),
+        each from its row's verifier."""
         row_of_each_text = [row for row in rows for _ in range(group_size)]
-        results = [self.score(row["data_source"], text, row["reward_model"]["ground_truth"])
+        results = [self.verify(row["data_source"], text, row["reward_model"]["ground_truth"])
                    for row, text in zip(row_of_each_text, texts)]
         errors = [bool(r.get("reward_fn_error")) for r in results]
-        return Scores(score=[r["score"] for r in results], acc=[bool(r["acc"]) for r in results],
-                      no_answer=[not found_answer(r) for r in results],
-                      reward_error=errors if self.reward_fn is not None else None)
+        return Verdicts(score=[r["score"] for r in results],
+                        acc=[bool(r["acc"]) for r in results],
+                        no_answer=[not found_answer(r) for r in results],
+                        reward_error=errors if self.reward_fn is not None else None)
 
     def check(self, example_ground_truth: str):
         """One call of --reward-fn on the ground truth of a row it scores (RewardFn.check): a

@@ -132,7 +132,7 @@ def step_part(model_dir: str, rounds: int, precisions: list[str], tmp: str):
     cfg = replace(cfg, device="cpu", dynamic_sampling=False)  # one generation batch a step
     verifier = load_verifier(cfg)
     tok = load_tokenizer(model_dir)
-    rows = load_rows(train, tok, has_scorer=verifier.has_scorer)[:cfg.train_prompts]
+    rows = load_rows(train, tok, rewarded=verifier.rewards)[:cfg.train_prompts]
     base = Transformer.from_pretrained(model_dir, dtype=torch.float32)
     start = {k: v.clone() for k, v in base.state_dict().items()}
     batches = {}  # per precision, its last collected batch: the roofline's update

@@ -17,7 +17,7 @@ step a rollout and dynamic sampling off; ours is dapo.py with those flags, and a
 precision). The demo workload is fp32 only.
 
 What a step is, on both sides: one rollout and one optimizer step. 32 toy prompts x G = 8
-responses of up to 40 tokens at temperature 1; each scored by math_dapo (reward.score_response)
+responses of up to 40 tokens at temperature 1; each scored by math_dapo (reward.verify_built_in)
 plus DAPO's overlong penalty (reward.overlong_penalty, 16-token buffer); group advantages; the
 clipped token-level loss (eps 0.2 / 0.28, no KL) over all 256 responses, in micro-batches (below);
 one AdamW step (lr 1e-6, grad-norm clip 1). The base model is the embedded demo's (toy.py: a tiny
@@ -72,7 +72,7 @@ from experiments import real
 from examples import from_gguf
 from launch import load_verifier
 from model import Transformer
-from reward import overlong_penalty, score_response
+from reward import overlong_penalty, verify_built_in
 from toy import demo_base_model, make_toy_tokenizer, toy_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -154,7 +154,7 @@ class OurSide:
         self.generator = torch.Generator().manual_seed(0)
         self.phases = phases
         self.verifier = load_verifier(self.cfg)  # its scoring is the "reward" phase
-        self.verifier.score_responses = phases.wrap("reward", self.verifier.score_responses)
+        self.verifier.verify_rollout = phases.wrap("reward", self.verifier.verify_rollout)
 
     def step(self, rows):
         """One rollout and one optimizer step on these prompts -> response tokens generated."""
@@ -172,7 +172,7 @@ class OurSide:
 
 
 def math_dapo_score(text: str, truth: str, source: str) -> float:
-    return score_response(source, text, truth)["score"]
+    return verify_built_in(source, text, truth)["score"]
 
 
 def sums_score(text: str, truth: str, source: str) -> float:
@@ -209,7 +209,7 @@ def smollm2_workload(root, args) -> Workload | None:
     cfg = replace(cfg, device="cpu", dynamic_sampling=False, precision=args.precision,
                   gen_prompts=cfg.train_prompts, mini_batch_prompts=cfg.train_prompts)
     verifier = load_verifier(cfg)
-    rows = load_rows(train, load_tokenizer(smollm2.OUT), has_scorer=verifier.has_scorer)
+    rows = load_rows(train, load_tokenizer(smollm2.OUT), rewarded=verifier.rewards)
     n_steps = args.warmup + args.rounds + args.profile
     if len(rows) < cfg.train_prompts * n_steps:
         raise SystemExit(f"bench_step: {len(rows)} training sums hold fewer than {n_steps} steps")

@@ -59,7 +59,7 @@ class RewardFn:
         forks = _ReturningForks()
         return cls(load_reward_fn(spec, forks), spec, timeout_s, forks=forks)
 
-    def score(self, data_source: str, response_text: str, ground_truth: str) -> dict:
+    def verify(self, data_source: str, response_text: str, ground_truth: str) -> dict:
         """{"score", "acc", "pred"} of one response to a row of data_source. An exception (a
         sys.exit() too), a timeout or a wrong return type is a wrong answer (-1), marked
         reward_fn_error and remembered for the step's warning (the first of them, with its

@@ -37,7 +37,7 @@ def test_rows_hold_every_problem_once_with_disjoint_held_out_split():
 @pytest.mark.needs("extract_answer", "normalize")
 def test_a_worked_response_is_scored_right_by_math_dapo():
     response = "= 39+2\n= 40+1\n= 41\nLet me check. Let me check.\nAnswer: 41"
-    assert reward.score_response(T.TOY_DATA_SOURCE, response, "41")["acc"]
+    assert reward.verify_built_in(T.TOY_DATA_SOURCE, response, "41")["acc"]
     assert T.is_worked(response) and T.filler_repeats(response) == 2
 
 

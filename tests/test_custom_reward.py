@@ -28,12 +28,12 @@ def test_floats_and_dicts_are_scores_and_acc_follows_the_sign(tmp_path):
     path = write(tmp_path / "mine.py", "def f(r, g):\n    return float(r == g) * 2 - 1\n"
                                        "def d(r, g):\n    return {'score': 0.5, 'acc': False}\n")
     verifier = Verifier.load(f"{path}:f", False)
-    assert verifier.score("custom", "7", "7") == {"score": 1.0, "acc": True, "pred": ""}
-    assert verifier.score("custom", "8", "7")["acc"] is False
+    assert verifier.verify("custom", "7", "7") == {"score": 1.0, "acc": True, "pred": ""}
+    assert verifier.verify("custom", "8", "7")["acc"] is False
     # a data_source with a built-in verifier keeps it unless every row is asked for
-    assert verifier.score("math_dapo", "Answer: 7", "7")["pred"] == "7"
+    assert verifier.verify("math_dapo", "Answer: 7", "7")["pred"] == "7"
     verifier = Verifier.load(f"{path}:d", True)
-    assert verifier.score("math_dapo", "Answer: 7", "7") == {"score": 0.5, "acc": False,
+    assert verifier.verify("math_dapo", "Answer: 7", "7") == {"score": 0.5, "acc": False,
                                                                     "pred": ""}
 
 
@@ -42,8 +42,8 @@ def test_plain_jsonl_rows_become_chat_rows_scored_by_the_reward_fn(tmp_path):
                                                   {"prompt": "1+1?", "answer": 2}])
     with pytest.raises(ValueError, match=r"plain.jsonl:1: no reward function for data_source "
                                          r"'custom'.*--reward-fn"):
-        load_rows(data, has_scorer=Verifier().has_scorer)
-    rows = load_rows(data, has_scorer=Verifier.load(f"{COUNTDOWN}:score", False).has_scorer)
+        load_rows(data, rewarded=Verifier().rewards)
+    rows = load_rows(data, rewarded=Verifier.load(f"{COUNTDOWN}:score", False).rewards)
     assert rows == [
         {"data_source": "custom", "prompt": [{"role": "user", "content": "2+3?"}],
          "reward_model": {"ground_truth": "5", "style": "rule"}},
@@ -55,11 +55,11 @@ def test_a_row_without_a_verifier_says_how_to_use_the_built_in_one(tmp_path):
     # before: the error pointed at --reward-fn only; "math_dapo" was in data.py alone
     data = plain_jsonl(tmp_path / "plain.jsonl", [{"prompt": "2+3?", "answer": "5"}])
     with pytest.raises(ValueError) as e:
-        load_rows(data, has_scorer=Verifier().has_scorer)
+        load_rows(data, rewarded=Verifier().rewards)
     assert 'give the row "data_source": "math_dapo" for the built-in verifier' in str(e.value)
     assert "--reward-fn FILE.py:NAME" in str(e.value)
     row = {"prompt": "2+3?", "answer": "5", "data_source": "math_dapo"}
-    rows = load_rows(plain_jsonl(tmp_path / "math.jsonl", [row]), has_scorer=Verifier().has_scorer)
+    rows = load_rows(plain_jsonl(tmp_path / "math.jsonl", [row]), rewarded=Verifier().rewards)
     assert rows[0]["data_source"] == "math_dapo"
 
 
@@ -79,7 +79,7 @@ def test_a_bad_plain_row_names_its_line(tmp_path, row, error):
     verifier = Verifier.load(f"{COUNTDOWN}:score", False)
     data = plain_jsonl(tmp_path / "bad.jsonl", [{"prompt": "1+1?", "answer": "2"}, row])
     with pytest.raises(ValueError, match=error):
-        load_rows(data, has_scorer=verifier.has_scorer)
+        load_rows(data, rewarded=verifier.rewards)
 
 
 TRUTH = json.dumps({"numbers": [3, 5, 7], "target": 16})
@@ -234,7 +234,7 @@ def test_a_runs_verifier_ends_with_the_run(tiny_model_dir, tmp_path, capsys):
     cfg = replace(countdown_run(tiny_model_dir, tmp_path, f"{path}:f"), eval_only=True)
     assert dapo.main(cfg)["val/reward_fn_error"] == 1.0
     with pytest.raises(ValueError, match="no reward function for data_source 'custom'"):
-        load_rows(cfg.val_data, has_scorer=Verifier().has_scorer)
+        load_rows(cfg.val_data, rewarded=Verifier().rewards)
     capsys.readouterr()
     math = plain_jsonl(tmp_path / "math.jsonl", [{"prompt": "1+1?", "answer": "2",
                                                   "data_source": "math_dapo"}])

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer as HFTokenizer
 import toy
 from data import PromptIterator, check_vocab, encode_prompts, load_rows, load_tokenizer
 from infra.errors import UserError
-from reward import has_scorer
+from reward import has_built_in_verifier
 
 transformers = pytest.importorskip("transformers")
 
@@ -450,7 +450,7 @@ def twelve_rows_then(bad):
 def test_a_row_without_a_reward_function_stops_the_load_with_its_line(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", twelve_rows_then(dapo_row("q", source="gsm8k")))
     with pytest.raises(ValueError, match=r"d.jsonl:13: no reward function for data_source 'gsm8k'"):
-        load_rows(path, has_scorer=has_scorer)
+        load_rows(path, rewarded=has_built_in_verifier)
 
 
 def test_the_error_names_the_data_sources_a_built_in_verifier_scores(tmp_path):
@@ -458,11 +458,11 @@ def test_the_error_names_the_data_sources_a_built_in_verifier_scores(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", twelve_rows_then(dapo_row("q", source="gsm8k")))
     verifier = Verifier()
     with pytest.raises(ValueError, match=r"score the data_sources .*math_dapo.*openai/gsm8k.*aime"):
-        load_rows(path, has_scorer=verifier.has_scorer,
+        load_rows(path, rewarded=verifier.rewards,
                   known_data_sources=verifier.built_in_data_sources())
 
 
-def test_without_has_scorer_a_row_of_any_data_source_loads(tmp_path):
+def test_without_rewarded_a_row_of_any_data_source_loads(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", twelve_rows_then(dapo_row("q", source="gsm8k")))
     assert load_rows(path)[-1]["data_source"] == "gsm8k"  # its verifier is the caller's to give
 

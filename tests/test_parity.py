@@ -13,7 +13,7 @@ from infra import health
 from infra.metrics import UpdateStats
 from model import Transformer, preset
 from logprobs import response_logprobs
-from reward import Scores
+from reward import Verdicts
 from test_dapo import _cfg
 
 TEMPERATURE, TOP_P = 0.5, 0.9
@@ -54,7 +54,7 @@ def test_sampler_and_trainer_log_probs_agree_in_float64(temperature, top_k, top_
                            top_p=top_p, eos_token_ids=[],
                            generator=torch.Generator().manual_seed(0))
     n = len(prompts)
-    batch = Batch.from_rollout(out, Scores([-1.0] * n, [False] * n, [False] * n, None), 1)
+    batch = Batch.from_rollout(out, Verdicts([-1.0] * n, [False] * n, [False] * n, None), 1)
     with torch.no_grad():
         logp, _ = response_logprobs(model, batch, temperature, fused_head=False)
     train, rollout = logp.double()[batch.response_mask], batch.rollout_logp.double()[

@@ -16,8 +16,9 @@ import time
 
 import pytest
 
-from reward import (NO_ANSWER, REWRITES, WINDOW, compute_score, extract_answer, has_scorer,
-                    normalize, normalized_ground_truth, overlong_penalty, score_response)
+from reward import (NO_ANSWER, REWRITES, WINDOW, compute_score, extract_answer,
+                    has_built_in_verifier, normalize, normalized_ground_truth, overlong_penalty,
+                    verify_built_in)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -356,20 +357,20 @@ def test_overlong_penalty_rejects_a_buffer_outside_the_max_length(buffer_len):
 
 @pytest.mark.needs("extract_answer", "normalize")
 @pytest.mark.parametrize("source", ["math_dapo", "toy_sum", "aime2024", "aime_2025"])
-def test_score_response_routes_math_sources_to_math_dapo(source):
-    right = score_response(source, "2+2=4.\nAnswer: 4", "4")
+def test_verify_built_in_routes_math_sources_to_math_dapo(source):
+    right = verify_built_in(source, "2+2=4.\nAnswer: 4", "4")
     assert right == {"score": 1.0, "acc": True, "pred": "4"}
-    wrong = score_response(source, "Answer: \\boxed{4}", "5")
+    wrong = verify_built_in(source, "Answer: \\boxed{4}", "5")
     assert wrong == {"score": -1.0, "acc": False, "pred": "4"}
 
 
-def test_score_response_rejects_an_unknown_data_source():
+def test_verify_built_in_rejects_an_unknown_data_source():
     with pytest.raises(ValueError, match="codecontests"):  # verl's sandboxed code, not here
-        score_response("codecontests", "Answer: 4", "4")
+        verify_built_in("codecontests", "Answer: 4", "4")
 
 
 @pytest.mark.parametrize("source,known", [("math_dapo", True), ("aime2024", True),
                                           ("toy_sum", True), ("math", True),
                                           ("openai/gsm8k", True), ("gsm8k", False), ("", False)])
-def test_has_scorer_says_which_data_sources_can_be_rewarded(source, known):
-    assert has_scorer(source) is known
+def test_has_built_in_verifier_says_which_data_sources_can_be_rewarded(source, known):
+    assert has_built_in_verifier(source) is known

@@ -53,7 +53,7 @@ def test_an_exception_during_the_run_is_a_wrong_answer_the_step_reports_once(tmp
     verifier = RewardFn.load(f"{path}:f")
     verifier.check("7")
     with caplog.at_level(logging.WARNING):
-        outs = [verifier.score("custom", r, "7") for r in ("seven", "7", "eight")]
+        outs = [verifier.verify("custom", r, "7") for r in ("seven", "7", "eight")]
     assert [(o["score"], o["acc"], o.get("reward_fn_error")) for o in outs] == [
         (-1.0, False, True), (1.0, True, None), (-1.0, False, True)]
     assert caplog.text == ""  # not a line per response: the step's warning says it once
@@ -72,7 +72,7 @@ def test_a_nan_or_inf_score_stops_the_run_naming_the_function_and_the_response(t
     with pytest.raises(ValueError, match=rf"--reward-fn .*mine\.py:f returned {value} for the "
                                          r"response 'Answer: 8' \(ground truth '7'\): a score "
                                          r"must be a finite number"):
-        verifier.score("custom", "Answer: 8", "7")
+        verifier.verify("custom", "Answer: 8", "7")
     always = write(tmp_path / "always.py", f"def f(r, g):\n    return {bad}\n")
     with pytest.raises(ValueError, match=rf"the check call f\('7', '7'\) failed: "
                                          rf"--reward-fn .*:f returned {value}"):
@@ -88,9 +88,9 @@ def test_a_slow_call_is_said_and_one_past_the_timeout_is_a_wrong_answer(tmp_path
                                        "    return 1.0\n")
     verifier = RewardFn.load(f"{path}:f", timeout_s=1.0)
     with caplog.at_level(logging.WARNING):
-        assert verifier.score("custom", "slow", "7")["score"] == 1.0  # slow, in time
+        assert verifier.verify("custom", "slow", "7")["score"] == 1.0  # slow, in time
         start = time.monotonic()
-        out = verifier.score("custom", "hangs", "7")
+        out = verifier.verify("custom", "hangs", "7")
     assert time.monotonic() - start < 5  # stopped at the timeout, not after 60 s
     assert out == {"score": -1.0, "acc": False, "pred": "", "reward_fn_error": True}
     assert verifier.take_errors().startswith(
@@ -105,7 +105,7 @@ def test_a_verifier_that_calls_sys_exit_is_a_verifier_error_not_the_end_of_the_r
                                        "    if r != g:\n        sys.exit(0)\n    return 1.0\n")
     verifier = RewardFn.load(f"{path}:f")
     verifier.check("7")
-    out = verifier.score("custom", "8", "7")
+    out = verifier.verify("custom", "8", "7")
     assert out == {"score": -1.0, "acc": False, "pred": "", "reward_fn_error": True}
     assert verifier.take_errors().startswith("SystemExit: the verifier called "
                                                      "sys.exit(0), on a row")
@@ -130,7 +130,7 @@ def test_a_huge_or_infinite_reward_timeout_lets_a_slow_call_finish(tmp_path, mon
     path = write(tmp_path / "mine.py", "import time\ndef f(r, g):\n    time.sleep(0.2)\n"
                                        "    return 1.0\n")
     verifier = RewardFn.load(f"{path}:f", timeout_s=timeout_s)
-    assert verifier.score("custom", "slow", "7") == {"score": 1.0, "acc": True, "pred": ""}
+    assert verifier.verify("custom", "slow", "7") == {"score": 1.0, "acc": True, "pred": ""}
     assert verifier.take_errors() == ""
 
 
@@ -144,9 +144,9 @@ def test_a_numpy_score_is_a_score_and_a_non_bool_acc_is_refused(tmp_path):
                                        "def third(r, g):\n    return 1 / 3 if False else "
                                        "__import__('fractions').Fraction(1, 3)\n")
     verifier = RewardFn.load(f"{path}:f")
-    assert verifier.score("custom", "7", "7") == {"score": 0.5, "acc": True, "pred": ""}
+    assert verifier.verify("custom", "7", "7") == {"score": 0.5, "acc": True, "pred": ""}
     verifier = RewardFn.load(f"{path}:n")
-    assert verifier.score("custom", "7", "7") == {"score": -1.0, "acc": False, "pred": ""}
+    assert verifier.verify("custom", "7", "7") == {"score": -1.0, "acc": False, "pred": ""}
     for name, error in [("s", r"'acc' must be a bool, got 'False' \(str\)"),
                         ("third", r"returned Fraction\(1, 3\) \(Fraction\); expected a float")]:
         verifier = RewardFn.load(f"{path}:{name}")
@@ -162,7 +162,7 @@ def test_a_score_beyond_float32_stops_the_run_as_an_inf_does(tmp_path):
     verifier.check("7")
     with pytest.raises(ValueError, match=r"returned -1e\+39 for the response '8' .*: a score must "
                                          r"be a finite number within float32's range"):
-        verifier.score("custom", "8", "7")
+        verifier.verify("custom", "8", "7")
 
 
 def test_a_verifier_that_changes_directory_leaves_the_runs_own_as_it_was(tmp_path, monkeypatch):
@@ -175,7 +175,7 @@ def test_a_verifier_that_changes_directory_leaves_the_runs_own_as_it_was(tmp_pat
     verifier = RewardFn.load(f"{path}:f")
     assert os.getcwd() == str(tmp_path)  # at import
     verifier.check("7")
-    assert verifier.score("custom", "7", "7")["score"] == 1.0
+    assert verifier.verify("custom", "7", "7")["score"] == 1.0
     assert os.getcwd() == str(tmp_path)  # after each call
 
 
@@ -198,7 +198,7 @@ def test_a_verifier_that_calls_os_exit_is_a_verifier_error_not_the_end_of_the_ru
                                        "def always(r, g):\n    os._exit(3)\n")
     verifier = RewardFn.load(f"{path}:f")
     verifier.check("7")
-    out = verifier.score("custom", "8", "7")
+    out = verifier.verify("custom", "8", "7")
     assert out == {"score": -1.0, "acc": False, "pred": "", "reward_fn_error": True}
     assert verifier.take_errors().startswith("the verifier called os._exit(0), which would end "
                                              "the run, on a row of data_source 'custom'")
@@ -219,7 +219,7 @@ def test_os_exit_in_a_process_the_verifier_forked_ends_that_process(tmp_path):
                                           "    return float(os.waitstatus_to_exitcode("
                                           "os.waitpid(pid, 0)[1]))\n")
     verifier = RewardFn.load(f"{path}:f")
-    assert verifier.score("custom", "7", "7")["score"] == 5.0
+    assert verifier.verify("custom", "7", "7")["score"] == 5.0
     assert verifier.take_errors() == ""
 
 
@@ -249,7 +249,7 @@ CAME_BACK = (r"a process it forked \(pid \d+\) came back into the run instead of
              r"os._exit\(\): it was ended, exit status 70")
 
 
-@pytest.mark.parametrize("call", ["score('custom', '7', '7')", "check('7')"])
+@pytest.mark.parametrize("call", ["verify('custom', '7', '7')", "check('7')"])
 def test_a_process_the_verifier_forked_that_returns_is_ended_and_said(tmp_path, call):
     # before: the child came back from the call and went on with the run: it trained to the end,
     # then the parent trained the same steps again, and the run exited 0. In a subprocess: here,
@@ -262,7 +262,7 @@ def test_a_process_the_verifier_forked_that_returns_is_ended_and_said(tmp_path, 
     assert len(lines) == 1, lines  # the parent's line alone: the child said nothing
     assert (tmp_path / "child_status").read_text() == "70"
     result, errors = json.loads(lines[0])
-    if call.startswith("score"):
+    if call.startswith("verify"):
         assert result == {"score": -1.0, "acc": False, "pred": "", "reward_fn_error": True}
         assert re.fullmatch(rf"{CAME_BACK}, on a row of data_source 'custom', ground truth '7', "
                             r"response '7'", errors), errors

@@ -8,7 +8,7 @@ import pytest
 
 import dapo
 from data import load_rows
-from reward import found_answer, score_response
+from reward import found_answer, verify_built_in
 from scorers import VERL_SCORERS
 from test_dapo import _cfg
 
@@ -113,7 +113,7 @@ VERL_SCORES = [
                          ids=lambda x: repr(x)[:40] if isinstance(x, str) else str(x))
 def test_each_response_scores_as_verls_own_function_scored_it(data_source, response,
                                                               ground_truth, verl):
-    assert score_response(data_source, response, ground_truth)["score"] == verl
+    assert verify_built_in(data_source, response, ground_truth)["score"] == verl
 
 
 def test_the_corpus_scores_every_data_source_verl_maps_here():
@@ -135,7 +135,7 @@ def test_the_corpus_scores_every_data_source_verl_maps_here():
     ("lighteval/MATH", "$\\boxed{72$", False),  # never closed
 ])
 def test_a_response_without_an_answer_counts_as_no_answer(data_source, response, answered):
-    result = score_response(data_source, response, "72")
+    result = verify_built_in(data_source, response, "72")
     assert found_answer(result) is answered and result["acc"] is False
 
 
@@ -173,7 +173,7 @@ def test_verls_gsm8k_parquet_loads_unchanged(gsm8k_parquet, tiny_model_dir):
     rows = load_rows(gsm8k_parquet, load_tokenizer(tiny_model_dir))
     assert rows == quickstart_rows(8)
     row = rows[5]
-    assert score_response(row["data_source"], "5 + 3 = 8\n#### 8",
+    assert verify_built_in(row["data_source"], "5 + 3 = 8\n#### 8",
                           row["reward_model"]["ground_truth"]) == \
         {"score": 1.0, "acc": True, "pred": "8"}
 

@@ -94,7 +94,7 @@ def test_held_out_rows_weigh_every_problem_the_same():
 @pytest.mark.needs("extract_answer", "normalize")
 def test_toy_warmup_is_right_only_some_of_the_time():
     pairs = toy_warmup_pairs(4000, 0)
-    acc = [reward.score_response("toy_sum", resp,
+    acc = [reward.verify_built_in("toy_sum", resp,
                                  str(sum(map(int, p[0]["content"].split("+")))))["acc"]
            for p, resp in pairs]
     # a base model that can, but half the time does not, get it right
