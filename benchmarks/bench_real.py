@@ -6,6 +6,7 @@ round.
 
     .venv/bin/python -m benchmarks.bench_real                 # both parts, ~10 minutes of CPU
     .venv/bin/python -m benchmarks.bench_real --parts step --rounds 2
+    .venv/bin/python -m benchmarks.bench_real --parts step --precisions fp32 --arms all
 
 Skipped, saying so, when the model directory is absent (`make real` or examples/smollm2.py
 writes it).
@@ -16,11 +17,13 @@ writes it).
    same prompts, 64 left-padded rows at once. Useful tokens/s: response tokens up to and
    including the EOS. Each side draws its own samples, so lengths differ by chance: tokens/s, not
    seconds, is what compares.
-2. step: dapo.collect_batch + dapo.update_policy with real.py's settings (8 prompts x 8, one
-   optimizer step; dynamic sampling off, so a step is one rollout) in each precision. Each round
-   starts from the same weights, a fresh optimizer and the same sampling seed. The update is run
-   again under torch's FlopCounterMode: its FLOPs over its CPU time, against the one-thread matmul
-   throughput measured at the model's own shapes (matmul_peak), is the roofline line.
+2. step: dapo.collect_batch + dapo.update_policy with real.py's settings (8 prompts x 8 in
+   mini-batches of 2 prompts, so 4 optimizer steps; dynamic sampling off, so a step is one
+   rollout) in each precision, and with --arms each of experiments/real_neighbours.py's losses
+   (gspo, cispo, ...). Each round starts from the same weights, a fresh optimizer and the same
+   sampling seed. DAPO's update is run again under torch's FlopCounterMode: its FLOPs over its CPU
+   time, against the one-thread matmul throughput measured at the model's own shapes
+   (matmul_peak), is the roofline line.
 """
 import argparse
 import os
@@ -36,6 +39,7 @@ from config import parse_args
 from data import encode_prompts, load_rows, load_tokenizer
 from examples import smollm2, sums
 from experiments import real
+from experiments.real_neighbours import ARMS
 from examples import from_gguf
 from launch import load_verifier
 from model import Transformer
@@ -126,41 +130,52 @@ def spread(values: list[float], fmt: str = ".0f") -> str:
     return f"{min(values):{fmt}} / {statistics.median(values):{fmt}}"
 
 
-def step_part(model_dir: str, rounds: int, precisions: list[str], tmp: str):
+def step_part(model_dir: str, rounds: int, precisions: list[str], tmp: str,
+              arms: tuple[str, ...] = ("dapo",)):
+    """The RL step in each precision, and with each arm's loss (experiments/real_neighbours.py's
+    arms: dapo, gspo, ...); the roofline line for DAPO's."""
     train, val = sums.write_task(tmp)
-    cfg = parse_args(real.dapo_argv(model_dir, real.Task(train, val), tmp, seed=0))
-    cfg = replace(cfg, device="cpu", dynamic_sampling=False)  # one generation batch a step
+    task = real.Task(train, val)
+    cfgs = {arm: replace(parse_args(real.dapo_argv(model_dir, task, tmp, 0, tuple(ARMS[arm]))),
+                         device="cpu", dynamic_sampling=False)  # one generation batch a step
+            for arm in arms}
+    cfg = cfgs[arms[0]]
     verifier = load_verifier(cfg)
     tok = load_tokenizer(model_dir)
     rows = load_rows(train, tok, rewarded=verifier.rewards)[:cfg.train_prompts]
     base = Transformer.from_pretrained(model_dir, dtype=torch.float32)
     start = {k: v.clone() for k, v in base.state_dict().items()}
-    batches = {}  # per precision, its last collected batch: the roofline's update
+    batches = {}  # per precision and arm, its last collected batch: the roofline's update
 
-    def step(precision: str):
+    def step(precision: str, arm: str):
         base.load_state_dict(start)
         opt = torch.optim.AdamW(base.parameters(), lr=cfg.lr)
-        run = replace(cfg, precision=precision)
+        run = replace(cfgs[arm], precision=precision)
         t0 = clock()
         collected = dapo.collect_batch(base, FixedRows(rows), tok, run, verifier,
                                        torch.Generator().manual_seed(0))
         t_collect = clock() - t0
         dapo.update_policy(base, opt, collected.to_train, run)
-        batches[precision] = collected.to_train
+        batches[precision, arm] = collected.to_train
         return t_collect, clock() - t0 - t_collect, int(collected.to_train.response_mask.sum())
 
-    timed = timed_rounds(rounds, {p: lambda p=p: step(p) for p in precisions})
+    timed = timed_rounds(rounds, {(p, arm): lambda p=p, arm=arm: step(p, arm)
+                                  for p in precisions for arm in arms})
     print(f"RL step (dapo.collect_batch + dapo.update_policy, make real's settings, dynamic "
           f"sampling off): {cfg.train_prompts} prompts x {cfg.group_size}, "
           f"{torch.get_num_threads()} thread(s), CPU time, {rounds} round(s), seconds min / median")
-    for precision, results in timed.items():
+    for (precision, arm), results in timed.items():
         collect, update = [r[0] for _, r in results], [r[1] for _, r in results]
-        print(f"  {precision}: collect {spread(collect, '.1f')}, update {spread(update, '.1f')} "
-              f"(response tokens {', '.join(str(r[2]) for _, r in results)})")
+        print(f"  {precision}{'' if arm == 'dapo' else ', ' + arm}: collect "
+              f"{spread(collect, '.1f')}, update {spread(update, '.1f')} (response tokens "
+              f"{', '.join(str(r[2]) for _, r in results)})")
+        if arm != arms[0]:
+            continue
         base.load_state_dict(start)
         opt = torch.optim.AdamW(base.parameters(), lr=cfg.lr)
         with FlopCounterMode(display=False) as counter:  # the same update again, counted
-            dapo.update_policy(base, opt, batches[precision], replace(cfg, precision=precision))
+            dapo.update_policy(base, opt, batches[precision, arm],
+                               replace(cfg, precision=precision))
         flops, seconds = counter.get_total_flops(), statistics.median(update)
         rows_per_matmul = cfg.micro_batch_tokens or cfg.micro_batch_size * 64
         peak = matmul_peak(base.config, rows_per_matmul, PEAK_DTYPE[precision])
@@ -204,6 +219,8 @@ def main():
     ap.add_argument("--slots", type=int, default=SLOTS,
                     help="rollout: rows decoding at once on both sides, 0 all (default: make "
                          "real's, %(default)s)")
+    ap.add_argument("--arms", default="dapo", help="the step with each of these losses, "
+                    "experiments/real_neighbours.py's arms, or all (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=1, help="(default: %(default)s)")
     ap.add_argument("--threads", type=int, default=1, help="(default: %(default)s)")
     args = ap.parse_args()
@@ -219,7 +236,8 @@ def main():
             rollout_part(args.model, args.rounds, precisions, args.shapes.split(","), args.slots,
                          tmp)
         if "step" in args.parts:
-            step_part(args.model, args.rounds, precisions, tmp)
+            arms = tuple(ARMS) if args.arms == "all" else tuple(args.arms.split(","))
+            step_part(args.model, args.rounds, precisions, tmp, arms)
 
 
 if __name__ == "__main__":
