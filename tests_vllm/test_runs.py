@@ -41,6 +41,8 @@ def test_two_ranks_train_with_vllm_and_resume(tiny_dir, tmp_path):
                   str(MEMORY), ranks=2)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = [json.loads(line) for line in open(os.path.join(resumed, "metrics.jsonl"))]
+    assert "config" in rows[0]  # the run's settings first, then a row a step
+    rows = rows[1:]
     assert [row["step"] for row in rows] == [1, 2]
     for row in rows:  # both ranks trained, on vLLM's log-probs, corrected (token_truncate)
         assert row["train/updates"] == 2
