@@ -91,11 +91,12 @@ def run_dapo(model_dir: str, task: real.Task, directory: str, seed: int,
     return time.time() - t0, cpu
 
 
-def generated_by_step(rows: list[dict], arm: str) -> dict[int, int]:
-    """Responses generated before each step's end (step 0: none): generation batches x prompts
-    per batch (--gen-prompts with dynamic sampling, --train-prompts without) x G."""
+def generated_by_step(rows: list[dict], flags: list[str]) -> dict[int, int]:
+    """Responses generated before each step's end (step 0: none) by a run with these dapo.py
+    flags: generation batches x prompts per batch (--gen-prompts with dynamic sampling,
+    --train-prompts without) x G."""
     per_batch = real.SETTINGS["group_size"] * (
-        real.SETTINGS["train_prompts"] if "--no-dynamic-sampling" in ARMS[arm]
+        real.SETTINGS["train_prompts"] if "--no-dynamic-sampling" in flags
         else real.SETTINGS["gen_prompts"])
     generated, total = {0: 0}, 0
     for row in rows:
@@ -109,6 +110,12 @@ def load(out_dir: str, arm: str, seeds: list[int]) -> list[list[dict]]:
     """metrics.jsonl's rows of each finished run of the arm."""
     return [read_metrics(os.path.join(run_dir(out_dir, arm, s), "metrics.jsonl"))
             for s in seeds if finished(run_dir(out_dir, arm, s))]
+
+
+def mean_of(rows: list[dict], key: str, last: int = 0) -> float:
+    """The metric's mean over the steps that have it (the last `last` of them, if given)."""
+    values = [y for _, y in points(rows, key)]
+    return statistics.mean(values[-last:] if last else values)
 
 
 def spread(values: list[float], fmt: str = ".3f") -> str:
@@ -131,13 +138,10 @@ def table(out_dir: str, arms: list[str], seeds: list[int]) -> str:
             return [fn(rows) for rows in runs]
         first = per_run(lambda rows: points(rows, "val/acc")[0][1])
         last = per_run(lambda rows: points(rows, "val/acc")[-1][1])
-        entropy = per_run(lambda rows: statistics.mean(y for _, y in
-                                                       points(rows, "actor/entropy")[-4:]))
-        high = per_run(lambda rows: statistics.mean(y for _, y in
-                                                    points(rows, "dapo/clipfrac_high")))
-        low = per_run(lambda rows: statistics.mean(y for _, y in
-                                                   points(rows, "dapo/clipfrac_low")))
-        samples = per_run(lambda rows: max(generated_by_step(rows, arm).values()))
+        entropy = per_run(lambda rows: mean_of(rows, "actor/entropy", last=4))
+        high = per_run(lambda rows: mean_of(rows, "dapo/clipfrac_high"))
+        low = per_run(lambda rows: mean_of(rows, "dapo/clipfrac_low"))
+        samples = per_run(lambda rows: max(generated_by_step(rows, ARMS[arm]).values()))
         lines.append(f"| {arm} | {len(runs)} | {spread(first)} | {spread(last)} | "
                      f"{spread(entropy)} | {spread(high)} | {spread(low)} | "
                      f"{spread(samples).replace('.000', '')} |")
@@ -159,7 +163,7 @@ def figure(out_dir: str, arms: list[str], seeds: list[int], path: str) -> str:
             for i, rows in enumerate(load(out_dir, arm, seeds)):
                 xy = points(rows, key)
                 if by_samples:
-                    generated = generated_by_step(rows, arm)
+                    generated = generated_by_step(rows, ARMS[arm])
                     xy = [(generated[x], y) for x, y in xy]
                 xs, ys = zip(*xy)
                 ax.plot(xs, ys, "-o", color=f"C{colour}", markersize=3, alpha=0.8,
@@ -173,30 +177,48 @@ def figure(out_dir: str, arms: list[str], seeds: list[int], path: str) -> str:
     return path
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out-dir", default="runs/real_ablate", help="(default: %(default)s)")
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS),
-                        help="(default: all)")
+def parse_args(doc: str, out_dir: str, arms: list[str], argv=None) -> argparse.Namespace:
+    """The command line of an experiment of arms x seeds (this one's, real_neighbours.py's)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--out-dir", default=out_dir, help="(default: %(default)s)")
+    parser.add_argument("--arms", nargs="+", default=arms, choices=arms, help="(default: all)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2],
                         help="(default: %(default)s)")
     parser.add_argument("--jobs", type=int, default=2,
                         help="runs at a time, one thread each (default: %(default)s)")
     parser.add_argument("--report-only", action="store_true",
                         help="the table and figure of the runs already made")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def make_runs(run_one, todo: list[tuple[str, int]], jobs: int, unit: str) -> list[tuple[str, int]]:
+    """run_one(arm, seed) -> seconds for each (arm, seed), `jobs` at a time; a run that fails
+    (SystemExit: its log.txt says why) stops no other -> the runs that failed."""
+    print(f"{len(todo)} runs to make, {jobs} at a time", flush=True)
+    failed = []
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        futures = {pool.submit(run_one, arm, seed): (arm, seed) for arm, seed in todo}
+        for future in concurrent.futures.as_completed(futures):
+            arm, seed = futures[future]
+            try:
+                print(f"{arm} seed {seed}: {future.result():.0f} {unit}", flush=True)
+            except SystemExit as e:
+                print(f"{arm} seed {seed}: {e}", flush=True)
+                failed.append((arm, seed))
+    if failed:
+        print(f"{len(failed)} runs failed; the same command makes them again", flush=True)
+    return failed
+
+
+def main(argv=None):
+    args = parse_args(__doc__, "runs/real_ablate", list(ARMS), argv)
     if not args.report_only:
         model_dir = smollm2.ensure_model(smollm2.OUT)
         task = real.Task(*sums.write_task(os.path.join(args.out_dir, "data")))
         todo = [(arm, seed) for seed in args.seeds for arm in args.arms
                 if not finished(run_dir(args.out_dir, arm, seed))]
-        print(f"{len(todo)} runs to make, {args.jobs} at a time", flush=True)
-        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-            futures = {pool.submit(run, model_dir, task, args.out_dir, arm, seed): (arm, seed)
-                       for arm, seed in todo}
-            for future in concurrent.futures.as_completed(futures):
-                arm, seed = futures[future]
-                print(f"{arm} seed {seed}: {future.result():.0f} s", flush=True)
+        make_runs(lambda arm, seed: run(model_dir, task, args.out_dir, arm, seed), todo,
+                  args.jobs, "s")
     text = table(args.out_dir, args.arms, args.seeds)
     with open(os.path.join(args.out_dir, "table.md"), "w") as f:
         f.write(text + "\n")

@@ -29,8 +29,6 @@ std and the per-response length normalisation let wrong answers grow long. Write
 out_dir/ARM-seedS/, out_dir/table.md and out_dir/neighbours.png; docs/real_model.md discusses
 one run of it.
 """
-import argparse
-import concurrent.futures
 import json
 import os
 import statistics
@@ -43,7 +41,7 @@ from data import encode_prompts, load_tokenizer
 from examples import smollm2, sums
 from experiments import real, real_ablate
 from experiments.plot import read_metrics
-from experiments.real_ablate import points, run_dapo, spread
+from experiments.real_ablate import generated_by_step, mean_of, points, run_dapo, spread
 from infra import memory, precision
 from model import ModelConfig, Transformer
 from sampler import generate
@@ -133,19 +131,6 @@ def load(out_dir: str, arm: str, seeds: list[int]) -> list[tuple[list[dict], dic
     return out
 
 
-def generated(rows: list[dict], arm: str) -> int:
-    """Responses generated in the run: generation batches x prompts a batch x G."""
-    prompts = real.SETTINGS["train_prompts" if "--no-dynamic-sampling" in ARMS[arm]
-                            else "gen_prompts"]
-    return sum(row.get("train/num_gen_batches", 0) for row in rows) * prompts * \
-        real.SETTINGS["group_size"]
-
-
-def mean_of(rows: list[dict], key: str, last: int = 0) -> float:
-    values = [y for _, y in points(rows, key)]
-    return statistics.mean(values[-last:] if last else values)
-
-
 COLUMNS = ["arm", "seeds", "val/acc step 0", f"val/acc step {STEPS}", f"pass@4 step {STEPS}",
            "entropy, last 4 steps", "wrong answers' length", "right answers' length",
            "up-clipped", "down-clipped", "responses generated", "update s/step", "CPU s"]
@@ -168,7 +153,7 @@ def table(out_dir: str, arms: list[str], seeds: list[int]) -> str:
                  each(lambda _, lengths, __: lengths["right_mean"] or 0.0, ".1f"),
                  each(lambda rows, _, __: mean_of(rows, "dapo/clipfrac_high"), ".4f"),
                  each(lambda rows, _, __: mean_of(rows, "dapo/clipfrac_low"), ".4f"),
-                 each(lambda rows, _, __: generated(rows, arm), ".0f"),
+                 each(lambda rows, _, __: max(generated_by_step(rows, ARMS[arm]).values()), ".0f"),
                  each(lambda rows, _, __: mean_of(rows, "timing/train_s"), ".1f"),
                  each(lambda _, __, cpu: cpu, ".0f")]
         lines.append("| " + " | ".join(cells) + " |")
@@ -206,40 +191,19 @@ def figure(out_dir: str, arms: list[str], seeds: list[int], path: str) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out-dir", default="runs/real_neighbours", help="(default: %(default)s)")
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS),
-                        help="(default: all)")
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2],
-                        help="(default: %(default)s)")
-    parser.add_argument("--jobs", type=int, default=2,
-                        help="runs at a time, one thread each (default: %(default)s)")
-    parser.add_argument("--report-only", action="store_true",
-                        help="the table and figure of the runs already made")
-    args = parser.parse_args(argv)
+    args = real_ablate.parse_args(__doc__, "runs/real_neighbours", list(ARMS), argv)
     task = real.Task(*sums.write_task(os.path.join(args.out_dir, "data")))
     if not args.report_only:
         model_dir = smollm2.ensure_model(smollm2.OUT)
         todo = [(arm, seed) for seed in args.seeds for arm in args.arms
                 if not finished(run_dir(args.out_dir, arm, seed))]
-        print(f"{len(todo)} runs to make, {args.jobs} at a time", flush=True)
-        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-            futures = {pool.submit(train, model_dir, task, args.out_dir, arm, seed): (arm, seed)
-                       for arm, seed in todo}
-            failed = []
-            for future in concurrent.futures.as_completed(futures):
-                arm, seed = futures[future]
-                try:
-                    print(f"{arm} seed {seed}: {future.result():.0f} s of CPU", flush=True)
-                except SystemExit as e:  # one run's failure (its log.txt says why) stops no other
-                    print(f"{arm} seed {seed}: {e}", flush=True)
-                    failed.append((arm, seed))
+        failed = real_ablate.make_runs(
+            lambda arm, seed: train(model_dir, task, args.out_dir, arm, seed), todo, args.jobs,
+            "s of CPU")
         torch.set_num_threads(1)
         for arm, seed in todo:  # one at a time: seconds each
             if (arm, seed) not in failed:
                 answer_lengths(run_dir(args.out_dir, arm, seed), task, seed)
-        if failed:
-            print(f"{len(failed)} runs failed; the same command makes them again", flush=True)
     text = table(args.out_dir, args.arms, args.seeds)
     with open(os.path.join(args.out_dir, "table.md"), "w") as f:
         f.write(text + "\n")
