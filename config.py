@@ -235,7 +235,7 @@ def seed_problems(seed: int) -> list[str]:
     return [] if 0 <= seed < SEED_LIMIT else [f"--seed must be in [0, 2**63), got {seed}"]
 
 
-def _not_finite(cfg: Config) -> dict[str, str]:
+def _non_finite_fields(cfg: Config) -> dict[str, str]:
     """{field: its problem} for each float flag that is NaN or infinite (--reward-timeout inf
     means no limit)."""
     problems = {}
@@ -252,7 +252,7 @@ def _not_finite(cfg: Config) -> dict[str, str]:
 def check_flags(cfg: Config, world: int = 1):
     """Refuse flags that make no sense before anything is loaded, naming the flag, one line
     each (a NaN flag once, as not finite)."""
-    not_finite = _not_finite(cfg)
+    non_finite = _non_finite_fields(cfg)
     at_least = {"steps": 0, "train_prompts": 1, "gen_prompts": 1, "group_size": 1,
                 "max_gen_batches": 0, "max_prompt_len": 1, "max_response_len": 1, "top_k": 0,
                 "mini_batch_prompts": 1, "micro_batch_size": 1,
@@ -260,9 +260,9 @@ def check_flags(cfg: Config, world: int = 1):
                 "eps_high": 0, "eval_every": 0, "eval_samples": 1, "eval_temperature": 0,
                 "eval_prompts": 0, "save_every": 0, "keep_checkpoints": 0, "stop_when_stuck": 0,
                 "weight_decay": 0, "reward_timeout": 0, "overlong_factor": 0}
-    problems = list(not_finite.values())
+    problems = list(non_finite.values())
     problems += [f"--{k.replace('_', '-')} must be >= {low}, got {getattr(cfg, k)}"
-                 for k, low in at_least.items() if k not in not_finite and getattr(cfg, k) < low]
+                 for k, low in at_least.items() if k not in non_finite and getattr(cfg, k) < low]
     problems += seed_problems(cfg.seed)
     if not cfg.out_dir:  # os.makedirs("") fails with FileNotFoundError; "." names this directory
         problems.append("--out-dir must name a directory, got ''")
@@ -297,7 +297,7 @@ def check_flags(cfg: Config, world: int = 1):
          or cfg.train_prompts % cfg.mini_batch_prompts == 0,
          f"a multiple of --mini-batch-prompts={cfg.mini_batch_prompts} (whole optimizer steps)"),
     ]:
-        if not ok and name.replace("-", "_") not in not_finite:
+        if not ok and name.replace("-", "_") not in non_finite:
             problems.append(f"--{name} must be {need}, got {value}")
     if cfg.rollout_precision != "same" and world > 1:  # FSDP2 casts the weights for both
         problems.append(f"--rollout-precision runs in one process only, got {world}: FSDP2's "
