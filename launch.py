@@ -368,7 +368,7 @@ def load_data(cfg: Config, tok, verifier: Verifier) -> tuple[list[dict], list[di
     val_rows = val_rows[:cfg.eval_prompts or None]
     # one call on the ground truth of a row it will score: a wrong signature stops the run now
     scored = (row for row in ([] if cfg.eval_only else train_rows) + val_rows
-              if verifier.scores_with_reward_fn(row["data_source"]))
+              if verifier.verifies_with_reward_fn(row["data_source"]))
     if example := next(scored, None):
         verifier.check(example["reward_model"]["ground_truth"])
     return train_rows, val_rows

@@ -229,8 +229,8 @@ class Verifier:
         """--reward-fn's "FILE.py:NAME", "" without it."""
         return self.reward_fn.spec if self.reward_fn else ""
 
-    def scores_with_reward_fn(self, data_source: str) -> bool:
-        """Whether --reward-fn (if given) scores the rows of this data_source."""
+    def verifies_with_reward_fn(self, data_source: str) -> bool:
+        """Whether --reward-fn (if given) gives the verdicts on the rows of this data_source."""
         return self.reward_fn is not None and (self.every_row or
                                                not has_built_in_verifier(data_source))
 
@@ -246,7 +246,7 @@ class Verifier:
     def verify(self, data_source: str, response_text: str, ground_truth: str) -> dict:
         """The verdict on one decoded response for its row's data_source: {"score", "acc",
         "pred"}, from --reward-fn or the built-in verifier."""
-        if self.scores_with_reward_fn(data_source):
+        if self.verifies_with_reward_fn(data_source):
             return self.reward_fn.verify(data_source, response_text, ground_truth)
         return verify_built_in(data_source, response_text, ground_truth)
 
