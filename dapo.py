@@ -32,7 +32,6 @@ from infra.run import Run, report_eval
 from losses import PolicyLoss
 from logprobs import response_logprobs
 from reward import Verifier, overlong_penalty
-from sampler import Engine
 
 
 # ------------------------------------------------------------------------------------------------
@@ -114,11 +113,11 @@ def tokens_in_loss(batch: Batch, cfg):
 
 @torch.no_grad()
 def rollout(model, rows, tok: Tokenizer, cfg, verifier: Verifier, *, group_size, temperature,
-            top_p, top_k, generator, engine: Engine | None = None) -> Batch:
+            top_p, top_k, generator, engine=None) -> Batch:
     """Sample group_size responses to each row's prompt with the engine (sampler.py's by default;
     --rollout-engine vllm's) and score them with the row's verifier."""
     prompts, _ = encode_prompts(rows, tok, cfg.max_prompt_len)
-    engine = engine or Engine(cfg, tok.pad_token_id)
+    engine = engine or launch.SamplerRollout(cfg, tok.pad_token_id)
     sampled = engine.generate(model, [p for p in prompts for _ in range(group_size)],
                               temperature=temperature, top_p=top_p, top_k=top_k,
                               eos_token_ids=tok.eos_token_ids, generator=generator)

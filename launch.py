@@ -13,6 +13,9 @@ DAPO; it is what a run needs before Algorithm 1 starts.
     setup(cfg)                 the lengths checked against the positions, the verifier, the
                                policy, its tokenizer, the training and held-out rows (a Setup)
     user_errors_in_one_line()  the command line's way to report a user's mistake (a UserError)
+    rollout_engine(cfg, ...)   what dapo.rollout() samples with: SamplerRollout (sampler.py's
+                               generate under FSDP's gather and the sampler's autocast) or, with
+                               --rollout-engine vllm, VLLMRollout
 
 Each step returns a new Config where it resolves a flag, never edits the caller's: session the
 Hub names, the device (--device auto); plan --precision auto and --rollout-slots auto.
@@ -26,6 +29,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+import sampler
 from config import Config, check_flags
 from data import Tokenizer, check_data_file, check_vocab, load_rows, load_tokenizer
 from infra import (checkpoint, cpu, distributed, files, health, hf_io, hub, interrupt, memory,
@@ -35,7 +39,7 @@ from infra.files import need_file
 from infra.reward_fn import reward_fn_file
 from model import ModelConfig, Transformer, rope_inv_freq
 from reward import Verifier
-from sampler import Engine, Rollout
+from sampler import Rollout
 
 
 @contextlib.contextmanager
@@ -117,7 +121,7 @@ class Setup:
     train_rows: list[dict]
     val_rows: list[dict]
     verifier: Verifier  # the built-in scorers and --reward-fn's function
-    engine: "Engine | VLLMRollout"  # sampler.py's, or --rollout-engine vllm's
+    engine: "SamplerRollout | VLLMRollout"  # sampler.py's, or --rollout-engine vllm's
 
 
 def setup(cfg: Config) -> Setup:
@@ -287,16 +291,39 @@ def load_policy(cfg: Config) -> tuple[Transformer, Tokenizer, str, str | None]:
     return model, tok, tok_dir, resume_dir
 
 
-def rollout_engine(cfg: Config, model: Transformer, tok: Tokenizer) -> "Engine | VLLMRollout":
+def rollout_engine(cfg: Config, model: Transformer,
+                   tok: Tokenizer) -> "SamplerRollout | VLLMRollout":
     """sampler.py's engine, which reads the policy's own weights, or with --rollout-engine vllm
     this process's vLLM engine, given the policy's weights."""
     if cfg.rollout_engine == "vllm":
         return VLLMRollout(cfg, vllm_engine.VLLMEngine(cfg, model), tok.pad_token_id)
-    return Engine(cfg, tok.pad_token_id)
+    return SamplerRollout(cfg, tok.pad_token_id)
+
+
+class SamplerRollout:
+    """What dapo.rollout() samples with by default: sampler.generate() with the run's settings,
+    under FSDP's gather (once for all the tokens) and the sampler's autocast. VLLMRollout (for
+    --rollout-engine vllm) has the same two methods and returns the same Rollout."""
+
+    def __init__(self, cfg, pad_token_id: int):
+        self.cfg, self.pad_token_id = cfg, pad_token_id
+
+    def generate(self, model, prompts: list[list[int]], **settings) -> Rollout:
+        cfg = self.cfg
+        # --rollout-slots 0 is a slot for every sequence (slots=None)
+        with distributed.gathered(model), precision.autocast(cfg.sampler_precision, cfg.device):
+            return sampler.generate(model, prompts, cfg.max_response_len, **settings,
+                                    pad_token_id=self.pad_token_id,
+                                    slots=cfg.rollout_slots or None, compile=cfg.compile)
+
+    def updating(self, model):
+        """Around the policy update: this engine reads the policy's own weights, so nothing to
+        do (an engine with weights of its own takes the new ones after it)."""
+        return contextlib.nullcontext()
 
 
 class VLLMRollout:
-    """--rollout-engine vllm behind sampler.Engine's two methods: the token lists of `vllm` (an
+    """--rollout-engine vllm behind SamplerRollout's two methods: the token lists of `vllm` (an
     infra/vllm_engine.VLLMEngine) become the sampler's Rollout, and around each policy update the
     engine sleeps (on a GPU), then takes the new weights."""
 

@@ -51,7 +51,6 @@ of prefilling it; the prompts no slot holds are prefilled once each, in one forw
 With both switches False and slots=None, generate is plain batched decoding; docs/performance.md
 measures what each part buys.
 """
-import contextlib
 import math
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -60,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from infra import distributed, precision
+from infra import distributed
 from infra.cuda_graphs import CUDAGraphDecode
 
 
@@ -471,24 +470,3 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: 
         model.train(was_training)
     return responses.rollout(prompts, pad_token_id)
 
-
-class Engine:
-    """What dapo.rollout() samples with: generate() with the run's settings, under FSDP's gather
-    (once for all the tokens) and the sampler's autocast. Another engine (launch.py's for
-    --rollout-engine vllm) has the same two methods and returns the same Rollout."""
-
-    def __init__(self, cfg, pad_token_id: int):
-        self.cfg, self.pad_token_id = cfg, pad_token_id
-
-    def generate(self, model, prompts: list[list[int]], **settings) -> Rollout:
-        cfg = self.cfg
-        # --rollout-slots 0 is a slot for every sequence (slots=None)
-        with distributed.gathered(model), precision.autocast(cfg.sampler_precision, cfg.device):
-            return generate(model, prompts, cfg.max_response_len, **settings,
-                            pad_token_id=self.pad_token_id, slots=cfg.rollout_slots or None,
-                            compile=cfg.compile)
-
-    def updating(self, model):
-        """Around the policy update: this engine reads the policy's own weights, so nothing to
-        do (an engine with weights of its own takes the new ones after it)."""
-        return contextlib.nullcontext()
