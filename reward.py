@@ -15,14 +15,14 @@ Model output is untrusted: nothing here executes or evaluates it, and only its l
 are read, so every call is fast whatever the response.
 
 A run's Verifier scores each row with the verifier of its data_source (SCORERS: math_dapo, and
-verl's GSM8K and MATH ones from scorers.py) or with your --reward-fn FILE.py:NAME, which
+verl's GSM8K and MATH ones from infra/scorers.py) or with your --reward-fn FILE.py:NAME, which
 infra/reward_fn.py loads and calls safely.
 """
 import functools
 import re
 from dataclasses import dataclass
 
-import scorers
+from infra import scorers
 from infra.errors import UserError
 from infra.reward_fn import RewardFn
 
@@ -125,8 +125,8 @@ def compute_score(solution_str: str, ground_truth: str) -> dict:
 
 def found_answer(result: dict) -> bool:
     """Whether the verifier found an answer in the response it scored (math_dapo's "[INVALID]"
-    case: normalize leaves "[INVALID]" as it is; scorers.py's None). A custom verifier's responses
-    count as answered: it says only right or wrong."""
+    case: normalize leaves "[INVALID]" as it is; infra/scorers.py's None). A custom verifier's
+    responses count as answered: it says only right or wrong."""
     return result.get("pred") not in (NO_ANSWER, None)
 
 
@@ -167,7 +167,7 @@ SCORERS = {
     "math": compute_score,  # verl's other names for math_dapo's rows
     "math_dapo_reasoning": compute_score,
     TOY_DATA_SOURCE: compute_score,
-    **scorers.VERL_SCORERS,  # GSM8K and MATH, scored as verl scores them (scorers.py)
+    **scorers.VERL_SCORERS,  # GSM8K and MATH, scored as verl scores them (infra/scorers.py)
 }
 
 

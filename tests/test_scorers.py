@@ -1,7 +1,7 @@
-"""verl's other data_sources, scored as verl scores them (scorers.py): GSM8K's "#### N" and MATH's
-last \\boxed{} with Hendrycks' normalisation, on a corpus of tricky responses whose scores verl's
-own functions gave; and the rows verl's quickstart writes for GSM8K, loaded and trained on
-unchanged."""
+"""verl's other data_sources, scored as verl scores them (infra/scorers.py): GSM8K's "#### N"
+and MATH's last \\boxed{} with Hendrycks' normalisation, on a corpus of tricky responses whose
+scores verl's own functions gave; and the rows verl's quickstart writes for GSM8K, loaded and
+trained on unchanged."""
 import json
 
 import pytest
@@ -9,7 +9,7 @@ import pytest
 import dapo
 from data import load_rows
 from reward import found_answer, verify_built_in
-from scorers import VERL_SCORERS
+from infra.scorers import VERL_SCORERS
 from test_dapo import _cfg
 
 # (data_source, response, ground truth, verl's score). The scores were computed once, outside this
