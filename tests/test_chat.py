@@ -1,5 +1,5 @@
-"""chat.py: the reply streamed token by token is the sampler's, a conversation keeps its history
-through the chat template, and make run / make real end with a chat command that runs."""
+"""tools/chat.py: the reply streamed token by token is the sampler's, a conversation keeps its
+history through the chat template, and make run / make real end with a chat command that runs."""
 import io
 import os
 import re
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-import chat
+from tools import chat
 import dapo
 from data import load_tokenizer
 from model import Transformer, preset
@@ -97,7 +97,7 @@ def test_a_conversation_renders_every_turn_through_the_chat_template(talkative_d
 
 
 def test_the_conversation_reads_stdin_until_its_end(talkative_dir):
-    out = subprocess.run([sys.executable, "chat.py", "--model", talkative_dir,
+    out = subprocess.run([sys.executable, "tools/chat.py", "--model", talkative_dir,
                           "--max-new-tokens", "4"], cwd=ROOT, input="Hello\nHow are you?\n",
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -113,8 +113,8 @@ def test_the_conversation_reads_stdin_until_its_end(talkative_dir):
 ])
 def test_a_model_that_is_not_there_is_one_line(argv, message, tmp_path):
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path)}
-    out = subprocess.run([sys.executable, "chat.py", *argv, "--prompt", "hi"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "tools/chat.py", *argv, "--prompt", "hi"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.startswith(message) and out.stderr.count("\n") == 1, out.stderr
 
@@ -227,7 +227,7 @@ def test_make_run_ends_with_a_chat_command_that_runs(tiny_model_dir, tmp_path):
     printed = subprocess.run(["sh", "-c", echo.replace("$$", "$")], cwd=tmp_path,
                              capture_output=True, text=True, check=True).stdout
     python, script, flag, model_dir = shlex.split(printed.removeprefix("chat with it:"))
-    assert (python, script, flag) == (sys.executable, "chat.py", "--model")
+    assert (python, script, flag) == (sys.executable, "tools/chat.py", "--model")
     assert model_dir == f"{out_dir}/checkpoints/step_000001/model"
     out = io.StringIO()
     chat.main(["--model", str(tmp_path / model_dir), "--prompt", "Hi", "--max-new-tokens", "3"],

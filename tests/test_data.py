@@ -255,7 +255,7 @@ def test_missing_chat_template_is_a_clear_error(tmp_path):
 ], ids=["config-list", "generation-list", "template-number", "template-without-name",
         "eos-list"])
 def test_a_tokenizer_file_of_the_wrong_shape_is_named(tmp_path, file, edit, message):
-    # before: AttributeError, TypeError or KeyError tracebacks in chat.py and dapo.py
+    # before: AttributeError, TypeError or KeyError tracebacks in tools/chat.py and dapo.py
     path = qwen_like_dir(tmp_path, QWEN2_TEMPLATE)
     (tmp_path / file).write_text(json.dumps(edit(json.loads((tmp_path / file).read_text()))))
     with pytest.raises(UserError) as e:

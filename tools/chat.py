@@ -6,8 +6,8 @@ printed token by token as it is sampled, by the rollout's own code: sampler.py's
 and decode over model.py's KV cache (no transformers). nanochat's scripts/chat_cli.py is the
 model for this script.
 
-    python chat.py --model runs/demo/checkpoints/step_000040/model --prompt "What is 2 + 3?"
-    python chat.py --model Qwen/Qwen2.5-0.5B-Instruct      # a conversation: quit, or clear
+    python tools/chat.py --model runs/demo/checkpoints/step_000040/model --prompt "What is 2 + 3?"
+    python tools/chat.py --model Qwen/Qwen2.5-0.5B-Instruct      # a conversation: quit, or clear
 
 One --prompt: its reply alone is printed, then the script ends. Without one, a conversation on
 the terminal (or stdin): each reply joins the history the next turn's prompt is rendered from.
@@ -15,10 +15,14 @@ Ctrl-C while a reply streams ends that reply (its turn is left out of the histor
 the prompt; with --prompt, or at the prompt, it ends the script.
 """
 import argparse
+import os
 import re
 import sys
 
-import torch
+# run as a script (python tools/chat.py), from any directory: the project's modules are one up
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
 
 from config import device_problems, not_finite, seed_problems
 from data import Tokenizer, check_vocab, load_tokenizer
